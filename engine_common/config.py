@@ -1,0 +1,49 @@
+"""Engine configuration records: cache, scheduler and model settings.
+
+Owns the plain settings a user chooses; it does not own derived state (the number of
+KV blocks is computed by the KV cache sizing in the model runner from the memory budget).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = DEFAULT_BLOCK_SIZE
+    # Bytes for the paged KV cache on CPU; on GPU, a fraction of free memory is used.
+    kv_cache_memory_bytes: int = 1 << 30
+    gpu_memory_utilization: float = 0.85
+    # When set, overrides the memory budget (tests use this to force preemption).
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    # Prefills longer than this are chunked even when the budget would allow more,
+    # so one long prompt cannot starve the running decodes. 0 disables the limit.
+    long_prefill_token_threshold: int = 0
+    # Fraction of blocks kept free when admitting new requests, so running ones can grow.
+    watermark: float = 0.01
+    policy: str = "fcfs"  # "fcfs" or "priority"
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str = "auto"  # "auto" (the checkpoint's), "bfloat16", "float16", "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None
+    seed: int = 0
+    attention_backend: str = "auto"  # "auto", "torch", "triton"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # Stable identity of this engine instance (used in KV events and KV handles).
+    engine_id: str = "engine-0"

@@ -1,0 +1,156 @@
+"""The engine core's own OS process, and the frontend's handle on it.
+
+The replica's gRPC frontend (asyncio, tokenization, detokenization, streaming) must never
+stall the step loop, so, as vLLM does, the core runs in a separate process and the two talk
+over a pair of pipes: requests and aborts go in, one ``EngineCoreOutputs`` per step comes
+out. ``run_engine_core`` is the child's main loop; ``EngineCoreClient`` is the parent's side,
+with a sender thread (so a busy child never blocks the event loop on a full pipe) and a
+receiver thread that hands outputs to a callback.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from engine_common.config import EngineConfig
+from engine_common.engine_core import EngineCore, EngineInfo
+from engine_common.outputs import EngineCoreOutputs, EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AddRequest:
+    request: EngineCoreRequest
+
+
+@dataclass
+class AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class CoreFailed:
+    """Sent by the child instead of ``EngineInfo`` when start-up fails."""
+
+    message: str
+
+
+CoreMessage = AddRequest | AbortRequests | Shutdown
+
+
+def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection) -> None:
+    """Child-process entry point: build the core, then step while there is work."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(message)s")
+    try:
+        core = EngineCore(config)
+    except Exception as exc:  # noqa: BLE001 - report any start-up failure to the parent
+        outbox.send(CoreFailed(f"{type(exc).__name__}: {exc}"))
+        return
+    outbox.send(core.info)
+
+    def handle(message: CoreMessage) -> bool:
+        if isinstance(message, AddRequest):
+            try:
+                core.add_request(message.request)
+            except ValueError as exc:
+                logger.warning("rejected request %s: %s", message.request.request_id, exc)
+                outbox.send(EngineCoreOutputs(outputs=core.abort_requests([message.request.request_id])))
+        elif isinstance(message, AbortRequests):
+            aborted = core.abort_requests(message.request_ids)
+            if aborted:
+                outbox.send(EngineCoreOutputs(outputs=aborted))
+        elif isinstance(message, Shutdown):
+            return False
+        return True
+
+    try:
+        while True:
+            if not core.has_unfinished_requests():
+                if not handle(inbox.recv()):
+                    return
+            while inbox.poll():
+                if not handle(inbox.recv()):
+                    return
+            if core.has_unfinished_requests():
+                outbox.send(core.step())
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        return  # the parent is gone
+
+
+class EngineCoreClient:
+    """Starts the core process and moves messages to and from it."""
+
+    def __init__(self, config: EngineConfig, on_outputs: Callable[[EngineCoreOutputs], None],
+                 on_dead: Callable[[str], None]):
+        ctx = mp.get_context("spawn")
+        child_inbox, self._inbox = ctx.Pipe(duplex=False)
+        self._outbox, child_outbox = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(
+            target=run_engine_core, args=(config, child_inbox, child_outbox),
+            name=f"engine-core-{config.engine_id}", daemon=True)
+        self.process.start()
+        child_inbox.close()
+        child_outbox.close()
+        first: Any
+        try:
+            first = self._outbox.recv()
+        except EOFError:
+            first = None
+        if isinstance(first, CoreFailed) or first is None:
+            self.process.join(timeout=5)
+            raise RuntimeError(f"engine core failed to start: {getattr(first, 'message', 'died')}")
+        self.info: EngineInfo = first
+        self._on_outputs = on_outputs
+        self._on_dead = on_dead
+        self._send_queue: queue.Queue[CoreMessage | None] = queue.Queue()
+        self._closed = False
+        self._sender = threading.Thread(target=self._send_loop, daemon=True, name="core-sender")
+        self._receiver = threading.Thread(target=self._recv_loop, daemon=True, name="core-receiver")
+        self._sender.start()
+        self._receiver.start()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send_queue.put(AddRequest(request))
+
+    def abort(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send_queue.put(AbortRequests(request_ids))
+
+    def _send_loop(self) -> None:
+        while (message := self._send_queue.get()) is not None:
+            try:
+                self._inbox.send(message)
+            except (BrokenPipeError, OSError):
+                return
+
+    def _recv_loop(self) -> None:
+        try:
+            while True:
+                self._on_outputs(self._outbox.recv())
+        except (EOFError, OSError):
+            if not self._closed:
+                self._on_dead(f"engine core process exited (code {self.process.exitcode})")
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._send_queue.put(Shutdown())
+        self._send_queue.put(None)
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()

@@ -1,0 +1,120 @@
+"""The engine core: one step = schedule, run the model, update request state.
+
+Owns the scheduler, the KV cache manager and the model runner, and nothing that deals with
+text or clients: it takes tokenized ``EngineCoreRequest`` records and emits token ids,
+finish states, scheduler statistics and KV events (``EngineCoreOutputs``). The frontend
+(``output_processor``) turns those into text. It runs in the replica's engine process
+(``core_process``) or in-process for offline use (``llm``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from engine_common.config import EngineConfig
+from engine_common.kv_cache_manager import KVCacheManager
+from engine_common.model.arch_config import ModelArchConfig
+from engine_common.model_runner import ModelRunner
+from engine_common.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from engine_common.request import Request
+from engine_common.sampling_params import SamplingParams
+from engine_common.scheduler import Scheduler
+from engine_common.tokenizer import eos_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineInfo:
+    """What the frontend needs to know about the core it talks to."""
+
+    engine_id: str
+    model: str
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    dtype: str
+    vocab_size: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.arch = ModelArchConfig.from_model_dir(config.model)
+        self.max_model_len = min(
+            config.max_model_len or self.arch.max_position_embeddings,
+            self.arch.max_position_embeddings,
+        )
+        self.eos_token_ids = eos_token_ids(config.model, load_tokenizer(config.model))
+        self.model_runner = ModelRunner(config, self.arch, self.eos_token_ids)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=self.model_runner.num_blocks,
+            block_size=config.cache.block_size,
+            max_model_len=self.max_model_len,
+            enable_caching=config.cache.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self.info = EngineInfo(
+            engine_id=config.engine_id,
+            model=config.model,
+            max_model_len=self.max_model_len,
+            block_size=config.cache.block_size,
+            num_blocks=self.model_runner.num_blocks,
+            dtype=str(self.model_runner.dtype).removeprefix("torch."),
+            vocab_size=self.arch.vocab_size,
+        )
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        params = request.sampling_params
+        assert isinstance(params, SamplingParams)
+        num_prompt = len(request.prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty")
+        if num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {num_prompt} tokens but the model's context is "
+                f"{self.max_model_len} tokens (prompt plus at least one generated token)"
+            )
+        vocab = self.arch.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        self.scheduler.add_request(
+            Request(
+                request_id=request.request_id,
+                prompt_token_ids=list(request.prompt_token_ids),
+                sampling_params=params,
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=request.arrival_time,
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+                max_model_len=self.max_model_len,
+                block_size=self.config.cache.block_size,
+            )
+        )
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        aborted = self.scheduler.abort_requests(request_ids)
+        self.model_runner.release([r.request_id for r in aborted])
+        return [
+            EngineCoreOutput(r.request_id, [], finish_reason="abort", num_preemptions=r.num_preemptions)
+            for r in aborted
+        ]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        scheduler_output = self.scheduler.schedule()
+        outputs: list[EngineCoreOutput] = []
+        if not scheduler_output.is_empty:
+            sampled = self.model_runner.execute(scheduler_output)
+            outputs = self.scheduler.update_from_output(scheduler_output, sampled)
+            self.model_runner.release([o.request_id for o in outputs if o.finished])
+        return EngineCoreOutputs(
+            outputs=outputs,
+            stats=self.scheduler.make_stats(),
+            kv_events=self.kv_cache_manager.take_events(),
+            timestamp=time.time(),
+        )

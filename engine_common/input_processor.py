@@ -1,0 +1,69 @@
+"""Prompts in, validated token ids out: tokenization, chat templates and request checks.
+
+Owns the rules a request must pass before it reaches an engine (non-empty prompt, fits the
+context, token ids in the vocabulary) and the one way prompts and chat messages become token
+ids, so that the gateway (which hashes prompts to route them) and the replicas tokenize
+identically. It does not own sampling-parameter ranges (``SamplingParams.validate``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+class InvalidRequestError(ValueError):
+    """The request cannot be served as given; the message tells the caller what to change."""
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty")
+            return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
+        return list(prompt)
+
+    def tokenize_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        if not messages:
+            raise InvalidRequestError("messages must contain at least one message")
+        for i, message in enumerate(messages):
+            if message.get("role") not in ("system", "user", "assistant", "tool"):
+                raise InvalidRequestError(
+                    f"messages[{i}].role must be one of system, user, assistant, tool; "
+                    f"got {message.get('role')!r}")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise InvalidRequestError("this model has no chat template; use the completions API")
+        text = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=False)
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        self.check_token_ids(token_ids)
+        return str(self.tokenizer.decode(list(token_ids)))
+
+    def check_token_ids(self, token_ids: Sequence[int]) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+
+    def validate_prompt(self, prompt_token_ids: Sequence[int], max_tokens: int | None) -> None:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty")
+        self.check_token_ids(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt is {n} tokens long but this model's context length is "
+                f"{self.max_model_len} tokens; shorten the prompt")
+        if max_tokens is not None and n + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the context "
+                f"length of {self.max_model_len} tokens; lower max_tokens to at most "
+                f"{self.max_model_len - n}")

@@ -1,0 +1,180 @@
+"""Which KV blocks each request holds: prefix-cache lookups, slot allocation, freeing.
+
+Owns the map request_id -> blocks, how many of each request's blocks are registered in the
+prefix cache, and the prefix-cache hit counters. The scheduler asks it for blocks every step;
+it does not decide who is scheduled or preempted (``scheduler``), and it does not own the
+blocks themselves (``block_pool``) or the hash function (``block_hash``).
+
+Block i of a request holds the KV of its tokens [i * block_size, (i + 1) * block_size).
+A block is registered in the prefix cache as soon as it is allocated for a step that will
+fill it, before the forward pass runs: a request scheduled later in the same step may then
+reuse it, which is sound because the model runner writes a step's KV before attention reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine_common.block_pool import BlockPool, KVCacheBlock
+from engine_common.kv_events import KVEvent
+from engine_common.request import Request
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups since the last ``take_prefix_cache_stats``; queries and hits are
+    in tokens, as vLLM's ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        enable_caching: bool = True,
+        enable_kv_events: bool = True,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching, enable_kv_events)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request were already offered to the prefix cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of a request that holds no blocks yet, and its length in
+        tokens. The last token is never a hit: it must be computed to sample from its logits."""
+        if not self.enable_caching:
+            return [], 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        get_cached_block = self.block_pool.get_cached_block
+        computed: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = get_cached_block(block_hash)
+            if block is None:
+                break
+            computed.append(block)
+        num_computed_tokens = len(computed) * self.block_size
+        stats = self.prefix_cache_stats
+        stats.requests += 1
+        stats.queries += request.num_tokens
+        stats.hits += num_computed_tokens
+        return computed, num_computed_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+        num_new_computed_tokens: int = 0,
+        num_reserved_blocks: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Give ``request`` room for ``num_new_tokens`` more tokens this step.
+
+        ``new_computed_blocks`` / ``num_new_computed_tokens`` are prefix hits from
+        ``get_computed_blocks`` (only for a request that holds no blocks yet). At least
+        ``num_reserved_blocks`` blocks must stay free afterwards (the admission watermark).
+        Returns the newly allocated blocks (possibly none), or None, changing nothing, when
+        the pool is too small. Then registers the blocks this step fills in the prefix cache.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be non-negative, got {num_new_tokens}")
+        request_id = request.request_id
+        req_blocks = self.req_to_blocks.get(request_id)
+        if new_computed_blocks and req_blocks:
+            raise ValueError(f"prefix hits for request {request_id}, which already holds blocks")
+        if num_new_computed_tokens != len(new_computed_blocks) * self.block_size:
+            raise ValueError(
+                f"num_new_computed_tokens={num_new_computed_tokens} does not match "
+                f"{len(new_computed_blocks)} computed blocks"
+            )
+        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        num_required_tokens = num_computed_tokens + num_new_tokens
+        if num_required_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request_id} needs {num_required_tokens} token slots, "
+                f"more than max_model_len={self.max_model_len}"
+            )
+        num_held = len(req_blocks) if req_blocks else 0
+        num_required_blocks = -(-num_required_tokens // self.block_size)
+        num_new_blocks = max(0, num_required_blocks - num_held - len(new_computed_blocks))
+        # Prefix hits that sit in the free queue leave it when touched, like new blocks.
+        num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        pool = self.block_pool
+        if num_new_blocks + num_free_hits > pool.get_num_free_blocks() - num_reserved_blocks:
+            return None
+
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[request_id] = []
+            self.num_cached_blocks[request_id] = 0
+        if new_computed_blocks:
+            pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
+            # Prefix hits are in the cache already.
+            self.num_cached_blocks[request_id] = len(req_blocks)
+        new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+        req_blocks.extend(new_blocks)
+
+        if self.enable_caching:
+            # Only tokens already known (in all_token_ids) have hashes; the rest of a step's
+            # slots are for tokens not sampled yet.
+            num_full_blocks = min(num_required_tokens, request.num_tokens) // self.block_size
+            num_cached = self.num_cached_blocks[request_id]
+            if num_full_blocks > num_cached:
+                pool.cache_full_blocks(
+                    req_blocks,
+                    request.block_hashes,
+                    num_cached,
+                    num_full_blocks,
+                    request.all_token_ids,
+                    self.block_size,
+                )
+                self.num_cached_blocks[request_id] = num_full_blocks
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release every block of a finished, aborted or preempted request (tail first, so the
+        tail is evicted first). A request holding nothing is a no-op."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        return self.req_to_blocks.get(request_id, [])
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    def take_events(self) -> list[KVEvent]:
+        return self.block_pool.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the whole prefix cache; False (nothing done) while any request holds blocks."""
+        return self.block_pool.reset_prefix_cache()
+
+    def take_prefix_cache_stats(self) -> PrefixCacheStats:
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats

@@ -1,0 +1,97 @@
+"""KV-cache events and the ring buffer that lets watchers catch up on them.
+
+Owns the event records (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``), their
+batching into sequence-numbered ``KVEventBatch``es, and ``KVEventBuffer``, a bounded ring that
+answers "everything after seq N" or says the watcher fell too far behind and must resync.
+It does not own producing events (``block_pool``) or streaming them (the service's
+WatchKvEvents); it starts no threads and takes no locks, so the caller serialises access.
+
+A watcher's contract: keep the last seq it applied; ask ``since(seq)``; ``None`` means the
+events in between are gone (or the engine restarted and its seq went back), so drop the
+replica's index and rebuild it from a full snapshot or from an ``AllBlocksCleared`` point.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from itertools import islice
+
+from engine_common.block_hash import BlockHash
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Blocks newly cached, a contiguous run of one chain, in order."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None  # hash of the block before the first one; None at root
+    token_ids: list[int]  # len(block_hashes) * block_size tokens
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Blocks evicted from the cache (their hashes no longer resolve on this engine)."""
+
+    block_hashes: list[BlockHash]
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The whole prefix cache was dropped."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventBatch:
+    seq: int  # 1, 2, 3, ... per engine instance, no gaps
+    timestamp: float  # wall clock (time.time()), for display and lag metrics only
+    events: list[KVEvent]
+
+
+class KVEventBuffer:
+    """The last ``capacity`` event batches, each with its sequence number."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self._ring: deque[KVEventBatch] = deque(maxlen=capacity)
+        self._last_seq = 0
+
+    @property
+    def last_seq(self) -> int:
+        """Seq of the newest batch; 0 before the first."""
+        return self._last_seq
+
+    def append(self, events: list[KVEvent], timestamp: float | None = None) -> KVEventBatch | None:
+        """Record one batch (one engine step's events); an empty list records nothing."""
+        if not events:
+            return None
+        self._last_seq += 1
+        batch = KVEventBatch(
+            seq=self._last_seq,
+            timestamp=time.time() if timestamp is None else timestamp,
+            events=list(events),
+        )
+        self._ring.append(batch)
+        return batch
+
+    def since(self, seq: int) -> list[KVEventBatch] | None:
+        """Batches with a seq greater than ``seq``, oldest first.
+
+        None when the ring no longer holds all of them (the watcher must resync), or when
+        ``seq`` is ahead of this buffer (the watcher saw another incarnation of the engine).
+        """
+        if seq > self._last_seq or seq < 0:
+            return None
+        if seq == self._last_seq:
+            return []
+        oldest = self._ring[0].seq  # non-empty: last_seq > seq >= 0 means something was appended
+        if oldest > seq + 1:
+            return None
+        return list(islice(self._ring, seq + 1 - oldest, None))

@@ -1,0 +1,106 @@
+"""The offline Python API: ``LLM(model).generate(prompts, params)``.
+
+Owns a synchronous loop around an in-process ``EngineCore`` with the same input and output
+processing the services use. For serving, ``AsyncLLM`` runs the core in its own process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from engine_common.config import EngineConfig
+from engine_common.engine_core import EngineCore
+from engine_common.input_processor import InputProcessor
+from engine_common.metrics import EngineMetrics
+from engine_common.output_processor import OutputProcessor, RequestOutput
+from engine_common.outputs import EngineCoreOutputs, EngineCoreRequest
+from engine_common.sampler import TokenLogprobs
+from engine_common.sampling_params import SamplingParams
+from engine_common.tokenizer import load_tokenizer
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.core = EngineCore(config)
+        self.tokenizer = load_tokenizer(config.model)
+        self.inputs = InputProcessor(self.tokenizer, self.core.max_model_len, self.core.arch.vocab_size)
+        self.metrics = EngineMetrics(config.model, config.engine_id)
+        self.metrics.set_cache_config(config.cache, self.core.info.num_blocks)
+        self.outputs = OutputProcessor(self.tokenizer, self.metrics)
+        self._ids = itertools.count()
+
+    def add_request(self, prompt: Prompt, params: SamplingParams, *, priority: int = 0,
+                    cache_salt: str | None = None, request_id: str | None = None) -> tuple[str, list[int]]:
+        token_ids = self.inputs.tokenize(prompt)
+        self.inputs.validate_prompt(token_ids, params.max_tokens)
+        request_id = request_id or f"offline-{next(self._ids)}"
+        arrival = time.monotonic()
+        self.core.add_request(
+            EngineCoreRequest(request_id, token_ids, params, arrival, priority, cache_salt))
+        self.outputs.add_request(request_id, token_ids, params, arrival)
+        return request_id, token_ids
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._process(EngineCoreOutputs(outputs=self.core.abort_requests(request_ids)))
+
+    def step(self) -> list[RequestOutput]:
+        return self._process(self.core.step())
+
+    def _process(self, core_outputs: EngineCoreOutputs) -> list[RequestOutput]:
+        results, to_abort = self.outputs.process(core_outputs)
+        if to_abort:
+            self.core.abort_requests(to_abort)
+        return results
+
+    def stream(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams]
+               ) -> Iterator[RequestOutput]:
+        """Submit all prompts, then yield every request's deltas as the engine steps."""
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        for prompt, p in zip(prompts, per_prompt, strict=True):
+            self.add_request(prompt, p)
+        while self.outputs.num_unfinished:
+            yield from self.step()
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams]
+                 ) -> list[GenerationResult]:
+        """Generate for every prompt; results come back in the order of the prompts."""
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        results: dict[str, GenerationResult] = {}
+        order = []
+        for prompt, p in zip(prompts, per_prompt, strict=True):
+            request_id, token_ids = self.add_request(prompt, p)
+            results[request_id] = GenerationResult(request_id, token_ids)
+            order.append(request_id)
+        while self.outputs.num_unfinished:
+            for out in self.step():
+                result = results[out.request_id]
+                result.text += out.delta_text
+                result.token_ids.extend(out.new_token_ids)
+                result.logprobs.extend(out.new_logprobs)
+                if out.finished:
+                    result.finish_reason = out.finish_reason
+                    result.stop_reason = out.stop_reason
+                    result.num_cached_tokens = out.num_cached_tokens
+        return [results[i] for i in order]

@@ -1,0 +1,89 @@
+"""Prometheus metrics of one engine, under the names vLLM uses.
+
+Owns the collectors (in a registry per engine, never the process-global one) and how the
+engine's statistics map onto them. Stock routers and the gateway-api-inference-extension
+picker read ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` and friends, so the
+names and label sets follow vLLM's V1 engine. It does not own the HTTP endpoint (services)
+or where the numbers come from (the scheduler's ``SchedulerStats`` and the output processor).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from engine_common.config import CacheConfig
+from engine_common.outputs import SchedulerStats
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)
+_ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, engine_id: str, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        labels = {"model_name": model_name, "engine": engine_id}
+        names = list(labels)
+        reg = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, names, registry=reg).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, names, registry=reg).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, names, buckets=buckets, registry=reg).labels(**labels)
+
+        self.num_requests_running = gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage_perc = gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0 to 1.")
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = counter("vllm:num_preemptions", "Preemptions by recompute.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of requests that started.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self.time_to_first_token = histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.inter_token_latency = histogram(
+            "vllm:inter_token_latency_seconds", "Time between consecutive output tokens.", _ITL_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "vllm:e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Prompt length per request.", _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Output length per request.", _TOKEN_BUCKETS)
+        self._request_success = Counter(
+            "vllm:request_success", "Finished requests by reason.", [*names, "finished_reason"],
+            registry=reg)
+        self._labels = labels
+
+    def set_cache_config(self, cache: CacheConfig, num_blocks: int) -> None:
+        info = {
+            "block_size": str(cache.block_size),
+            "num_gpu_blocks": str(num_blocks),
+            "enable_prefix_caching": str(cache.enable_prefix_caching),
+        }
+        Gauge("vllm:cache_config_info", "Information of the KV cache config.", list(info),
+              registry=self.registry).labels(**info).set(1)
+
+    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
+        self.num_requests_running.set(stats.num_running_reqs)
+        self.num_requests_waiting.set(stats.num_waiting_reqs)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.prefix_cache_queries.inc(stats.prefix_cache_queries)
+        self.prefix_cache_hits.inc(stats.prefix_cache_hits)
+        self.num_preemptions.inc(stats.num_preemptions)
+
+    def record_finished(self, finish_reason: str, num_prompt: int, num_output: int, e2e: float) -> None:
+        self._request_success.labels(**self._labels, finished_reason=finish_reason).inc()
+        self.request_prompt_tokens.observe(num_prompt)
+        self.request_generation_tokens.observe(num_output)
+        self.e2e_request_latency.observe(e2e)

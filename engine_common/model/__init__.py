@@ -1,0 +1,1 @@
+"""Decoder models (Llama family) over a paged KV cache."""

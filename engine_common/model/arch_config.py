@@ -1,0 +1,165 @@
+"""The decoder architecture a model directory describes, read from its ``config.json``.
+
+Owns turning a Hugging Face ``config.json`` (Llama, Mistral, Qwen2) into one plain record
+the model code builds from, and rejecting what the model code cannot run. It does not own
+weights (the loader) or the tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+_DTYPES_BY_NAME = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    # Bias on the q/k/v projections (Qwen2 always; Llama when ``attention_bias``).
+    qkv_bias: bool = False
+    # Bias on o_proj: Llama's ``attention_bias`` covers it, Qwen2 never has one.
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    rope_type: str = "default"
+    # The scaling parameters of ``rope_type`` (factor, low/high_freq_factor, ...).
+    rope_scaling: dict[str, float] = field(default_factory=dict)
+    # The checkpoint's dtype as config.json states it; None when it does not say.
+    dtype: torch.dtype | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_size
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_size
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> ModelArchConfig:
+        config_path = Path(model_dir) / "config.json"
+        if not Path(model_dir).is_dir():
+            raise FileNotFoundError(
+                f"model directory {str(model_dir)!r} does not exist; expected a local Hugging Face "
+                "model directory (config.json, *.safetensors, tokenizer files)"
+            )
+        if not config_path.is_file():
+            raise FileNotFoundError(
+                f"no config.json in {str(model_dir)!r}; expected a local Hugging Face model "
+                "directory (config.json, *.safetensors, tokenizer files)"
+            )
+        with open(config_path, encoding="utf-8") as f:
+            return cls.from_hf_config(json.load(f))
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> ModelArchConfig:
+        architectures = hf.get("architectures") or []
+        architecture = architectures[0] if architectures else None
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported model architecture {architecture!r}; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        hidden_act = hf.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}; only 'silu' is supported")
+
+        num_heads = int(hf["num_attention_heads"])
+        hidden_size = int(hf["hidden_size"])
+        # Mistral configs may carry "head_dim": null, which means the default.
+        head_size = int(hf.get("head_dim") or hidden_size // num_heads)
+        rope_theta, rope_type, rope_scaling = _read_rope(hf)
+        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        attention_bias = bool(hf.get("attention_bias", False))
+        # sliding_window (Mistral, Qwen2) is ignored: attention always spans the whole
+        # context, which equals sliding-window attention while sequences stay within the
+        # window (4096+ tokens for the supported checkpoints); longer contexts would differ.
+        return cls(
+            architecture=architecture,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden_size,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_size=head_size,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or attention_bias,
+            o_proj_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            rope_type=rope_type,
+            rope_scaling=rope_scaling,
+            dtype=_read_dtype(hf),
+        )
+
+
+def _read_rope(hf: dict[str, Any]) -> tuple[float, str, dict[str, float]]:
+    """(rope_theta, rope_type, scaling parameters) from either config generation.
+
+    transformers 5 writes ``rope_parameters: {rope_theta, rope_type, ...}``; older configs
+    write a top-level ``rope_theta`` and an optional ``rope_scaling`` dict whose type key
+    is ``rope_type`` or, older still, ``type``.
+    """
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"unsupported rope parameters {params!r}")
+    rope_theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial rotary embeddings (partial_rotary_factor != 1) are unsupported")
+    scaling = {
+        key: float(value)
+        for key, value in params.items()
+        if key not in ("rope_theta", "rope_type", "type", "partial_rotary_factor")
+        and isinstance(value, int | float)
+    }
+    if rope_type == "linear" and "factor" not in scaling:
+        raise ValueError("rope type 'linear' needs a 'factor'")
+    if rope_type == "llama3":
+        missing = {"factor", "low_freq_factor", "high_freq_factor"} - scaling.keys()
+        if missing:
+            raise ValueError(f"rope type 'llama3' is missing {sorted(missing)}")
+        scaling.setdefault(
+            "original_max_position_embeddings", float(hf.get("max_position_embeddings", 8192))
+        )
+    return float(rope_theta), rope_type, scaling
+
+
+def _read_dtype(hf: dict[str, Any]) -> torch.dtype | None:
+    name = hf.get("dtype") or hf.get("torch_dtype")
+    if name is None:
+        return None
+    if name not in _DTYPES_BY_NAME:
+        raise ValueError(f"unsupported checkpoint dtype {name!r} in config.json")
+    return _DTYPES_BY_NAME[name]

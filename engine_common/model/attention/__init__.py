@@ -1,0 +1,1 @@
+"""Attention backends: how one layer's attention reads and writes the paged KV cache."""

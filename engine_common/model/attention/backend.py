@@ -1,0 +1,80 @@
+"""The attention backend interface and the per-step metadata every backend reads.
+
+Owns the contract between the model (which computes q, k, v per layer) and the paged KV
+cache. It does not own cache allocation (the model runner) or block bookkeeping (the
+KV cache manager).
+
+Paged KV cache layout, shared by every backend and by KV transfer:
+    one tensor per engine of shape
+        [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]
+    where index 0 of dim 1 is K and 1 is V. Layer ``i`` receives the view ``cache[i]``
+    of shape [2, num_blocks, block_size, num_kv_heads, head_size].
+Token ``t`` of a request lives at slot ``block_table[t // block_size] * block_size +
+t % block_size``; ``slot_mapping`` holds that flat slot for every token of this step.
+
+A step's tokens are a ragged batch: sequence ``i`` contributes the query tokens
+``query_start_loc[i]:query_start_loc[i+1]`` (flattened over the batch), whose positions are
+``seq_lens[i] - query_len_i ... seq_lens[i] - 1``; the earlier ``seq_lens[i] - query_len_i``
+tokens are already in the cache (prefix hits, earlier chunks, earlier decode steps).
+Attention is causal over the sequence's whole context.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    # [num_tokens] int64: flat cache slot for each new token this step.
+    slot_mapping: torch.Tensor
+    # [num_seqs + 1] int32: prefix sums of query lengths (query_start_loc[0] == 0).
+    query_start_loc: torch.Tensor
+    # [num_seqs] int32: context length of each sequence after this step (cached + new).
+    seq_lens: torch.Tensor
+    # [num_seqs, max_blocks_per_seq] int32: block ids, padded with 0 beyond each sequence.
+    block_tables: torch.Tensor
+    # Python-side copies, so backends need no device sync to plan their work.
+    max_query_len: int
+    max_seq_len: int
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(ABC):
+    """Computes attention for one layer over the paged cache.
+
+    ``forward`` first writes this step's ``key``/``value`` into ``kv_cache`` at
+    ``metadata.slot_mapping``, then attends each query token to its sequence's context
+    (causal), and returns the output.
+    """
+
+    name: str = "abstract"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.scale = scale
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+        ...

@@ -1,0 +1,205 @@
+"""Paged attention in plain PyTorch: the CPU backend.
+
+Owns writing a step's K/V into the paged cache and attending over it with PyTorch ops.
+Decode sequences (one query token) of a step are attended together: their contexts are
+gathered from the block tables into one padded batch and masked, one SDPA call per layer,
+with grouped-query attention done by folding each KV head's query heads into the query
+length (no repeated K/V). Sequences with several query tokens (prefill, chunked prefill,
+prefix-cache hits) are attended one at a time with a causal mask offset by the part of the
+context already cached. It does not own the cache tensor or the block tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine_common.model.attention.backend import AttentionBackend, AttentionMetadata
+
+
+@dataclass
+class _DecodePlan:
+    # [num_decode] token indices in the step's flat batch; None when every token decodes.
+    token_indices: torch.Tensor | None
+    # [num_decode, num_context_blocks] int64 block ids.
+    block_tables: torch.Tensor
+    # [num_decode, 1, 1, num_context_blocks * block_size] True where a key is in context.
+    mask: torch.Tensor
+
+
+@dataclass
+class _PrefillSeq:
+    query_start: int
+    query_end: int
+    seq_len: int
+    # [num_context_blocks] int64 block ids; None when the whole context is in this step.
+    block_ids: torch.Tensor | None
+    # [query_len, seq_len] causal mask offset by the cached prefix; None when no prefix.
+    mask: torch.Tensor | None
+
+
+@dataclass
+class _StepPlan:
+    decode: _DecodePlan | None
+    prefills: list[_PrefillSeq]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float):
+        super().__init__(num_heads, num_kv_heads, head_size, scale)
+        self.num_queries_per_kv = num_heads // num_kv_heads
+        # Every layer of a step shares the same plan; it is rebuilt when the metadata changes.
+        self._planned_for: AttentionMetadata | None = None
+        self._plan: _StepPlan | None = None
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        flat_shape = (num_blocks * block_size, self.num_kv_heads, self.head_size)
+        k_cache.view(flat_shape).index_copy_(0, metadata.slot_mapping, key)
+        v_cache.view(flat_shape).index_copy_(0, metadata.slot_mapping, value)
+
+        plan = self._plan_step(metadata, block_size, query.device)
+        if plan.decode is not None and not plan.prefills and plan.decode.token_indices is None:
+            return self._decode(query, k_cache, v_cache, plan.decode)
+
+        out = torch.empty_like(query)
+        if plan.decode is not None:
+            indices = plan.decode.token_indices
+            assert indices is not None
+            out[indices] = self._decode(query[indices], k_cache, v_cache, plan.decode)
+        for seq in plan.prefills:
+            out[seq.query_start : seq.query_end] = self._prefill(
+                query, key, value, k_cache, v_cache, seq
+            )
+        return out
+
+    def _decode(
+        self,
+        query: torch.Tensor,  # [num_decode, num_heads, head_size]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+        v_cache: torch.Tensor,
+        plan: _DecodePlan,
+    ) -> torch.Tensor:
+        batch = query.shape[0]
+        # [batch, blocks, block_size, kv_heads, head] -> [batch, kv_heads, context, head]
+        keys = k_cache[plan.block_tables].flatten(1, 2).transpose(1, 2)
+        values = v_cache[plan.block_tables].flatten(1, 2).transpose(1, 2)
+        # Query heads h = kv * group + g share KV head kv (HF's repeat_kv order), so the
+        # group becomes SDPA's query length and K/V are used once per KV head.
+        grouped = query.view(batch, self.num_kv_heads, self.num_queries_per_kv, self.head_size)
+        out = F.scaled_dot_product_attention(
+            grouped, keys, values, attn_mask=plan.mask, scale=self.scale
+        )
+        return out.view(batch, self.num_heads, self.head_size)
+
+    def _prefill(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        seq: _PrefillSeq,
+    ) -> torch.Tensor:
+        start, end = seq.query_start, seq.query_end
+        if seq.block_ids is None:
+            # The whole context is this step's tokens: use them directly.
+            keys, values = key[start:end], value[start:end]
+        else:
+            keys = k_cache[seq.block_ids].flatten(0, 1)[: seq.seq_len]
+            values = v_cache[seq.block_ids].flatten(0, 1)[: seq.seq_len]
+        # [tokens, heads, head_size] -> [heads, tokens, head_size]
+        q = query[start:end].transpose(0, 1)
+        out = F.scaled_dot_product_attention(
+            q,
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=seq.mask,
+            is_causal=seq.mask is None,
+            scale=self.scale,
+            enable_gqa=self.num_queries_per_kv > 1,
+        )
+        return out.transpose(0, 1)
+
+    def _plan_step(
+        self, metadata: AttentionMetadata, block_size: int, device: torch.device
+    ) -> _StepPlan:
+        if self._planned_for is metadata and self._plan is not None:
+            return self._plan
+        query_lens = metadata.query_lens_cpu
+        seq_lens = metadata.seq_lens_cpu
+        decode_seqs = [i for i, n in enumerate(query_lens) if n == 1]
+        decode = None
+        if decode_seqs:
+            decode = self._plan_decode(metadata, decode_seqs, block_size, device)
+        prefills = []
+        start = 0
+        for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+            if query_len > 1:
+                prefills.append(
+                    self._plan_prefill(metadata, i, start, query_len, seq_len, block_size, device)
+                )
+            start += query_len
+        self._planned_for, self._plan = metadata, _StepPlan(decode, prefills)
+        return self._plan
+
+    @staticmethod
+    def _plan_decode(
+        metadata: AttentionMetadata,
+        decode_seqs: list[int],
+        block_size: int,
+        device: torch.device,
+    ) -> _DecodePlan:
+        all_decode = len(decode_seqs) == metadata.num_seqs
+        if all_decode:
+            context = metadata.max_seq_len
+            block_tables = metadata.block_tables
+            seq_lens = metadata.seq_lens
+            token_indices = None
+        else:
+            context = max(metadata.seq_lens_cpu[i] for i in decode_seqs)
+            rows = torch.tensor(decode_seqs, dtype=torch.int64, device=device)
+            block_tables = metadata.block_tables.index_select(0, rows)
+            seq_lens = metadata.seq_lens.index_select(0, rows)
+            # A decode sequence's query token sits at its query start.
+            token_indices = metadata.query_start_loc.index_select(0, rows).long()
+        num_context_blocks = -(-context // block_size)
+        positions = torch.arange(num_context_blocks * block_size, device=device)
+        mask = positions[None, :] < seq_lens[:, None]
+        return _DecodePlan(
+            token_indices=token_indices,
+            block_tables=block_tables[:, :num_context_blocks].long(),
+            mask=mask[:, None, None, :],
+        )
+
+    @staticmethod
+    def _plan_prefill(
+        metadata: AttentionMetadata,
+        seq: int,
+        query_start: int,
+        query_len: int,
+        seq_len: int,
+        block_size: int,
+        device: torch.device,
+    ) -> _PrefillSeq:
+        cached = seq_len - query_len
+        if cached == 0:
+            return _PrefillSeq(query_start, query_start + query_len, seq_len, None, None)
+        num_context_blocks = -(-seq_len // block_size)
+        block_ids = metadata.block_tables[seq, :num_context_blocks].long()
+        # Query j sits at position cached + j and sees keys 0 .. cached + j.
+        query_positions = torch.arange(cached, seq_len, device=device)
+        mask = torch.arange(seq_len, device=device)[None, :] <= query_positions[:, None]
+        return _PrefillSeq(query_start, query_start + query_len, seq_len, block_ids, mask)

@@ -1,0 +1,84 @@
+"""Building a model from a local Hugging Face directory: dtype choice and safetensors weights.
+
+Owns finding the checkpoint files (one file, or shards named by
+``model.safetensors.index.json``), streaming their tensors into a freshly built
+``LlamaForCausalLM`` in the requested dtype and device, and the user-facing ``dtype``
+setting. It does not own the architecture mapping (``arch_config``) or the network.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine_common.model.arch_config import ModelArchConfig
+from engine_common.model.attention.selector import get_attention_backend_cls
+from engine_common.model.llama import LlamaForCausalLM
+
+_DTYPE_NAMES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+_SHARD_INDEX = "model.safetensors.index.json"
+
+
+def resolve_dtype(name: str, arch: ModelArchConfig) -> torch.dtype:
+    """"auto" is the checkpoint's dtype (float32 when config.json names none)."""
+    if name == "auto":
+        return arch.dtype or torch.float32
+    if name not in _DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {name!r}; choices: auto, {', '.join(_DTYPE_NAMES)}")
+    return _DTYPE_NAMES[name]
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    model_dir = Path(model_dir)
+    index_path = model_dir / _SHARD_INDEX
+    if index_path.is_file():
+        with open(index_path, encoding="utf-8") as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [str(p) for p in files if not p.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index_path} names shard(s) that do not exist: {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors files in {str(model_dir)!r}; Tandem loads Hugging Face "
+            "checkpoints saved as safetensors (save_pretrained(safe_serialization=True))"
+        )
+    return files
+
+
+def iterate_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) one tensor at a time, so peak memory stays near one tensor."""
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    attention_backend: str,
+) -> LlamaForCausalLM:
+    arch = ModelArchConfig.from_model_dir(model_dir)
+    device = torch.device(device)
+    files = safetensors_files(model_dir)
+    backend_cls = get_attention_backend_cls(attention_backend, device)
+    model = LlamaForCausalLM(arch, backend_cls, dtype=dtype, device=device)
+    model.load_weights(iterate_checkpoint(files))
+    return model.eval()

@@ -1,0 +1,160 @@
+"""The model runner: turns a scheduled step into tensors, runs the model, samples.
+
+Owns the device, the loaded model, the paged KV cache tensor and the per-request sampling
+generators. It sizes the KV cache from the memory budget. It does not decide what runs
+(``Scheduler``) or which blocks a request holds (``KVCacheManager``): it receives block ids.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from engine_common.config import EngineConfig
+from engine_common.model.arch_config import ModelArchConfig
+from engine_common.model.attention.backend import AttentionMetadata
+from engine_common.model.loader import load_model, resolve_dtype
+from engine_common.sampler import Sampler, SamplingBatch, SamplingRow, TokenLogprobs
+from engine_common.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def kv_cache_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_size * itemsize
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, arch: ModelArchConfig, eos_token_ids: frozenset[int]):
+        self.config = config
+        self.arch = arch
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, arch)
+        self.block_size = config.cache.block_size
+        self.eos_token_ids = eos_token_ids
+        torch.manual_seed(config.seed)
+        self.model = load_model(config.model, self.dtype, self.device, config.attention_backend)
+        self.num_blocks = self._num_kv_blocks()
+        self.kv_cache = torch.zeros(
+            (arch.num_layers, 2, self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_size),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.sampler = Sampler()
+        self._generators: dict[str, torch.Generator] = {}
+        self._batch_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+
+    def _num_kv_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        per_block = kv_cache_bytes_per_block(self.arch, self.block_size, self.dtype)
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cache.gpu_memory_utilization)
+        else:
+            budget = cache.kv_cache_memory_bytes
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"KV cache budget of {budget} bytes holds no block of {per_block} bytes; "
+                "raise --kv-cache-memory"
+            )
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
+                    num_blocks * per_block / 2**20)
+        return num_blocks
+
+    def release(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._generators.pop(request_id, None)
+
+    def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        gen = self._generators.get(request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+            self._generators[request_id] = gen
+        return gen
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> dict[str, tuple[int, TokenLogprobs | None]]:
+        """Run one step; return the sampled token (and logprobs) of every request whose
+        scheduled tokens reach its last known token."""
+        scheduled = scheduler_output.scheduled
+        bs = self.block_size
+        query_lens = [s.num_new_tokens for s in scheduled]
+        starts = [s.request.num_computed_tokens for s in scheduled]
+        seq_lens = [st + q for st, q in zip(starts, query_lens, strict=True)]
+        num_seqs = len(scheduled)
+
+        input_ids: list[int] = []
+        for s, st, end in zip(scheduled, starts, seq_lens, strict=True):
+            input_ids.extend(s.request.all_token_ids[st:end])
+        max_blocks = max(len(s.block_ids) for s in scheduled)
+        block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+        for i, s in enumerate(scheduled):
+            block_tables[i, : len(s.block_ids)] = s.block_ids
+
+        query_lens_np = np.asarray(query_lens, dtype=np.int64)
+        seq_index = np.repeat(np.arange(num_seqs), query_lens_np)
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
+        np.cumsum(query_lens_np, out=query_start_loc[1:])
+        positions = (
+            np.arange(len(input_ids), dtype=np.int64)
+            - np.repeat(query_start_loc[:-1].astype(np.int64), query_lens_np)
+            + np.repeat(np.asarray(starts, dtype=np.int64), query_lens_np)
+        )
+        slot_mapping = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+
+        dev = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_start_loc=torch.from_numpy(query_start_loc).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(block_tables).to(dev),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.from_numpy(positions).to(dev),
+            self.kv_cache,
+            metadata,
+        )
+
+        sample_items = [i for i, s in enumerate(scheduled) if s.completes_sequence]
+        if not sample_items:
+            return {}
+        logits_indices = torch.tensor(
+            [int(query_start_loc[i + 1]) - 1 for i in sample_items], dtype=torch.int64, device=dev
+        )
+        logits = self.model.compute_logits(hidden[logits_indices])
+        rows = []
+        for i in sample_items:
+            request = scheduled[i].request
+            params = request.sampling_params
+            suppress: frozenset[int] = frozenset()
+            if request.num_output_tokens < params.min_tokens:
+                eos = frozenset() if params.ignore_eos else self.eos_token_ids
+                suppress = eos | frozenset(params.stop_token_ids)
+            rows.append(
+                SamplingRow(
+                    params=params,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=request.output_token_ids,
+                    generator=self._generator_for(request.request_id, params.seed),
+                    suppress_token_ids=suppress,
+                )
+            )
+        batch = SamplingBatch.build(rows, self.arch.vocab_size, dev)
+        result = self.sampler(logits, batch)
+        return {
+            scheduled[i].request.request_id: (token, lp)
+            for i, token, lp in zip(sample_items, result.sampled_token_ids, result.logprobs, strict=True)
+        }

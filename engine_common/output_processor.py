@@ -1,0 +1,124 @@
+"""The frontend half of the engine: token ids in, text deltas and request metrics out.
+
+Owns one ``IncrementalDetokenizer`` per live request, the stop-string check (a match means
+the frontend must abort the request in the core), per-request timing (TTFT, inter-token
+latency, end-to-end) and recording engine statistics into ``EngineMetrics``. It does not own
+scheduling or the model (the engine core) nor transport (``llm`` / ``async_llm``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from engine_common.detokenizer import IncrementalDetokenizer
+from engine_common.metrics import EngineMetrics
+from engine_common.outputs import EngineCoreOutputs
+from engine_common.sampler import TokenLogprobs
+from engine_common.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    """What a caller sees of a request after one engine step (a streaming delta)."""
+
+    request_id: str
+    delta_text: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs | None]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
+class _RequestState:
+    detokenizer: IncrementalDetokenizer
+    num_prompt_tokens: int
+    arrival_time: float
+    num_output_tokens: int = 0
+    last_token_time: float | None = None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: object, metrics: EngineMetrics | None = None):
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self._states: dict[str, _RequestState] = {}
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float
+    ) -> None:
+        self._states[request_id] = _RequestState(
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+            num_prompt_tokens=len(prompt_token_ids),
+            arrival_time=arrival_time,
+        )
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    def remove_request(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._states)
+
+    def process(self, core_outputs: EngineCoreOutputs) -> tuple[list[RequestOutput], list[str]]:
+        """Return the outputs for callers and the request ids to abort in the core because
+        a stop string ended them here."""
+        now = time.monotonic()
+        if self.metrics is not None and core_outputs.stats is not None:
+            self.metrics.record_scheduler_stats(core_outputs.stats)
+        results: list[RequestOutput] = []
+        to_abort: list[str] = []
+        for out in core_outputs.outputs:
+            state = self._states.get(out.request_id)
+            if state is None:
+                continue  # already finished here (stop string) or aborted
+            finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            stop_string = state.detokenizer.update(out.new_token_ids) if out.new_token_ids else None
+            if stop_string is not None and finish_reason is None:
+                finish_reason, stop_reason = "stop", stop_string
+                to_abort.append(out.request_id)
+            elif stop_string is not None:
+                finish_reason, stop_reason = "stop", stop_string
+            self._record_token_timing(state, len(out.new_token_ids), now)
+            state.num_output_tokens += len(out.new_token_ids)
+            finished = finish_reason is not None
+            results.append(
+                RequestOutput(
+                    request_id=out.request_id,
+                    delta_text=state.detokenizer.get_delta_text(finished),
+                    new_token_ids=out.new_token_ids,
+                    new_logprobs=out.new_logprobs,
+                    finished=finished,
+                    finish_reason=finish_reason,
+                    stop_reason=stop_reason,
+                    num_prompt_tokens=state.num_prompt_tokens,
+                    num_output_tokens=state.num_output_tokens,
+                    num_cached_tokens=out.num_cached_tokens,
+                )
+            )
+            if finished:
+                del self._states[out.request_id]
+                if self.metrics is not None and finish_reason is not None:
+                    self.metrics.record_finished(
+                        finish_reason, state.num_prompt_tokens, state.num_output_tokens,
+                        now - state.arrival_time)
+        return results, to_abort
+
+    def _record_token_timing(self, state: _RequestState, num_new: int, now: float) -> None:
+        if self.metrics is None or num_new == 0:
+            return
+        if state.last_token_time is None:
+            self.metrics.time_to_first_token.observe(now - state.arrival_time)
+            self.metrics.prompt_tokens.inc(state.num_prompt_tokens)
+        else:
+            self.metrics.inter_token_latency.observe(now - state.last_token_time)
+        self.metrics.generation_tokens.inc(num_new)
+        state.last_token_time = now

@@ -1,0 +1,62 @@
+"""Records that cross the boundary between the engine core and its frontend.
+
+The engine core (scheduler + model runner, in its own process) emits token ids, finish
+states and scheduler statistics; the frontend turns them into text (``output_processor``)
+and metrics. These are plain picklable dataclasses and own no behaviour.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine_common.sampler import TokenLogprobs
+
+
+@dataclass
+class EngineCoreRequest:
+    """A request as the frontend hands it to the engine core (already tokenized)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: object  # SamplingParams; typed loosely to keep this module import-light
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    # Deltas since the previous report (counters in Prometheus).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass
+class EngineCoreOutputs:
+    """Everything one engine-core step produced."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    stats: SchedulerStats | None = None
+    kv_events: list[object] = field(default_factory=list)
+    timestamp: float = 0.0

@@ -1,0 +1,130 @@
+"""A request inside the engine: its tokens, its progress and its state machine.
+
+Owns ``num_computed_tokens`` and the token ids (prompt + output), the request's chained
+block hashes (extended as tokens arrive) and the status transitions. There is no prefill or
+decode phase: the scheduler only looks at how many tokens are still to compute. It does not
+own blocks (``kv_cache_manager``) or text (``detokenizer``).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine_common.block_hash import BlockHash, hash_block_tokens
+from engine_common.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KV = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after this is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower value = served first (vLLM's convention)
+    cache_salt: str | None = None
+    max_model_len: int = 1 << 30
+    block_size: int = 16
+
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    # Tokens found in the prefix cache when the request was first scheduled.
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    stop_reason: int | str | None = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self._update_block_hashes()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def extra_keys(self) -> tuple[str, ...] | None:
+        return (self.cache_salt,) if self.cache_salt else None
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most tokens (prompt + output) this request may ever hold."""
+        limit = self.max_model_len
+        if self.sampling_params.max_tokens is not None:
+            limit = min(limit, self.num_prompt_tokens + self.sampling_params.max_tokens)
+        return limit
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        """Hash every newly completed full block, chained to the previous one."""
+        bs = self.block_size
+        while (len(self.block_hashes) + 1) * bs <= len(self.all_token_ids):
+            start = len(self.block_hashes) * bs
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.append(
+                hash_block_tokens(parent, self.all_token_ids[start : start + bs], self.extra_keys)
+            )
+
+    def check_stop(self) -> bool:
+        """Token-level stop checks after a new output token: EOS, stop ids, length.
+
+        Stop strings are the detokenizer's job, since they need text.
+        """
+        params = self.sampling_params
+        if self.num_tokens >= self.max_total_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        if self.num_output_tokens < params.min_tokens:
+            return False
+        last = self.output_token_ids[-1]
+        if not params.ignore_eos and last in self.eos_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last in params.stop_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = last
+            return True
+        return False

@@ -1,0 +1,87 @@
+"""Per-request sampling and stopping parameters, with validation.
+
+Owns what a caller may ask for and the checks that turn a bad value into a clear error.
+It does not own how sampling is done (``sampler``) or how stopping is detected
+(``detokenizer`` for stop strings, ``request`` for token-level stops).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; the message says which and why."""
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs to return per token; 0 = sampled only
+    skip_special_tokens: bool = True
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def validate(self) -> None:
+        def fail(msg: str) -> None:
+            raise SamplingParamsError(msg)
+
+        if self.max_tokens is not None and self.max_tokens < 1:
+            fail(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            fail(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if not self.temperature >= 0.0:  # also rejects NaN
+            fail(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            fail(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            fail(f"top_k must be -1 (disabled), 0 (disabled) or positive, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            fail(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            fail(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            fail(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not self.repetition_penalty > 0.0:
+            fail(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            fail(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if self.n != 1:
+            fail(f"n must be 1 (one completion per request), got {self.n}")
+        if any(not s for s in self.stop):
+            fail("stop strings must be non-empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            fail("stop_token_ids must be non-negative")

@@ -1,0 +1,276 @@
+"""The scheduler: which requests run this step and how many tokens each computes.
+
+Owns the waiting and running queues and the per-step token budget. There is no prefill or
+decode phase: every request has ``num_tokens - num_computed_tokens`` tokens still to compute,
+and a step hands out at most ``max_num_batched_tokens`` of them, RUNNING requests first,
+then WAITING ones (chunked prefill is just ``min(remaining, budget)``). When the KV pool is
+exhausted a running request is preempted by recompute: its blocks are freed and it goes back
+to the front of the waiting queue with ``num_computed_tokens = 0`` (its prompt and output so
+far are recomputed, mostly from the prefix cache). It does not own blocks (``KVCacheManager``)
+or the forward pass (``ModelRunner``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine_common.config import SchedulerConfig
+from engine_common.kv_cache_manager import KVCacheManager
+from engine_common.outputs import EngineCoreOutput, SchedulerStats
+from engine_common.request import Request, RequestStatus
+from engine_common.sampler import TokenLogprobs
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+
+    @property
+    def completes_sequence(self) -> bool:
+        """True when this step computes up to the request's last known token, so the
+        step must sample its next token (a partial prefill chunk samples nothing)."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class WaitingQueue:
+    """FCFS (a deque) or priority (a heap on (priority, arrival, seq)) waiting queue."""
+
+    def __init__(self, policy: str):
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {policy!r}; choose 'fcfs' or 'priority'")
+        self._priority = policy == "priority"
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._seq = itertools.count()
+
+    def add(self, request: Request) -> None:
+        if self._priority:
+            heapq.heappush(
+                self._heap, (request.priority, request.arrival_time, next(self._seq), request)
+            )
+        else:
+            self._fifo.append(request)
+
+    def add_front(self, request: Request) -> None:
+        """Re-queue a preempted request so it is the next one admitted (FCFS); under the
+        priority policy its (priority, arrival) key already puts it in the right place."""
+        if self._priority:
+            self.add(request)
+        else:
+            self._fifo.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._heap[0][3] if self._priority else self._fifo[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3] if self._priority else self._fifo.popleft()
+
+    def remove(self, request: Request) -> None:
+        if self._priority:
+            self._heap = [e for e in self._heap if e[3] is not request]
+            heapq.heapify(self._heap)
+        else:
+            self._fifo.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._heap) if self._priority else len(self._fifo)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return (e[3] for e in self._heap) if self._priority else iter(self._fifo)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+        if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue(config.policy)
+        self.running: list[Request] = []
+        self._num_preemptions_since_report = 0
+        self._watermark_blocks = int(config.watermark * kv_cache_manager.num_blocks)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        aborted = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._free(request)
+            aborted.append(request)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        kv = self.kv_cache_manager
+
+        # 1. RUNNING requests first, in order; preempt from the back when blocks run out.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._cap_new_tokens(request, request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            while kv.allocate_slots(request, num_new) is None:
+                victim = self._pick_victim()
+                if self.running.index(victim) < index:
+                    # Under the priority policy the victim may already be scheduled in
+                    # this step: take its tokens back.
+                    done = next(s for s in out.scheduled if s.request is victim)
+                    out.scheduled.remove(done)
+                    budget += done.num_new_tokens
+                    index -= 1
+                self._preempt(victim)
+                out.preempted_request_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(request, num_new, kv.get_block_ids(request.request_id)))
+                budget -= num_new
+                index += 1
+                continue
+            # The request itself was preempted; the ones after it were already scheduled
+            # or are gone, so stop here.
+            break
+
+        # 2. WAITING requests, unless this step had to preempt (no room to admit anyone).
+        if not out.preempted_request_ids:
+            while len(self.waiting) > 0 and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                request = self.waiting.peek()
+                computed_blocks, num_computed = kv.get_computed_blocks(request)
+                num_new = self._cap_new_tokens(request, request.num_tokens - num_computed, budget)
+                if not self.config.enable_chunked_prefill and num_new < request.num_tokens - num_computed:
+                    break
+                if (
+                    kv.allocate_slots(
+                        request,
+                        num_new,
+                        new_computed_blocks=computed_blocks,
+                        num_new_computed_tokens=num_computed,
+                        num_reserved_blocks=self._watermark_blocks,
+                    )
+                    is None
+                ):
+                    break
+                self.waiting.pop()
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_computed
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_computed
+                self.running.append(request)
+                out.scheduled.append(ScheduledRequest(request, num_new, kv.get_block_ids(request.request_id)))
+                budget -= num_new
+        return out
+
+    def _cap_new_tokens(self, request: Request, remaining: int, budget: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        if threshold > 0:
+            remaining = min(remaining, threshold)
+        return min(remaining, budget)
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            # Lowest priority (largest value) first, then the latest arrival.
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._num_preemptions_since_report += 1
+        self.waiting.add_front(request)
+
+    # ------------------------------------------------------------------ results
+    def update_from_output(
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled: dict[str, tuple[int, TokenLogprobs | None]],
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        for item in scheduler_output.scheduled:
+            request = item.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += item.num_new_tokens
+            result = sampled.get(request.request_id)
+            if result is None:
+                continue  # a prefill chunk that does not reach the end yet
+            token_id, logprobs = result
+            request.append_output_token(token_id)
+            finished = request.check_stop()
+            output = EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[token_id],
+                new_logprobs=[logprobs],
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                num_preemptions=request.num_preemptions,
+            )
+            if finished:
+                self.running.remove(request)
+                self._free(request)
+                output.finish_reason = request.status.finish_reason
+                output.stop_reason = request.stop_reason
+            outputs.append(output)
+        return outputs
+
+    def _free(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        prefix = kv.take_prefix_cache_stats()
+        stats = SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_blocks,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=self._num_preemptions_since_report,
+        )
+        self._num_preemptions_since_report = 0
+        return stats

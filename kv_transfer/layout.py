@@ -1,0 +1,93 @@
+"""The shape of one engine's paged KV cache, as two replicas must agree on it.
+
+Owns the description of the KV layout (model, dtype, layer/head/block geometry), its
+fingerprint (the value both sides of a transfer compare before any byte moves) and the
+per-block byte count. It does not own the cache tensor (the model runner allocates it) or
+block bookkeeping (the engine's block pool).
+
+The cache this describes is the engine's one tensor
+``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]`` (see
+``engine_common/model/attention/backend.py``); ``num_blocks`` is deliberately left out:
+replicas with different cache sizes can exchange blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+
+_FINGERPRINT_VERSION = 1
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: the spelling ``KvLayout.dtype`` uses."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    model: str
+    dtype: str  # a torch dtype name without the "torch." prefix, e.g. "bfloat16"
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
+            raise ValueError(f"unknown torch dtype name {self.dtype!r}")
+        for name in ("num_layers", "num_kv_heads", "head_size", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @classmethod
+    def of_cache(cls, model: str, kv_cache: torch.Tensor) -> KvLayout:
+        """The layout of an existing cache tensor."""
+        if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+            raise ValueError(
+                "expected a cache of shape [num_layers, 2, num_blocks, block_size, "
+                f"num_kv_heads, head_size], got {tuple(kv_cache.shape)}"
+            )
+        num_layers, _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+        return cls(
+            model=model,
+            dtype=dtype_name(kv_cache.dtype),
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            block_size=block_size,
+        )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype = getattr(torch, self.dtype)
+        assert isinstance(dtype, torch.dtype)
+        return dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block across all layers, K and V."""
+        elements = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size
+        return elements * self.torch_dtype.itemsize
+
+    def fingerprint(self) -> str:
+        """A stable hex digest of every field: equal iff the layouts are equal.
+
+        Stable across processes, machines and Python versions (canonical JSON, sha256),
+        unlike ``hash()``.
+        """
+        canonical = json.dumps(
+            {"v": _FINGERPRINT_VERSION, **asdict(self)}, sort_keys=True, separators=(",", ":")
+        )
+        return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+    def check_cache(self, kv_cache: torch.Tensor) -> None:
+        """Raise ValueError unless ``kv_cache`` is a contiguous cache of this layout."""
+        expected = KvLayout.of_cache(self.model, kv_cache)
+        if expected != self:
+            raise ValueError(f"cache of layout {expected} does not match {self}")
+        if not kv_cache.is_contiguous():
+            raise ValueError("the KV cache tensor must be contiguous")

@@ -1,0 +1,41 @@
+"""Tandem's Python SDK (``Client``, ``AsyncClient``, the records they return and the errors
+they raise) and, in ``tandem.cli``, the ``tandem`` command."""
+
+from tandem.client import AsyncClient, Client
+from tandem.errors import (
+    CancelledError,
+    DeadlineExceededError,
+    InvalidRequestError,
+    OverloadedError,
+    TandemError,
+    UnavailableError,
+)
+from tandem.request_builders import GenerationOptions
+from tandem.results import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChunk,
+    ModelInfo,
+    TokenLogprob,
+    Usage,
+)
+
+__all__ = [
+    "AsyncClient",
+    "CancelledError",
+    "ChatCompletion",
+    "ChatCompletionChunk",
+    "Client",
+    "Completion",
+    "CompletionChunk",
+    "DeadlineExceededError",
+    "GenerationOptions",
+    "InvalidRequestError",
+    "ModelInfo",
+    "OverloadedError",
+    "TandemError",
+    "TokenLogprob",
+    "UnavailableError",
+    "Usage",
+]

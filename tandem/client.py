@@ -1,0 +1,327 @@
+"""The Tandem Python SDK: ``Client`` (blocking) and ``AsyncClient`` (asyncio) over the public
+``tandem.v1.Generation`` gRPC service.
+
+Owns the channel, the per-call timeout and metadata, and the translation of failed calls into
+``tandem.errors``. Requests are built by ``request_builders`` and responses turned into the
+records of ``results``; every generation call returns the request's single choice. It does not
+own the HTTP/OpenAI path (use the ``openai`` SDK against Envoy for that).
+
+    with Client("localhost:50051") as client:
+        print(client.complete("Once upon a time", max_tokens=16, temperature=0).text)
+        for chunk in client.chat_stream([{"role": "user", "content": "Hi"}]):
+            print(chunk.content, end="")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, TypeVar, Unpack
+
+import grpc
+import grpc.aio
+
+from protos.tandem.v1 import generation_pb2 as pb
+from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
+from tandem.errors import error_from_rpc
+from tandem.request_builders import (
+    ChatMessages,
+    GenerationOptions,
+    chat_request,
+    completion_request,
+)
+from tandem.results import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChunk,
+    ModelInfo,
+    chat_chunk_from_pb,
+    chat_completion_from_pb,
+    completion_chunk_from_pb,
+    completion_from_pb,
+    model_from_pb,
+)
+from tandem.streams import AsyncResponseStream, ResponseStream
+
+Metadata = Mapping[str, str] | Sequence[tuple[str, str]]
+R = TypeVar("R")
+
+
+def _metadata_pairs(metadata: Metadata | None) -> tuple[tuple[str, str], ...] | None:
+    if metadata is None:
+        return None
+    pairs = metadata.items() if isinstance(metadata, Mapping) else metadata
+    return tuple((key, value) for key, value in pairs)
+
+
+def _credentials(tls: bool, root_certificates: bytes | None) -> grpc.ChannelCredentials | None:
+    """TLS credentials when asked for (root_certificates implies TLS), else None (plaintext)."""
+    if not tls and root_certificates is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=root_certificates)
+
+
+class Client:
+    """A blocking client. ``timeout`` (seconds) bounds each call, a whole stream included;
+    ``metadata`` is sent with every call (e.g. an ``authorization`` header)."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+    ) -> None:
+        credentials = _credentials(tls, root_certificates)
+        self._channel = (
+            grpc.insecure_channel(target)
+            if credentials is None
+            else grpc.secure_channel(target, credentials)
+        )
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._timeout = timeout
+        self._metadata = _metadata_pairs(metadata)
+
+    def _unary(self, method: Callable[..., Any], request: Any) -> Any:
+        try:
+            return method(request, timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from error
+
+    def _stream(
+        self, method: Callable[..., Any], request: Any, convert: Callable[[Any], R]
+    ) -> ResponseStream[R]:
+        call = method(request, timeout=self._timeout, metadata=self._metadata)
+        return ResponseStream(call, convert)
+
+    def complete(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        model: str | None = None,
+        logprobs: int | None = None,
+        **options: Unpack[GenerationOptions],
+    ) -> Completion:
+        """Completes a text prompt (or a list of prompt token ids)."""
+        request = completion_request(
+            prompt,
+            model=model,
+            logprobs=logprobs,
+            stream=False,
+            include_usage=False,
+            options=options,
+        )
+        return completion_from_pb(self._unary(self._stub.Complete, request))
+
+    def complete_stream(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        model: str | None = None,
+        logprobs: int | None = None,
+        include_usage: bool = True,
+        **options: Unpack[GenerationOptions],
+    ) -> ResponseStream[CompletionChunk]:
+        """Streams a completion; with ``include_usage`` the last chunk carries the usage.
+        Leaving the loop early (or ``close()``) cancels the request on the server."""
+        request = completion_request(
+            prompt, model=model, logprobs=logprobs, stream=True, include_usage=include_usage,
+            options=options,
+        )  # fmt: skip
+        return self._stream(self._stub.CompleteStream, request, completion_chunk_from_pb)
+
+    def chat(
+        self,
+        messages: ChatMessages,
+        *,
+        model: str | None = None,
+        logprobs: bool = False,
+        top_logprobs: int | None = None,
+        **options: Unpack[GenerationOptions],
+    ) -> ChatCompletion:
+        """Answers OpenAI-style messages (``[{"role": "user", "content": "..."}]``)."""
+        request = chat_request(
+            messages, model=model, logprobs=logprobs, top_logprobs=top_logprobs, stream=False,
+            include_usage=False, options=options,
+        )  # fmt: skip
+        return chat_completion_from_pb(self._unary(self._stub.ChatComplete, request))
+
+    def chat_stream(
+        self,
+        messages: ChatMessages,
+        *,
+        model: str | None = None,
+        logprobs: bool = False,
+        top_logprobs: int | None = None,
+        include_usage: bool = True,
+        **options: Unpack[GenerationOptions],
+    ) -> ResponseStream[ChatCompletionChunk]:
+        """Streams a chat answer; see ``complete_stream`` for usage and cancellation."""
+        request = chat_request(
+            messages, model=model, logprobs=logprobs, top_logprobs=top_logprobs, stream=True,
+            include_usage=include_usage, options=options,
+        )  # fmt: skip
+        return self._stream(self._stub.ChatCompleteStream, request, chat_chunk_from_pb)
+
+    def models(self) -> list[ModelInfo]:
+        response = self._unary(self._stub.ListModels, pb.ListModelsRequest())
+        return [model_from_pb(m) for m in response.data]
+
+    def tokenize(
+        self, text: str, *, model: str | None = None, add_special_tokens: bool | None = None
+    ) -> list[int]:
+        request = pb.TokenizeRequest(model=model or "", prompt=text)
+        if add_special_tokens is not None:
+            request.add_special_tokens = add_special_tokens
+        return list(self._unary(self._stub.Tokenize, request).tokens)
+
+    def detokenize(self, token_ids: Sequence[int], *, model: str | None = None) -> str:
+        request = pb.DetokenizeRequest(model=model or "", tokens=token_ids)
+        return str(self._unary(self._stub.Detokenize, request).prompt)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """The asyncio twin of ``Client``: the same methods, awaited; the ``*_stream`` methods
+    return async iterators (``async for chunk in client.complete_stream(...)``)."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+    ) -> None:
+        credentials = _credentials(tls, root_certificates)
+        self._channel = (
+            grpc.aio.insecure_channel(target)
+            if credentials is None
+            else grpc.aio.secure_channel(target, credentials)
+        )
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._timeout = timeout
+        self._metadata = _metadata_pairs(metadata)
+
+    async def _unary(self, method: Callable[..., Any], request: Any) -> Any:
+        try:
+            return await method(request, timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from error
+
+    def _stream(
+        self, method: Callable[..., Any], request: Any, convert: Callable[[Any], R]
+    ) -> AsyncResponseStream[R]:
+        call = method(request, timeout=self._timeout, metadata=self._metadata)
+        return AsyncResponseStream(call, convert)
+
+    async def complete(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        model: str | None = None,
+        logprobs: int | None = None,
+        **options: Unpack[GenerationOptions],
+    ) -> Completion:
+        request = completion_request(
+            prompt,
+            model=model,
+            logprobs=logprobs,
+            stream=False,
+            include_usage=False,
+            options=options,
+        )
+        return completion_from_pb(await self._unary(self._stub.Complete, request))
+
+    def complete_stream(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        model: str | None = None,
+        logprobs: int | None = None,
+        include_usage: bool = True,
+        **options: Unpack[GenerationOptions],
+    ) -> AsyncResponseStream[CompletionChunk]:
+        request = completion_request(
+            prompt, model=model, logprobs=logprobs, stream=True, include_usage=include_usage,
+            options=options,
+        )  # fmt: skip
+        return self._stream(self._stub.CompleteStream, request, completion_chunk_from_pb)
+
+    async def chat(
+        self,
+        messages: ChatMessages,
+        *,
+        model: str | None = None,
+        logprobs: bool = False,
+        top_logprobs: int | None = None,
+        **options: Unpack[GenerationOptions],
+    ) -> ChatCompletion:
+        request = chat_request(
+            messages, model=model, logprobs=logprobs, top_logprobs=top_logprobs, stream=False,
+            include_usage=False, options=options,
+        )  # fmt: skip
+        return chat_completion_from_pb(await self._unary(self._stub.ChatComplete, request))
+
+    def chat_stream(
+        self,
+        messages: ChatMessages,
+        *,
+        model: str | None = None,
+        logprobs: bool = False,
+        top_logprobs: int | None = None,
+        include_usage: bool = True,
+        **options: Unpack[GenerationOptions],
+    ) -> AsyncResponseStream[ChatCompletionChunk]:
+        request = chat_request(
+            messages, model=model, logprobs=logprobs, top_logprobs=top_logprobs, stream=True,
+            include_usage=include_usage, options=options,
+        )  # fmt: skip
+        return self._stream(self._stub.ChatCompleteStream, request, chat_chunk_from_pb)
+
+    async def models(self) -> list[ModelInfo]:
+        response = await self._unary(self._stub.ListModels, pb.ListModelsRequest())
+        return [model_from_pb(m) for m in response.data]
+
+    async def tokenize(
+        self, text: str, *, model: str | None = None, add_special_tokens: bool | None = None
+    ) -> list[int]:
+        request = pb.TokenizeRequest(model=model or "", prompt=text)
+        if add_special_tokens is not None:
+            request.add_special_tokens = add_special_tokens
+        return list((await self._unary(self._stub.Tokenize, request)).tokens)
+
+    async def detokenize(self, token_ids: Sequence[int], *, model: str | None = None) -> str:
+        request = pb.DetokenizeRequest(model=model or "", tokens=token_ids)
+        return str((await self._unary(self._stub.Detokenize, request)).prompt)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()

@@ -1,0 +1,129 @@
+"""Builds ``tandem.v1.Generation`` request messages from the SDK's keyword arguments.
+
+Owns ``GenerationOptions`` (the sampling and stopping knobs every generation call takes) and
+their mapping onto ``CompletionRequest`` / ``ChatCompletionRequest``. A knob left out stays
+unset on the wire, so the server applies its own (OpenAI's) default. It does not validate
+ranges: the server does, and answers INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TypedDict
+
+from google.protobuf import struct_pb2
+
+from protos.tandem.v1 import generation_pb2 as pb
+
+
+class GenerationOptions(TypedDict, total=False):
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int
+    stop: str | Sequence[str]
+    stop_token_ids: Sequence[int]
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    min_tokens: int
+    ignore_eos: bool
+    skip_special_tokens: bool
+    include_stop_str_in_output: bool
+    cache_salt: str
+    priority: int
+    user: str
+
+
+_OPTION_NAMES = frozenset(GenerationOptions.__annotations__)
+
+ChatMessages = Sequence[Mapping[str, str]]
+
+
+def _value(item: str | Sequence[str] | Sequence[int]) -> struct_pb2.Value:
+    value = struct_pb2.Value()
+    if isinstance(item, str):
+        value.string_value = item
+    else:
+        value.list_value.extend(list(item))
+    return value
+
+
+def _apply_options(
+    request: pb.CompletionRequest | pb.ChatCompletionRequest, options: Mapping[str, object]
+) -> None:
+    unknown = set(options) - _OPTION_NAMES
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+    for name, value in options.items():
+        if value is None:  # None means "not given", as in the openai SDK
+            continue
+        if name == "stop":
+            request.stop.CopyFrom(_value(value))  # type: ignore[arg-type]
+        elif name == "stop_token_ids":
+            request.stop_token_ids.extend(value)  # type: ignore[arg-type]
+        else:
+            setattr(request, name, value)
+
+
+def _stream_options(
+    request: pb.CompletionRequest | pb.ChatCompletionRequest, stream: bool, include_usage: bool
+) -> None:
+    request.stream = stream
+    if stream and include_usage:
+        request.stream_options.include_usage = True
+
+
+def completion_request(
+    prompt: str | Sequence[int],
+    *,
+    model: str | None,
+    logprobs: int | None,
+    stream: bool,
+    include_usage: bool,
+    options: Mapping[str, object],
+) -> pb.CompletionRequest:
+    """A CompletionRequest for a text prompt or a list of prompt token ids."""
+    request = pb.CompletionRequest(model=model or "", prompt=_value(prompt))
+    if logprobs is not None:
+        request.logprobs = logprobs
+    _apply_options(request, options)
+    _stream_options(request, stream, include_usage)
+    return request
+
+
+def chat_message(message: Mapping[str, str]) -> pb.ChatMessage:
+    """A ChatMessage from an OpenAI-style ``{"role": ..., "content": ..., "name": ...}``."""
+    unknown = set(message) - {"role", "content", "name"}
+    if unknown or "role" not in message:
+        raise TypeError(
+            f"a chat message needs 'role' and 'content' (and maybe 'name'): {message!r}"
+        )
+    return pb.ChatMessage(
+        role=message["role"], content=message.get("content") or "", name=message.get("name", "")
+    )
+
+
+def chat_request(
+    messages: ChatMessages,
+    *,
+    model: str | None,
+    logprobs: bool,
+    top_logprobs: int | None,
+    stream: bool,
+    include_usage: bool,
+    options: Mapping[str, object],
+) -> pb.ChatCompletionRequest:
+    """A ChatCompletionRequest for OpenAI-style messages."""
+    request = pb.ChatCompletionRequest(
+        model=model or "", messages=[chat_message(m) for m in messages]
+    )
+    if logprobs or top_logprobs is not None:
+        request.logprobs = True
+    if top_logprobs is not None:
+        request.top_logprobs = top_logprobs
+    _apply_options(request, options)
+    _stream_options(request, stream, include_usage)
+    return request

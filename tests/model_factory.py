@@ -1,0 +1,143 @@
+"""Tiny random Hugging Face model directories for tests.
+
+Builds, in a given directory, a complete local Hugging Face model: config.json, weights as
+safetensors, a byte-level BPE tokenizer trained here on ``tests/data/corpus.txt`` (saved as a
+fast tokenizer with bos/eos and a ChatML chat template) and generation_config.json. Every
+architecture the engine supports has a builder; everything is seeded, so two builds are
+identical. Random weights use a large init std so greedy continuations are not one token
+repeated.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+CORPUS_PATH = Path(__file__).parent / "data" / "corpus.txt"
+TOKENIZER_VOCAB_SIZE = 400
+BOS_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+EOS_TOKEN = "<|im_end|>"
+SPECIAL_TOKENS = [BOS_TOKEN, IM_START, EOS_TOKEN]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Shapes shared by every tiny model: 2 layers, 4 query heads over 2 KV heads (GQA).
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+    rms_norm_eps=1e-6,
+)
+
+
+def build_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
+    """Trains a byte-level BPE tokenizer on the test corpus and saves it to ``out_dir``."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train([str(CORPUS_PATH)], trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=BOS_TOKEN,
+        unk_token=None,
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def _token_ids(tokenizer: PreTrainedTokenizerFast) -> dict[str, int]:
+    return {
+        "vocab_size": len(tokenizer),
+        "bos_token_id": tokenizer.convert_tokens_to_ids(BOS_TOKEN),
+        "eos_token_id": tokenizer.convert_tokens_to_ids(EOS_TOKEN),
+        "pad_token_id": tokenizer.convert_tokens_to_ids(BOS_TOKEN),
+    }
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    architecture: str = "llama",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> Path:
+    """Writes a tiny random ``architecture`` ("llama", "qwen2", "mistral") model to ``out_dir``.
+
+    llama: untied head, llama3 rope scaling (original context 64, so positions past 64
+    exercise the scaled frequencies). qwen2: q/k/v bias, tied embeddings. mistral: a
+    head_dim (32) that is not hidden_size / num_heads (16).
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out_dir)
+    ids = _token_ids(tokenizer)
+    torch.manual_seed(seed)
+    model: LlamaForCausalLM | Qwen2ForCausalLM | MistralForCausalLM
+    if architecture == "llama":
+        config = LlamaConfig(
+            **_COMMON,
+            **ids,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+        model = LlamaForCausalLM(config)
+    elif architecture == "qwen2":
+        config = Qwen2Config(**_COMMON, **ids, tie_word_embeddings=True)
+        model = Qwen2ForCausalLM(config)
+        # HF initialises biases to zero; make them matter.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0.0, 0.2)
+    elif architecture == "mistral":
+        config = MistralConfig(
+            **_COMMON, **ids, head_dim=32, sliding_window=None, tie_word_embeddings=False
+        )
+        model = MistralForCausalLM(config)
+    else:
+        raise ValueError(f"unknown tiny architecture {architecture!r}")
+    model = model.to(dtype)
+    model.config.dtype = dtype
+    model.save_pretrained(out_dir)
+    GenerationConfig(
+        bos_token_id=ids["bos_token_id"],
+        eos_token_id=ids["eos_token_id"],
+        pad_token_id=ids["pad_token_id"],
+    ).save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,267 @@
+"""The SDK's request mapping, response mapping, error mapping and stream cancellation.
+
+The server here is a tiny in-test servicer of ``tandem.v1.Generation`` that records what it
+receives and answers canned messages: it checks the SDK's side of the wire only. The
+end-to-end SDK tests against a real replica come with the services.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import pytest
+
+import tandem
+from protos.tandem.v1 import generation_pb2 as pb
+from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
+
+
+class RecordingServicer(pb_grpc.GenerationServicer):
+    """Echoes what it can, records every request, and fails on demand: a prompt
+    ``"fail:<STATUS_CODE>"`` aborts with that code, a prompt ``"forever"`` streams until
+    cancelled and then sets ``cancelled``."""
+
+    def __init__(self) -> None:
+        self.requests: list[object] = []
+        self.metadata: list[dict[str, str]] = []
+        self.cancelled = threading.Event()
+
+    def _record(self, request: object, context: grpc.ServicerContext) -> None:
+        self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
+
+    def _maybe_fail(self, text: str, context: grpc.ServicerContext) -> None:
+        if text.startswith("fail:"):
+            context.abort(grpc.StatusCode[text.removeprefix("fail:")], f"told to {text}")
+
+    def Complete(self, request, context):  # noqa: N802 (gRPC's method names)
+        self._record(request, context)
+        self._maybe_fail(request.prompt.string_value, context)
+        logprobs = pb.CompletionLogprobs(tokens=[" b"], token_logprobs=[-0.25])
+        logprobs.top_logprobs.add().update({" b": -0.25, " c": -2.0})
+        return pb.CompletionResponse(
+            id="cmpl-1",
+            object="text_completion",
+            model="m",
+            choices=[pb.CompletionChoice(text=" b", finish_reason="length", logprobs=logprobs)],
+            usage=pb.Usage(
+                prompt_tokens=3,
+                completion_tokens=1,
+                total_tokens=4,
+                prompt_tokens_details=pb.PromptTokensDetails(cached_tokens=2),
+            ),
+        )
+
+    def CompleteStream(self, request, context) -> Iterator[pb.CompletionResponse]:  # noqa: N802
+        self._record(request, context)
+        self._maybe_fail(request.prompt.string_value, context)
+        if request.prompt.string_value == "forever":
+            context.add_callback(self.cancelled.set)
+            while context.is_active():
+                yield pb.CompletionResponse(id="s", choices=[pb.CompletionChoice(text="x")])
+                time.sleep(0.01)
+            return
+        for piece in ("a", "b"):
+            yield pb.CompletionResponse(id="s", choices=[pb.CompletionChoice(text=piece)])
+        yield pb.CompletionResponse(
+            id="s", choices=[pb.CompletionChoice(text="", finish_reason="stop")]
+        )
+        yield pb.CompletionResponse(
+            id="s", usage=pb.Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3)
+        )
+
+    def ChatComplete(self, request, context):  # noqa: N802
+        self._record(request, context)
+        message = pb.ChatResponseMessage(role="assistant", content="Hello!")
+        return pb.ChatCompletionResponse(
+            id="chat-1", choices=[pb.ChatChoice(message=message, finish_reason="stop")]
+        )
+
+    def ChatCompleteStream(self, request, context):  # noqa: N802
+        self._record(request, context)
+        yield pb.ChatCompletionChunk(
+            choices=[pb.ChatChunkChoice(delta=pb.ChatDelta(role="assistant", content="He"))]
+        )
+        yield pb.ChatCompletionChunk(
+            choices=[pb.ChatChunkChoice(delta=pb.ChatDelta(content="y"), finish_reason="stop")]
+        )
+
+    def ListModels(self, request, context):  # noqa: N802
+        return pb.ListModelsResponse(
+            object="list", data=[pb.Model(id="m", owned_by="tandem", max_model_len=2048)]
+        )
+
+    def Tokenize(self, request, context):  # noqa: N802
+        self._record(request, context)
+        return pb.TokenizeResponse(tokens=[ord(c) for c in request.prompt])
+
+    def Detokenize(self, request, context):  # noqa: N802
+        return pb.DetokenizeResponse(prompt="".join(chr(t) for t in request.tokens))
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, RecordingServicer]]:
+    servicer = RecordingServicer()
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_GenerationServicer_to_server(servicer, grpc_server)
+    port = grpc_server.add_insecure_port("127.0.0.1:0")
+    grpc_server.start()
+    yield f"127.0.0.1:{port}", servicer
+    grpc_server.stop(grace=None)
+
+
+def test_complete_maps_arguments_and_leaves_the_rest_unset(server) -> None:
+    target, servicer = server
+    with tandem.Client(target, timeout=10, metadata={"authorization": "Bearer t"}) as client:
+        result = client.complete(
+            "a", model="m", max_tokens=5, temperature=0.0, stop=["\n", "."], logprobs=1, seed=3
+        )
+    request = servicer.requests[-1]
+    assert request.model == "m" and request.prompt.string_value == "a"
+    assert request.HasField("temperature") and request.temperature == 0.0
+    assert (request.max_tokens, request.seed, request.logprobs) == (5, 3, 1)
+    assert [v.string_value for v in request.stop.list_value.values] == ["\n", "."]
+    assert not request.HasField("top_p") and not request.HasField("presence_penalty")
+    assert not request.stream
+    assert servicer.metadata[-1]["authorization"] == "Bearer t"
+
+    assert result.text == " b" and result.finish_reason == "length"
+    assert result.usage == tandem.Usage(3, 1, 4, cached_tokens=2)
+    assert result.logprobs == [tandem.TokenLogprob(" b", -0.25, {" b": -0.25, " c": -2.0})]
+
+
+def test_token_id_prompts_and_unknown_options(server) -> None:
+    target, servicer = server
+    with tandem.Client(target) as client:
+        client.complete([1, 2, 3], stop_token_ids=[7])
+        request = servicer.requests[-1]
+        assert [v.number_value for v in request.prompt.list_value.values] == [1, 2, 3]
+        assert list(request.stop_token_ids) == [7]
+        with pytest.raises(TypeError, match="best_of"):
+            client.complete("a", best_of=2)  # type: ignore[call-arg]
+
+
+def test_streams_chat_and_small_calls(server) -> None:
+    target, servicer = server
+    with tandem.Client(target) as client:
+        chunks = list(client.complete_stream("a", max_tokens=2))
+        assert servicer.requests[-1].stream_options.include_usage
+        assert [c.text for c in chunks] == ["a", "b", "", ""]
+        assert chunks[2].finish_reason == "stop"
+        assert chunks[3].usage == tandem.Usage(1, 2, 3)
+
+        answer = client.chat([{"role": "user", "content": "Hi"}], top_logprobs=2, top_k=5)
+        request = servicer.requests[-1]
+        assert [(m.role, m.content) for m in request.messages] == [("user", "Hi")]
+        assert request.logprobs and request.top_logprobs == 2 and request.top_k == 5
+        assert (answer.role, answer.content, answer.finish_reason) == (
+            "assistant",
+            "Hello!",
+            "stop",
+        )
+
+        pieces = list(client.chat_stream([{"role": "user", "content": "Hi"}], include_usage=False))
+        assert not servicer.requests[-1].stream_options.include_usage
+        assert [(p.role, p.content, p.finish_reason) for p in pieces] == [
+            ("assistant", "He", None),
+            (None, "y", "stop"),
+        ]
+
+        assert client.models() == [tandem.ModelInfo("m", "tandem", 0, 2048)]
+        assert client.tokenize("hi", add_special_tokens=False) == [104, 105]
+        assert servicer.requests[-1].HasField("add_special_tokens")
+        assert client.detokenize([104, 105]) == "hi"
+
+
+ERRORS = [
+    ("INVALID_ARGUMENT", tandem.InvalidRequestError),
+    ("NOT_FOUND", tandem.InvalidRequestError),
+    ("RESOURCE_EXHAUSTED", tandem.OverloadedError),
+    ("UNAVAILABLE", tandem.UnavailableError),
+    ("INTERNAL", tandem.TandemError),
+]
+
+
+@pytest.mark.parametrize(("code", "error_type"), ERRORS)
+def test_errors_map_to_exceptions(server, code: str, error_type: type) -> None:
+    target, _ = server
+    with tandem.Client(target) as client:
+        with pytest.raises(error_type) as unary:
+            client.complete(f"fail:{code}")
+        with pytest.raises(error_type) as streamed:
+            list(client.complete_stream(f"fail:{code}"))
+    for raised in (unary.value, streamed.value):
+        assert raised.code == grpc.StatusCode[code]
+        assert raised.details == f"told to fail:{code}"
+
+
+def test_deadline_maps_to_deadline_exceeded(server) -> None:
+    target, _ = server
+    with tandem.Client(target, timeout=0.2) as client:
+        with pytest.raises(tandem.DeadlineExceededError):
+            list(client.complete_stream("forever"))
+
+
+def test_breaking_out_of_a_stream_cancels_the_rpc(server) -> None:
+    target, servicer = server
+    servicer.cancelled.clear()
+    with tandem.Client(target) as client:
+        for count, _chunk in enumerate(client.complete_stream("forever"), start=1):
+            if count == 3:
+                break
+        assert servicer.cancelled.wait(5), "the server never saw the cancellation"
+
+        servicer.cancelled.clear()
+        stream = client.complete_stream("forever")
+        next(stream)
+        stream.close()
+        assert servicer.cancelled.wait(5)
+        assert list(stream) == []
+
+
+def test_async_client(server) -> None:
+    target, servicer = server
+
+    async def scenario() -> None:
+        async with tandem.AsyncClient(target, timeout=10) as client:
+            result = await client.complete("a", temperature=0.5)
+            assert result.text == " b" and servicer.requests[-1].temperature == 0.5
+            chunks = [c async for c in client.complete_stream("a")]
+            assert [c.text for c in chunks] == ["a", "b", "", ""]
+            pieces = [
+                p.content async for p in client.chat_stream([{"role": "user", "content": "x"}])
+            ]
+            assert pieces == ["He", "y"]
+            assert (await client.chat([{"role": "user", "content": "x"}])).content == "Hello!"
+            assert await client.tokenize("hi") == [104, 105]
+
+            with pytest.raises(tandem.OverloadedError):
+                await client.complete("fail:RESOURCE_EXHAUSTED")
+            with pytest.raises(tandem.UnavailableError):
+                [c async for c in client.complete_stream("fail:UNAVAILABLE")]
+
+            servicer.cancelled.clear()
+            async with client.complete_stream("forever") as stream:
+                async for _chunk in stream:
+                    break
+            assert await asyncio.to_thread(servicer.cancelled.wait, 5)
+
+            servicer.cancelled.clear()
+
+            async def consume() -> None:
+                async for _chunk in client.complete_stream("forever"):
+                    pass
+
+            task = asyncio.create_task(consume())
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert await asyncio.to_thread(servicer.cancelled.wait, 5)
+
+    asyncio.run(scenario())

@@ -1,0 +1,107 @@
+"""The engine's greedy output is token-identical to Hugging Face transformers.
+
+Tiny random Llama and Qwen2 models (built by the tests) run through ``LLM.generate`` on a
+batch of prompts of mixed lengths, and again with (a) a token budget small enough to chunk
+every prefill, (b) prompts sharing prefixes (prefix-cache hits asserted), (c) a KV pool small
+enough to force preemptions (asserted). Every run must equal HF's greedy ``generate``.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine_common.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine_common.llm import LLM
+from engine_common.sampling_params import SamplingParams
+
+MAX_TOKENS = 12
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    outs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                 min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+            outs.append(out[0, len(prompt):].tolist())
+    return outs
+
+
+def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def engine(model_dir: Path, *, budget: int = 512, num_blocks: int | None = None,
+           max_num_seqs: int = 64) -> LLM:
+    return LLM(EngineConfig(
+        model=str(model_dir), dtype="float32",
+        cache=CacheConfig(block_size=4, num_gpu_blocks_override=num_blocks or 512),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs),
+    ))
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model_and_prompts(request, tiny_llama_dir, tiny_qwen2_dir):
+    model_dir = tiny_llama_dir if request.param == "llama" else tiny_qwen2_dir
+    llm = engine(model_dir)
+    vocab = llm.core.arch.vocab_size
+    prompts = random_prompts(vocab, [1, 3, 7, 16, 17, 33, 50, 5], seed=1)
+    shared = random_prompts(vocab, [24], seed=2)[0]
+    prefixed = [shared + tail for tail in random_prompts(vocab, [3, 9, 1, 14], seed=3)]
+    expected = hf_greedy(model_dir, prompts + prefixed, MAX_TOKENS)
+    return model_dir, llm, prompts, prefixed, expected
+
+
+def test_mixed_lengths_match_hf(model_and_prompts):
+    _, llm, prompts, _, expected = model_and_prompts
+    results = llm.generate(prompts, GREEDY)
+    assert [r.token_ids for r in results] == expected[: len(prompts)]
+    assert all(r.finish_reason == "length" for r in results)
+
+
+def test_chunked_prefill_matches_hf(model_and_prompts):
+    model_dir, _, prompts, _, expected = model_and_prompts
+    llm = engine(model_dir, budget=5)  # every prompt longer than 5 tokens is chunked
+    results = llm.generate(prompts, GREEDY)
+    assert [r.token_ids for r in results] == expected[: len(prompts)]
+
+
+def test_prefix_cache_hits_match_hf(model_and_prompts):
+    model_dir, _, prompts, prefixed, expected = model_and_prompts
+    llm = engine(model_dir)
+    first = llm.generate(prefixed[:1], GREEDY)
+    hits_before = llm.core.kv_cache_manager  # noqa: F841 - keep a handle for debugging
+    results = llm.generate(prefixed[1:], GREEDY)
+    assert [r.token_ids for r in first + results] == expected[len(prompts):]
+    # The 24-token shared prefix is 6 blocks of 4: every later request reuses them all
+    # (minus nothing: none of them is a full-prompt hit, so no block is recomputed).
+    assert [r.num_cached_tokens for r in results] == [24, 24, 24]
+    samples = {s.name: s.samples[0].value for s in llm.metrics.prefix_cache_hits._metric_init() or []} \
+        if False else None  # noqa: F841
+    hits = llm.metrics.registry.get_sample_value(
+        "vllm:prefix_cache_hits_total", {"model_name": str(model_dir), "engine": "engine-0"})
+    assert hits == 24 * 3
+
+
+def test_preemption_matches_hf(model_and_prompts):
+    model_dir, _, prompts, _, expected = model_and_prompts
+    # 8 prompts need far more than 24 blocks of 4 tokens together: the scheduler must
+    # preempt by recompute and still produce HF's tokens.
+    llm = engine(model_dir, num_blocks=24)
+    results = llm.generate(prompts, GREEDY)
+    assert [r.token_ids for r in results] == expected[: len(prompts)]
+    preemptions = llm.metrics.registry.get_sample_value(
+        "vllm:num_preemptions_total", {"model_name": str(model_dir), "engine": "engine-0"})
+    assert preemptions is not None and preemptions > 0
+    assert llm.core.kv_cache_manager.num_free_blocks == 24

@@ -1,0 +1,408 @@
+"""KV transfer over real UCX between real processes.
+
+Producers run in spawned subprocesses (driven over a pipe: pin, release, expire, kill);
+consumers run in the test process. Caches hold a bit pattern that is a function of
+(layer, K/V, block, offset), compared bit-exactly (bf16 through an int16 view).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import multiprocessing as mp
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import wait
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+import torch
+
+from kv_transfer import (
+    KvHandle,
+    KvLayout,
+    KvTransferError,
+    UcxKvConsumer,
+    UcxKvProducer,
+)
+
+MODEL = "test-model"
+PRODUCER_BLOCKS = 48
+CONSUMER_BLOCKS = 40
+
+
+def make_layout(dtype: str) -> KvLayout:
+    # 16-token blocks of 2 heads x 16: 6 KiB per bf16 block, so a pull of a few blocks
+    # crosses UCX's 8 KiB rendezvous threshold as real transfers do.
+    return KvLayout(MODEL, dtype, num_layers=3, num_kv_heads=2, head_size=16, block_size=16)
+
+
+def kv_pattern(layout: KvLayout, num_blocks: int, seed: int) -> torch.Tensor:
+    """A cache whose every element's bits are a (nonlinear) function of its position."""
+    shape = (
+        layout.num_layers,
+        2,
+        num_blocks,
+        layout.block_size,
+        layout.num_kv_heads,
+        layout.head_size,
+    )
+    prime = 2_147_483_647
+    x = (torch.arange(math.prod(shape), dtype=torch.int64) * 40_503 + seed * 7_919) % prime
+    x = (x * x + seed) % prime
+    bits: torch.Tensor
+    if layout.torch_dtype.itemsize == 2:
+        bits = (x % 65_536 - 32_768).to(torch.int16)
+    else:
+        bits = (x - 2**30).to(torch.int32)
+    return bits.view(layout.torch_dtype).view(shape).clone()
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype.itemsize == 2 else torch.int32)
+
+
+# -- the producer process ------------------------------------------------------------
+
+
+def _producer_main(conn: Connection, dtypes: list[str], ports: list[int], seed: int) -> None:
+    producers: dict[str, UcxKvProducer] = {}
+    released: list[tuple[str, list[int]]] = []
+    for dtype, port in zip(dtypes, ports, strict=True):
+        layout = make_layout(dtype)
+        producer = UcxKvProducer(
+            kv_pattern(layout, PRODUCER_BLOCKS, seed),
+            layout,
+            engine_id=f"prefill-{dtype}",
+            port=port,
+            on_release=lambda rid, ids: released.append((rid, ids)),
+        )
+        producer.start()
+        producers[dtype] = producer
+    conn.send({dtype: p.port for dtype, p in producers.items()})
+    while True:
+        command, dtype, args = conn.recv()
+        try:
+            if command == "pin":
+                conn.send(producers[dtype].pin(*args))
+            elif command == "release":
+                conn.send(producers[dtype].release(*args))
+            elif command == "expire":
+                conn.send(producers[dtype].expire_leases(*args))
+            elif command == "released_log":
+                conn.send(list(released))
+            elif command == "stop":
+                for producer in producers.values():
+                    producer.close()
+                conn.send(None)
+                return
+        except Exception as exc:  # report to the test instead of dying silently
+            conn.send(exc)
+
+
+class ProducerProcess:
+    def __init__(self, dtypes: list[str], ports: list[int] | None = None, seed: int = 1):
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_producer_main,
+            args=(child_conn, dtypes, ports or [0] * len(dtypes), seed),
+            daemon=True,
+        )
+        self.process.start()
+        if not self._conn.poll(60):
+            raise TimeoutError("producer process did not start")
+        self.ports: dict[str, int] = self._conn.recv()
+
+    def call(self, command: str, dtype: str = "", *args: Any) -> Any:
+        self._conn.send((command, dtype, args))
+        if not self._conn.poll(30):
+            raise TimeoutError(f"producer did not answer {command}")
+        answer = self._conn.recv()
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def pin(self, dtype: str, request_id: str, block_ids: list[int], lease: float = 60.0):
+        handle = self.call("pin", dtype, request_id, block_ids, len(block_ids) * 16, lease)
+        assert isinstance(handle, KvHandle)
+        return handle
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            assert self.process.pid is not None
+            os.kill(self.process.pid, signal.SIGKILL)
+        self.process.join(10)
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.call("stop")
+            except (TimeoutError, OSError, EOFError):
+                pass
+        self.kill()
+
+
+@pytest.fixture(scope="module")
+def producer() -> Iterator[ProducerProcess]:
+    process = ProducerProcess(["bfloat16", "float32"])
+    yield process
+    process.stop()
+
+
+def make_consumer(dtype: str, seed: int = 99) -> tuple[UcxKvConsumer, torch.Tensor]:
+    layout = make_layout(dtype)
+    kv = kv_pattern(layout, CONSUMER_BLOCKS, seed)
+    return UcxKvConsumer(kv, layout), kv
+
+
+def pull_and_check(
+    consumer: UcxKvConsumer,
+    kv: torch.Tensor,
+    handle: KvHandle,
+    remote: list[int],
+    local: list[int],
+    timeout: float = 10.0,
+) -> None:
+    layout = make_layout(str(kv.dtype).removeprefix("torch."))
+    source = kv_pattern(layout, PRODUCER_BLOCKS, seed=1)
+    before = kv.clone()
+    result = consumer.pull(handle, remote, local, timeout).result(timeout + 5)
+    assert result.num_blocks == len(remote)
+    assert result.num_bytes == len(remote) * layout.bytes_per_block
+    assert torch.equal(as_bits(kv[:, :, local]), as_bits(source[:, :, remote]))
+    untouched = [b for b in range(kv.shape[2]) if b not in set(local)]
+    assert torch.equal(as_bits(kv[:, :, untouched]), as_bits(before[:, :, untouched]))
+
+
+# -- layout ------------------------------------------------------------------------------
+
+
+def test_layout_fingerprint_is_stable_and_sensitive() -> None:
+    layout = make_layout("bfloat16")
+    assert layout.fingerprint() == make_layout("bfloat16").fingerprint()
+    assert len(layout.fingerprint()) == 32 and int(layout.fingerprint(), 16) >= 0
+    for change in (
+        {"model": "other"},
+        {"dtype": "float16"},
+        {"num_layers": 4},
+        {"num_kv_heads": 1},
+        {"head_size": 8},
+        {"block_size": 8},
+    ):
+        assert dataclasses.replace(layout, **change).fingerprint() != layout.fingerprint()
+    assert layout.bytes_per_block == 3 * 2 * 16 * 2 * 16 * 2
+    assert make_layout("float32").bytes_per_block == 2 * layout.bytes_per_block
+    cache = kv_pattern(layout, 5, seed=0)
+    assert KvLayout.of_cache(MODEL, cache) == layout
+    with pytest.raises(ValueError):
+        make_layout("float32").check_cache(cache)
+
+
+# -- data --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_pull_random_subset_into_shuffled_blocks_is_exact(
+    producer: ProducerProcess, dtype: str
+) -> None:
+    rng = random.Random(7)
+    pinned = rng.sample(range(PRODUCER_BLOCKS), 24)
+    handle = producer.pin(dtype, f"exact-{dtype}", pinned)
+    consumer, kv = make_consumer(dtype)
+    try:
+        for size in (1, 5, 17):
+            remote = rng.sample(pinned, size)
+            local = rng.sample(range(CONSUMER_BLOCKS), size)
+            pull_and_check(consumer, kv, handle, remote, local)
+    finally:
+        consumer.close()
+    assert producer.call("release", dtype, f"exact-{dtype}") == pinned
+
+
+# -- refusals ----------------------------------------------------------------------------
+
+
+def test_layout_mismatch_is_refused_and_producer_stays_healthy(
+    producer: ProducerProcess,
+) -> None:
+    handle = producer.pin("bfloat16", "mismatch", [1, 2, 3])
+    # The handle names a float32 producer's layout: refused before any connection.
+    consumer32, _ = make_consumer("float32")
+    with pytest.raises(KvTransferError) as refused:
+        consumer32.pull(handle, [1], [0], 5).result(10)
+    assert refused.value.reason == "layout_mismatch"
+    consumer32.close()
+
+    # A consumer of another model whose handle claims its own layout (stale metadata):
+    # only the producer can tell, and does.
+    other_layout = dataclasses.replace(make_layout("bfloat16"), model="another-model")
+    other = UcxKvConsumer(kv_pattern(other_layout, CONSUMER_BLOCKS, 3), other_layout)
+    forged = dataclasses.replace(handle, layout_fingerprint=other_layout.fingerprint())
+    with pytest.raises(KvTransferError) as refused:
+        other.pull(forged, [1, 2], [0, 1], 5).result(10)
+    assert refused.value.reason == "layout_mismatch"
+    other.close()
+
+    consumer, kv = make_consumer("bfloat16")
+    pull_and_check(consumer, kv, handle, [3, 1], [7, 8])
+    consumer.close()
+    producer.call("release", "bfloat16", "mismatch")
+
+
+def test_unknown_released_and_unpinned_blocks_are_refused(producer: ProducerProcess) -> None:
+    consumer, kv = make_consumer("bfloat16")
+    handle = producer.pin("bfloat16", "to-release", [10, 11, 12])
+    try:
+        never = dataclasses.replace(handle, request_id="never-pinned")
+        with pytest.raises(KvTransferError) as refused:
+            consumer.pull(never, [10], [0], 5).result(10)
+        assert refused.value.reason == "unknown_request"
+
+        with pytest.raises(KvTransferError) as refused:
+            consumer.pull(handle, [10, 13], [0, 1], 5).result(10)
+        assert refused.value.reason == "protocol"
+
+        pull_and_check(consumer, kv, handle, [12, 10, 11], [5, 3, 4])
+        assert producer.call("release", "bfloat16", "to-release") == [10, 11, 12]
+        assert producer.call("release", "bfloat16", "to-release") == []
+        with pytest.raises(KvTransferError) as refused:
+            consumer.pull(handle, [10], [0], 5).result(10)
+        assert refused.value.reason == "unknown_request"
+        assert ("to-release", [10, 11, 12]) in producer.call("released_log")
+    finally:
+        consumer.close()
+
+
+def test_expired_lease_is_refused_and_returned_to_the_engine(
+    producer: ProducerProcess,
+) -> None:
+    consumer, _ = make_consumer("bfloat16")
+    try:
+        handle = producer.pin("bfloat16", "short", [20, 21], 0.2)
+        producer.pin("bfloat16", "long", [22], 60.0)
+        time.sleep(0.3)
+        # Past its deadline but not yet collected: refused all the same.
+        with pytest.raises(KvTransferError) as refused:
+            consumer.pull(handle, [20], [0], 5).result(10)
+        assert refused.value.reason == "lease_expired"
+
+        expired = producer.call("expire", "bfloat16", time.time())
+        assert expired == [("short", [20, 21])]
+        assert ("short", [20, 21]) in producer.call("released_log")
+        assert not any(rid == "long" for rid, _ in producer.call("released_log"))
+        with pytest.raises(KvTransferError) as refused:
+            consumer.pull(handle, [20], [0], 5).result(10)
+        assert refused.value.reason == "lease_expired"
+        assert producer.call("release", "bfloat16", "long") == [22]
+    finally:
+        consumer.close()
+
+
+def test_local_producer_lease_bookkeeping() -> None:
+    layout = make_layout("bfloat16")
+    ended: list[tuple[str, list[int]]] = []
+    producer = UcxKvProducer(
+        kv_pattern(layout, 8, 0),
+        layout,
+        "local",
+        on_release=lambda rid, ids: ended.append((rid, ids)),
+    )
+    host, port = producer.start()
+    try:
+        assert host == "127.0.0.1" and port > 0
+        handle = producer.pin("a", [1, 2], 20, 5.0)
+        assert handle.port == port and handle.layout_fingerprint == layout.fingerprint()
+        assert time.time() < handle.lease_deadline <= time.time() + 5.0
+        producer.pin("b", [3], 5, 5.0)
+        with pytest.raises(ValueError):
+            producer.pin("a", [4], 5, 5.0)
+        with pytest.raises(ValueError):
+            producer.pin("c", [8], 5, 5.0)
+        assert producer.expire_leases(time.time()) == []
+        assert producer.expire_leases(handle.lease_deadline + 1) == [("a", [1, 2]), ("b", [3])]
+        assert ended == [("a", [1, 2]), ("b", [3])]
+        assert producer.release("a") == [] and producer.num_leases == 0
+    finally:
+        producer.close()
+
+
+# -- faults --------------------------------------------------------------------------------
+
+
+def test_killed_producer_fails_fast_and_a_restarted_one_is_reconnected() -> None:
+    first = ProducerProcess(["bfloat16"])
+    port = first.ports["bfloat16"]
+    consumer, kv = make_consumer("bfloat16")
+    try:
+        handle = first.pin("bfloat16", "r", [1, 2, 3])
+        pull_and_check(consumer, kv, handle, [1, 2], [0, 1])  # the endpoint is now cached
+        first.kill()
+
+        timeout = 3.0
+        started = time.monotonic()
+        with pytest.raises(KvTransferError) as failed:
+            consumer.pull(handle, [3], [2], timeout).result(timeout + 5)
+        assert failed.value.reason in {"unreachable", "timeout"}
+        assert time.monotonic() - started < timeout + 1.0
+
+        second = ProducerProcess(["bfloat16"], ports=[port])
+        try:
+            assert second.ports["bfloat16"] == port
+            handle = second.pin("bfloat16", "r", [4, 5])
+            pull_and_check(consumer, kv, handle, [5, 4], [10, 11])
+        finally:
+            second.stop()
+    finally:
+        consumer.close()
+        first.stop()
+
+
+def test_nothing_listening_is_unreachable() -> None:
+    consumer, _ = make_consumer("bfloat16")
+    layout = make_layout("bfloat16")
+    handle = KvHandle("gone", "127.0.0.1", 1, "r", (0,), 16, time.time() + 60, layout.fingerprint())
+    started = time.monotonic()
+    with pytest.raises(KvTransferError) as failed:
+        consumer.pull(handle, [0], [0], 4.0).result(10)
+    assert failed.value.reason in {"unreachable", "timeout"}
+    assert time.monotonic() - started < 5.0
+    consumer.close()
+
+
+# -- concurrency -----------------------------------------------------------------------------
+
+
+def test_concurrent_pulls_from_two_consumers_are_all_exact(producer: ProducerProcess) -> None:
+    rng = random.Random(11)
+    layout = make_layout("bfloat16")
+    source = kv_pattern(layout, PRODUCER_BLOCKS, seed=1)
+    handles = [
+        producer.pin("bfloat16", f"conc-{i}", rng.sample(range(PRODUCER_BLOCKS), 6))
+        for i in range(8)
+    ]
+    consumers = [make_consumer("bfloat16", seed=50 + i) for i in range(2)]
+    try:
+        jobs = []
+        for c, (consumer, kv) in enumerate(consumers):
+            # Each consumer fills disjoint local blocks with 4 requests at once.
+            free = rng.sample(range(CONSUMER_BLOCKS), 4 * 6)
+            for j, handle in enumerate(handles[c * 4 : c * 4 + 4]):
+                remote = list(handle.block_ids)
+                rng.shuffle(remote)
+                local = free[j * 6 : j * 6 + 6]
+                jobs.append((kv, remote, local, consumer.pull(handle, remote, local, 20)))
+        done, not_done = wait([job[3] for job in jobs], timeout=30)
+        assert not not_done
+        for kv, remote, local, future in jobs:
+            assert future.result().num_blocks == 6
+            assert torch.equal(as_bits(kv[:, :, local]), as_bits(source[:, :, remote]))
+    finally:
+        for consumer, _ in consumers:
+            consumer.close()
+        for i in range(8):
+            producer.call("release", "bfloat16", f"conc-{i}")

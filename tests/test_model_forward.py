@@ -1,0 +1,368 @@
+"""The model layer against Hugging Face: same weights, same logits, same greedy tokens.
+
+Runs the tiny Llama / Qwen2 / Mistral models through ``LlamaForCausalLM.forward`` over a
+paged KV cache with shuffled, non-contiguous block tables, as one ragged prefill batch, as
+chunked prefill (later chunks attending to cached earlier ones, mixed with single-token
+steps) and as decode steps, and compares logits with ``transformers`` on the full sequence.
+Also: config and loading errors, a bf16 checkpoint, and the real SmolLM2 conversion.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine_common.default_model import ensure_default_model
+from engine_common.model.arch_config import ModelArchConfig
+from engine_common.model.attention.backend import AttentionMetadata
+from engine_common.model.attention.selector import get_attention_backend_cls
+from engine_common.model.attention.torch_backend import TorchAttentionBackend
+from engine_common.model.llama import LlamaForCausalLM
+from engine_common.model.loader import load_model, resolve_dtype
+from engine_common.tokenizer import eos_token_ids, load_tokenizer
+from tests.model_factory import build_tiny_model
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 96
+PROMPT_LENS = [5, 17, 1, 33, 12]
+NUM_DECODE_STEPS = 6
+ARCH_FIXTURES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_mistral_dir"]
+
+
+@dataclass
+class Seq:
+    tokens: list[int]  # prompt followed by the tokens fed in decode steps
+    block_table: list[int]
+    num_computed: int = 0
+    # position -> our logits for the token after that position
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def _make_seqs(vocab_size: int, seed: int) -> list[Seq]:
+    rng = random.Random(seed)
+    free_blocks = list(range(1, NUM_BLOCKS))
+    rng.shuffle(free_blocks)  # non-contiguous, out-of-order block tables
+    seqs = []
+    for prompt_len in PROMPT_LENS:
+        total = prompt_len + NUM_DECODE_STEPS
+        tokens = [rng.randrange(3, vocab_size) for _ in range(total)]
+        num_blocks = -(-total // BLOCK_SIZE)
+        block_table = [free_blocks.pop() for _ in range(num_blocks)]
+        seqs.append(Seq(tokens, block_table))
+    return seqs
+
+
+def _run_step(
+    model: LlamaForCausalLM, kv_cache: torch.Tensor, seqs: list[Seq], query_lens: list[int]
+) -> None:
+    """Feeds ``query_lens[i]`` more tokens of every sequence with a non-zero entry."""
+    active = [(s, n) for s, n in zip(seqs, query_lens, strict=True) if n > 0]
+    input_ids, positions, slots, query_start_loc, seq_lens = [], [], [], [0], []
+    for seq, n in active:
+        for pos in range(seq.num_computed, seq.num_computed + n):
+            input_ids.append(seq.tokens[pos])
+            positions.append(pos)
+            slots.append(seq.block_table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+        query_start_loc.append(query_start_loc[-1] + n)
+        seq_lens.append(seq.num_computed + n)
+    max_blocks = max(len(s.block_table) for s, _ in active)
+    block_tables = torch.zeros(len(active), max_blocks, dtype=torch.int32)
+    for row, (seq, _) in enumerate(active):
+        block_tables[row, : len(seq.block_table)] = torch.tensor(seq.block_table)
+    query_lens_cpu = [n for _, n in active]
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        max_query_len=max(query_lens_cpu),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=query_lens_cpu,
+        seq_lens_cpu=seq_lens,
+    )
+    with torch.inference_mode():
+        hidden = model(
+            torch.tensor(input_ids, dtype=torch.int64),
+            torch.tensor(positions, dtype=torch.int64),
+            kv_cache,
+            metadata,
+        )
+        logits = model.compute_logits(hidden)
+    for (seq, n), end in zip(active, query_start_loc[1:], strict=True):
+        seq.num_computed += n
+        for k in range(n):
+            seq.logits[seq.num_computed - n + k] = logits[end - n + k]
+
+
+def _new_cache(model: LlamaForCausalLM) -> torch.Tensor:
+    arch = model.arch
+    shape = (arch.num_layers, 2, NUM_BLOCKS, BLOCK_SIZE, arch.num_kv_heads, arch.head_size)
+    # NaN-filled: reading a slot nobody wrote poisons the result instead of passing silently.
+    return torch.full(shape, float("nan"), dtype=model.dtype)
+
+
+def _hf_logits(model_dir: Path, seqs: list[Seq]) -> list[torch.Tensor]:
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return [hf(torch.tensor([s.tokens])).logits[0].float() for s in seqs]
+
+
+def _check_against_hf(seqs: list[Seq], reference: list[torch.Tensor]) -> None:
+    checked = 0
+    for seq, ref in zip(seqs, reference, strict=True):
+        for pos, ours in seq.logits.items():
+            torch.testing.assert_close(ours, ref[pos], atol=1e-4, rtol=1e-4)
+            assert int(ours.argmax()) == int(ref[pos].argmax())
+            checked += 1
+    assert checked > 0
+
+
+def _decode_steps(model: LlamaForCausalLM, kv_cache: torch.Tensor, seqs: list[Seq]) -> None:
+    for _ in range(NUM_DECODE_STEPS):
+        _run_step(model, kv_cache, seqs, [1] * len(seqs))
+
+
+@pytest.mark.parametrize("model_fixture", ARCH_FIXTURES)
+def test_ragged_prefill_then_decode_matches_hf(model_fixture, request):
+    model_dir = request.getfixturevalue(model_fixture)
+    model = load_model(model_dir, torch.float32, "cpu", "torch")
+    seqs = _make_seqs(model.arch.vocab_size, seed=1)
+    kv_cache = _new_cache(model)
+    _run_step(model, kv_cache, seqs, PROMPT_LENS)  # (a) whole prompts, one ragged batch
+    _decode_steps(model, kv_cache, seqs)  # (c) one token per sequence, pure decode
+    assert all(s.num_computed == len(s.tokens) for s in seqs)
+    _check_against_hf(seqs, _hf_logits(model_dir, seqs))
+
+
+@pytest.mark.parametrize("model_fixture", ARCH_FIXTURES)
+def test_chunked_prefill_then_decode_matches_hf(model_fixture, request):
+    model_dir = request.getfixturevalue(model_fixture)
+    model = load_model(model_dir, torch.float32, "cpu", "torch")
+    seqs = _make_seqs(model.arch.vocab_size, seed=2)
+    kv_cache = _new_cache(model)
+    # (b) uneven chunk sizes: steps mix first chunks, later chunks (attending to the cached
+    # prefix), single-token tails and finished prompts.
+    chunk_sizes = [7, 3, 1, 9, 5, 13]
+    step = 0
+    while any(s.num_computed < p for s, p in zip(seqs, PROMPT_LENS, strict=True)):
+        chunk = chunk_sizes[step % len(chunk_sizes)]
+        query_lens = [
+            min(chunk + i, p - s.num_computed)
+            for i, (s, p) in enumerate(zip(seqs, PROMPT_LENS, strict=True))
+        ]
+        _run_step(model, kv_cache, seqs, query_lens)
+        step += 1
+    assert step > 2
+    # Decode steps in which only some sequences take part, then all of them.
+    _run_step(model, kv_cache, seqs, [1, 0, 1, 0, 1])
+    _run_step(model, kv_cache, seqs, [0, 1, 0, 1, 0])
+    for _ in range(NUM_DECODE_STEPS - 1):
+        _run_step(model, kv_cache, seqs, [1] * len(seqs))
+    assert all(s.num_computed == len(s.tokens) for s in seqs)
+    _check_against_hf(seqs, _hf_logits(model_dir, seqs))
+
+
+def test_mixed_batch_of_decodes_and_prefills_matches_hf(tiny_llama_dir):
+    model = load_model(tiny_llama_dir, torch.float32, "cpu", "torch")
+    seqs = _make_seqs(model.arch.vocab_size, seed=3)
+    kv_cache = _new_cache(model)
+    # Prompts 0, 2 and 4 are prefilled first; then one step decodes them while 1 and 3
+    # prefill whole prompts, then one step decodes 1 and 3 while 0 gets a 2-token extend.
+    _run_step(model, kv_cache, seqs, [PROMPT_LENS[0], 0, PROMPT_LENS[2], 0, PROMPT_LENS[4]])
+    _run_step(model, kv_cache, seqs, [1, PROMPT_LENS[1], 1, PROMPT_LENS[3], 1])
+    _run_step(model, kv_cache, seqs, [2, 1, 0, 1, 0])
+    _check_against_hf(seqs, _hf_logits(tiny_llama_dir, seqs))
+
+
+def test_greedy_generation_is_token_identical_to_hf(tiny_qwen2_dir):
+    model = load_model(tiny_qwen2_dir, torch.float32, "cpu", "torch")
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(tiny_qwen2_dir)
+    prompt = tokenizer("The river wound slowly through the valley")["input_ids"]
+    new_tokens = 24
+    with torch.inference_mode():
+        expected = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None
+        )[0, len(prompt) :].tolist()
+    seq = Seq(list(prompt), block_table=[9, 3, 17, 5, 30, 2, 11, 40, 8, 21, 33, 14])
+    kv_cache = _new_cache(model)
+    generated = []
+    _run_step(model, kv_cache, [seq], [len(prompt)])
+    for _ in range(new_tokens):
+        token = int(seq.logits[seq.num_computed - 1].argmax())
+        generated.append(token)
+        seq.tokens.append(token)
+        _run_step(model, kv_cache, [seq], [1])
+    assert generated == expected
+    assert len(set(generated)) > 3  # the random model does not just repeat itself
+
+
+def test_bf16_checkpoint_loads_and_tracks_hf(tmp_path):
+    model_dir = build_tiny_model(tmp_path / "bf16", "llama", dtype=torch.bfloat16)
+    arch = ModelArchConfig.from_model_dir(model_dir)
+    assert arch.dtype == torch.bfloat16
+    assert resolve_dtype("auto", arch) == torch.bfloat16
+    model = load_model(model_dir, resolve_dtype("auto", arch), "cpu", "torch")
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
+    # The same bf16 checkpoint upcast to float32 matches HF's float32 closely.
+    model32 = load_model(model_dir, torch.float32, "cpu", "torch")
+    seqs = _make_seqs(arch.vocab_size, seed=4)
+    _run_step(model32, _new_cache(model32), seqs, PROMPT_LENS)
+    _check_against_hf(seqs, _hf_logits(model_dir, seqs))
+    # In bf16 it stays close to the float32 reference.
+    seqs16 = _make_seqs(arch.vocab_size, seed=4)
+    _run_step(model, _new_cache(model), seqs16, PROMPT_LENS)
+    for s32, s16 in zip(seqs, seqs16, strict=True):
+        last = len(s32.tokens) - NUM_DECODE_STEPS - 1
+        ours, ref = s16.logits[last], s32.logits[last]
+        assert ours.dtype == torch.float32
+        assert (ours - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_config_reading(tiny_llama_dir, tiny_qwen2_dir, tiny_mistral_dir):
+    llama = ModelArchConfig.from_model_dir(tiny_llama_dir)
+    assert (llama.architecture, llama.num_layers, llama.hidden_size) == ("LlamaForCausalLM", 2, 64)
+    assert (llama.num_heads, llama.num_kv_heads, llama.head_size) == (4, 2, 16)
+    assert llama.rope_type == "llama3" and llama.rope_scaling["factor"] == 8.0
+    assert not llama.tie_word_embeddings and not llama.qkv_bias
+    assert llama.dtype == torch.float32
+    qwen2 = ModelArchConfig.from_model_dir(tiny_qwen2_dir)
+    assert qwen2.qkv_bias and not qwen2.o_proj_bias and qwen2.tie_word_embeddings
+    mistral = ModelArchConfig.from_model_dir(tiny_mistral_dir)
+    assert mistral.head_size == 32 and mistral.q_size == 128
+
+
+def test_legacy_rope_fields_are_read():
+    base = dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        rope_theta=500000.0,
+        torch_dtype="bfloat16",
+        rope_scaling={
+            "type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
+    arch = ModelArchConfig.from_hf_config(base)
+    assert arch.rope_theta == 500000.0 and arch.rope_type == "llama3"
+    assert arch.num_kv_heads == 2 and arch.head_size == 4 and arch.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="unsupported rope type 'yarn'"):
+        ModelArchConfig.from_hf_config({**base, "rope_scaling": {"type": "yarn", "factor": 2.0}})
+
+
+def test_config_errors(tmp_path, tiny_llama_dir):
+    with pytest.raises(FileNotFoundError, match="local Hugging Face model directory") as err:
+        ModelArchConfig.from_model_dir(tmp_path / "nowhere")
+    assert "nowhere" in str(err.value)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        ModelArchConfig.from_model_dir(tmp_path)
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM.*Qwen2ForCausalLM"):
+        ModelArchConfig.from_model_dir(tmp_path)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        resolve_dtype("int8", ModelArchConfig.from_model_dir(tiny_llama_dir))
+
+
+def test_loading_errors(tmp_path, tiny_llama_dir):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_llama_dir, broken)
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors files"):
+        load_model(broken, torch.float32, "cpu", "torch")
+    # A checkpoint without one layer's v_proj names exactly what is missing.
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(tiny_llama_dir / "model.safetensors")
+    del tensors["model.layers.1.self_attn.v_proj.weight"]
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(ValueError, match="missing 1 weight.*layers.1.self_attn.v_proj.weight"):
+        load_model(broken, torch.float32, "cpu", "torch")
+
+
+def test_sharded_checkpoint_loads(tmp_path, tiny_mistral_dir):
+    sharded = tmp_path / "sharded"
+    shutil.copytree(tiny_mistral_dir, sharded)
+    (sharded / "model.safetensors").unlink()
+    hf = AutoModelForCausalLM.from_pretrained(tiny_mistral_dir, dtype=torch.float32)
+    hf.save_pretrained(sharded, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    model = load_model(sharded, torch.float32, "cpu", "torch")
+    reference = load_model(tiny_mistral_dir, torch.float32, "cpu", "torch")
+    for (name, ours), (_, ref) in zip(
+        model.state_dict().items(), reference.state_dict().items(), strict=True
+    ):
+        assert torch.equal(ours, ref), name
+
+
+def test_backend_selection():
+    assert get_attention_backend_cls("torch", torch.device("cpu")) is TorchAttentionBackend
+    assert get_attention_backend_cls("auto", torch.device("cpu")) is TorchAttentionBackend
+    with pytest.raises(ValueError, match="auto, torch, triton"):
+        get_attention_backend_cls("flash", torch.device("cpu"))
+
+
+def test_tokenizer_and_eos_ids(tiny_llama_dir, tmp_path):
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert eos_token_ids(tiny_llama_dir, tokenizer) == frozenset({eos})
+    model_dir = tmp_path / "multi-eos"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, eos]}))
+    assert eos_token_ids(model_dir, tokenizer) == frozenset({0, eos})
+    with pytest.raises(FileNotFoundError):
+        load_tokenizer(tmp_path / "missing")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_default_model(tmp_path_factory.mktemp("default-model") / "SmolLM2")
+
+
+def test_default_model_conversion(smollm2_dir):
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert "quantization_config" not in config
+    arch = ModelArchConfig.from_model_dir(smollm2_dir)
+    assert (arch.num_layers, arch.hidden_size, arch.num_heads, arch.num_kv_heads) == (
+        30,
+        576,
+        9,
+        3,
+    )
+    assert arch.vocab_size == 49152 and arch.dtype == torch.bfloat16
+    assert ensure_default_model(smollm2_dir) == smollm2_dir  # idempotent
+    tokenizer = load_tokenizer(smollm2_dir)
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in eos_token_ids(smollm2_dir, tokenizer)
+
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=False,
+    )
+    model = load_model(smollm2_dir, torch.bfloat16, "cpu", "torch")
+    seq = Seq(list(prompt), block_table=list(range(40, 0, -1)))
+    arch_shape = (arch.num_layers, 2, 48, BLOCK_SIZE, arch.num_kv_heads, arch.head_size)
+    kv_cache = torch.zeros(arch_shape, dtype=torch.bfloat16)
+    _run_step(model, kv_cache, [seq], [len(prompt)])
+    ours = seq.logits[len(prompt) - 1]
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).eval()
+    with torch.inference_mode():
+        ref = hf(torch.tensor([prompt])).logits[0, -1].float()
+    assert int(ours.argmax()) == int(ref.argmax())
+    assert (ours - ref).abs().max() < 0.5
