@@ -21,9 +21,17 @@ from engine_common.input_processor import InputProcessor
 from engine_common.kv_events import KVEventBatch, KVEventBuffer
 from engine_common.metrics import EngineMetrics
 from engine_common.output_processor import OutputProcessor, RequestOutput
-from engine_common.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from engine_common.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    RemotePrefill,
+    SchedulerStats,
+)
+from engine_common.request import Request
 from engine_common.sampling_params import SamplingParams
-from engine_common.tokenizer import load_tokenizer
+from engine_common.tokenizer import eos_token_ids, load_tokenizer
+from kv_transfer.connector import KvHandle
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +45,7 @@ class AsyncLLM:
                  kv_event_capacity: int = 65536):
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
+        self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         self._loop = loop
         self._streams: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
         self.dead_reason: str | None = None
@@ -78,20 +87,35 @@ class AsyncLLM:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        hold_kv: bool = False,
+        remote_prefill: RemotePrefill | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; closing the iterator early aborts the request."""
+        """Stream a request's outputs; closing the iterator early aborts the request.
+
+        ``hold_kv`` (prefill replica): the final output carries a ``kv_handle`` and the blocks
+        stay pinned until released or the lease ends. ``remote_prefill`` (decode replica): the
+        first token was sampled by a prefill replica; it is streamed at once, and an output
+        with ``kv_transfer`` (no tokens) reports the pull when the prompt KV is in.
+        """
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.inputs.validate_prompt(prompt_token_ids, params.max_tokens)
         stream: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
-        self._streams[request_id] = stream
         arrival = time.monotonic()
         self.outputs.add_request(request_id, prompt_token_ids, params, arrival)
-        self.core.add_request(
-            EngineCoreRequest(request_id, prompt_token_ids, params, arrival, priority, cache_salt))
         finished = False
+        if remote_prefill is not None:
+            first = self._first_remote_token(request_id, prompt_token_ids, params, remote_prefill)
+            finished = first.finished
+            yield first
+            if finished:
+                return
+        self._streams[request_id] = stream
+        self.core.add_request(EngineCoreRequest(
+            request_id, prompt_token_ids, params, arrival, priority, cache_salt,
+            hold_kv=hold_kv, remote_prefill=remote_prefill))
         try:
             while True:
                 item = await stream.get()
@@ -105,6 +129,44 @@ class AsyncLLM:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    def _first_remote_token(self, request_id: str, prompt_token_ids: list[int],
+                            params: SamplingParams, remote: RemotePrefill) -> RequestOutput:
+        """Detokenize the prefill replica's token and apply the same stop checks the core
+        applies to every token, before the request reaches the core."""
+        probe = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
+                        max_model_len=self.info.max_model_len, block_size=self.info.block_size,
+                        remote_prefill=remote)
+        done = probe.check_stop()
+        results, _ = self.outputs.process(EngineCoreOutputs(outputs=[EngineCoreOutput(
+            request_id, [remote.first_token_id], [None],
+            finish_reason=probe.status.finish_reason if done else None,
+            stop_reason=probe.stop_reason)]))
+        return results[0]
+
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> tuple[RequestOutput, KvHandle]:
+        """Prefill replica: compute the prompt, sample the first token, pin the blocks."""
+        one = SamplingParams(**{**params.__dict__, "max_tokens": 1,
+                                "min_tokens": min(params.min_tokens, 1)})
+        last: RequestOutput | None = None
+        async for out in self.generate(request_id, prompt_token_ids, one, priority=priority,
+                                       cache_salt=cache_salt, hold_kv=True):
+            last = out
+        if last is None or last.kv_handle is None or not last.new_token_ids:
+            raise RuntimeError(f"prefill of {request_id} ended without a KV handle "
+                               f"({last.finish_reason if last else 'no output'})")
+        return last, last.kv_handle
+
+    def release_kv(self, request_id: str) -> None:
+        self.core.release_kv([request_id])
 
     def abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:

@@ -128,7 +128,9 @@ class FreeKVCacheBlockQueue:
 class BlockPool:
     """All KV blocks of one engine, handed out and taken back by the KV cache manager."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True, enable_kv_events: bool = False):
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, enable_kv_events: bool = False
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks

@@ -36,6 +36,18 @@ class SchedulerConfig:
 
 
 @dataclass
+class KvTransferConfig:
+    """P/D: this engine's side of KV transfer (see ``remote_kv``)."""
+
+    role: str | None = None  # "producer" (prefill replica), "consumer" (decode replica), None
+    host: str = "127.0.0.1"  # address advertised to consumers in KV handles
+    port: int = 0  # UCX listener port; 0 picks a free one
+    lease_seconds: float = 30.0  # pinned blocks nobody pulls are freed after this
+    pull_timeout_seconds: float = 10.0
+    fallback: str = "recompute"  # on a failed pull: "recompute" locally, or "fail" the request
+
+
+@dataclass
 class EngineConfig:
     model: str
     dtype: str = "auto"  # "auto" (the checkpoint's), "bfloat16", "float16", "float32"
@@ -45,5 +57,6 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto", "torch", "triton"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_transfer: KvTransferConfig = field(default_factory=KvTransferConfig)
     # Stable identity of this engine instance (used in KV events and KV handles).
     engine_id: str = "engine-0"

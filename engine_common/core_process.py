@@ -37,6 +37,11 @@ class AbortRequests:
 
 
 @dataclass
+class ReleaseKv:
+    request_ids: list[str]
+
+
+@dataclass
 class Shutdown:
     pass
 
@@ -48,7 +53,7 @@ class CoreFailed:
     message: str
 
 
-CoreMessage = AddRequest | AbortRequests | Shutdown
+CoreMessage = AddRequest | AbortRequests | ReleaseKv | Shutdown
 
 
 def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection) -> None:
@@ -72,20 +77,27 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection)
             aborted = core.abort_requests(message.request_ids)
             if aborted:
                 outbox.send(EngineCoreOutputs(outputs=aborted))
+        elif isinstance(message, ReleaseKv):
+            core.release_kv(message.request_ids)
         elif isinstance(message, Shutdown):
             return False
         return True
 
     try:
         while True:
-            if not core.has_unfinished_requests():
-                if not handle(inbox.recv()):
+            if not core.has_unfinished_requests() and not core.has_pinned_kv():
+                if not handle(inbox.recv()):  # idle: block until there is work
                     return
             while inbox.poll():
                 if not handle(inbox.recv()):
                     return
-            if core.has_unfinished_requests():
-                outbox.send(core.step())
+            if not core.has_runnable_requests():
+                # Only KV transfers are pending (pulls in flight, or blocks pinned for a
+                # consumer): wait briefly for a message rather than spin, so the transport
+                # thread gets the CPU, then do the transfer housekeeping.
+                if inbox.poll(0.002 if core.has_unfinished_requests() else 0.05):
+                    continue
+            outbox.send(core.step())
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         return  # the parent is gone
 
@@ -128,6 +140,9 @@ class EngineCoreClient:
     def abort(self, request_ids: list[str]) -> None:
         if request_ids:
             self._send_queue.put(AbortRequests(request_ids))
+
+    def release_kv(self, request_ids: list[str]) -> None:
+        self._send_queue.put(ReleaseKv(request_ids))
 
     def _send_loop(self) -> None:
         while (message := self._send_queue.get()) is not None:

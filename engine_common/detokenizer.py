@@ -95,7 +95,7 @@ class IncrementalDetokenizer:
     def get_delta_text(self, finished: bool = False) -> str:
         """Text produced since the last call; with ``finished``, everything that is left."""
         if finished and not self.stopped:
-            pass
+            self._flush()
             self._held = 0
         end = max(self._emitted, len(self._text) - self._held)
         delta = self._text[self._emitted : end]

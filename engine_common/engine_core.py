@@ -18,7 +18,8 @@ from engine_common.kv_cache_manager import KVCacheManager
 from engine_common.model.arch_config import ModelArchConfig
 from engine_common.model_runner import ModelRunner
 from engine_common.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
-from engine_common.request import Request
+from engine_common.remote_kv import RemoteKv
+from engine_common.request import Request, RequestStatus
 from engine_common.sampling_params import SamplingParams
 from engine_common.scheduler import Scheduler
 from engine_common.tokenizer import eos_token_ids, load_tokenizer
@@ -37,6 +38,11 @@ class EngineInfo:
     num_blocks: int
     dtype: str
     vocab_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    kv_address: tuple[str, int] | None = None  # UCX listener of a prefill (producer) engine
+    kv_layout_fingerprint: str | None = None
 
 
 class EngineCore:
@@ -56,6 +62,9 @@ class EngineCore:
             enable_caching=config.cache.enable_prefix_caching,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self.remote_kv = (
+            RemoteKv(config.kv_transfer, self.model_runner.kv_cache, config.model, config.engine_id)
+            if config.kv_transfer.role is not None else None)
         self.info = EngineInfo(
             engine_id=config.engine_id,
             model=config.model,
@@ -64,6 +73,11 @@ class EngineCore:
             num_blocks=self.model_runner.num_blocks,
             dtype=str(self.model_runner.dtype).removeprefix("torch."),
             vocab_size=self.arch.vocab_size,
+            num_layers=self.arch.num_layers,
+            num_kv_heads=self.arch.num_kv_heads,
+            head_size=self.arch.head_size,
+            kv_address=self.remote_kv.address if self.remote_kv else None,
+            kv_layout_fingerprint=self.remote_kv.layout.fingerprint() if self.remote_kv else None,
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -80,6 +94,10 @@ class EngineCore:
         vocab = self.arch.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if request.hold_kv and (self.remote_kv is None or self.remote_kv.producer is None):
+            raise ValueError("this engine is not a KV producer (prefill role)")
+        if request.remote_prefill is not None and (self.remote_kv is None or self.remote_kv.consumer is None):
+            raise ValueError("this engine is not a KV consumer (decode role)")
         self.scheduler.add_request(
             Request(
                 request_id=request.request_id,
@@ -91,6 +109,8 @@ class EngineCore:
                 cache_salt=request.cache_salt,
                 max_model_len=self.max_model_len,
                 block_size=self.config.cache.block_size,
+                hold_kv=request.hold_kv,
+                remote_prefill=request.remote_prefill,
             )
         )
 
@@ -105,13 +125,56 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_runnable_requests(self) -> bool:
+        """Requests the scheduler can run now (not only waiting on a KV pull)."""
+        return bool(self.scheduler.running) or len(self.scheduler.waiting) > 0
+
+    def has_pinned_kv(self) -> bool:
+        """Blocks held for a consumer: the loop must keep checking releases and leases."""
+        return bool(self.scheduler.held)
+
+    def release_kv(self, request_ids: list[str]) -> None:
+        if self.remote_kv is not None:
+            for request_id in request_ids:
+                self.remote_kv.release(request_id)
+
+    def _transfer_housekeeping(self) -> list[EngineCoreOutput]:
+        """Free the blocks of ended leases; move finished pulls on."""
+        assert self.remote_kv is not None
+        for request_id in self.remote_kv.take_released():
+            self.scheduler.release_held(request_id)
+        outputs = []
+        for request, report in self.remote_kv.take_finished_pulls():
+            ok = report.fallback_reason is None
+            if not ok and self.config.kv_transfer.fallback == "fail" and \
+                    request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                self.scheduler.abort_requests([request.request_id])
+                self.scheduler.finish_remote_kv(request, ok=False)
+                outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="abort",
+                                                stop_reason=f"kv_transfer_failed:{report.fallback_reason}",
+                                                kv_transfer=report))
+                continue
+            if self.scheduler.finish_remote_kv(request, ok):
+                outputs.append(EngineCoreOutput(request.request_id, [], kv_transfer=report,
+                                                num_cached_tokens=max(request.num_cached_tokens, 0)))
+        return outputs
+
     def step(self) -> EngineCoreOutputs:
-        scheduler_output = self.scheduler.schedule()
         outputs: list[EngineCoreOutput] = []
+        if self.remote_kv is not None:
+            outputs.extend(self._transfer_housekeeping())
+        scheduler_output = self.scheduler.schedule()
+        if self.remote_kv is not None:
+            for pull in scheduler_output.pulls:
+                self.remote_kv.start_pull(pull.request, pull.block_ids, pull.num_local_blocks)
         if not scheduler_output.is_empty:
             sampled = self.model_runner.execute(scheduler_output)
-            outputs = self.scheduler.update_from_output(scheduler_output, sampled)
+            outputs.extend(self.scheduler.update_from_output(scheduler_output, sampled))
             self.model_runner.release([o.request_id for o in outputs if o.finished])
+        for request, output in self.scheduler.take_to_pin():
+            assert self.remote_kv is not None
+            output.kv_handle = self.remote_kv.pin(
+                request, self.kv_cache_manager.get_block_ids(request.request_id))
         return EngineCoreOutputs(
             outputs=outputs,
             stats=self.scheduler.make_stats(),

@@ -47,6 +47,8 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching, enable_kv_events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # The same blocks' ids, kept alongside because the scheduler asks every step.
+        self.req_to_block_ids: dict[str, list[int]] = {}
         # How many leading blocks of each request were already offered to the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
@@ -90,6 +92,7 @@ class KVCacheManager:
         new_computed_blocks: Sequence[KVCacheBlock] = (),
         num_new_computed_tokens: int = 0,
         num_reserved_blocks: int = 0,
+        delay_caching: bool = False,
     ) -> list[KVCacheBlock] | None:
         """Give ``request`` room for ``num_new_tokens`` more tokens this step.
 
@@ -97,7 +100,9 @@ class KVCacheManager:
         ``get_computed_blocks`` (only for a request that holds no blocks yet). At least
         ``num_reserved_blocks`` blocks must stay free afterwards (the admission watermark).
         Returns the newly allocated blocks (possibly none), or None, changing nothing, when
-        the pool is too small. Then registers the blocks this step fills in the prefix cache.
+        the pool is too small. Then registers the blocks this step fills in the prefix cache,
+        unless ``delay_caching`` (their KV comes from elsewhere later: call ``cache_blocks``
+        once it has arrived).
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be non-negative, got {num_new_tokens}")
@@ -128,37 +133,58 @@ class KVCacheManager:
 
         if req_blocks is None:
             req_blocks = self.req_to_blocks[request_id] = []
+            self.req_to_block_ids[request_id] = []
             self.num_cached_blocks[request_id] = 0
+        block_ids = self.req_to_block_ids[request_id]
         if new_computed_blocks:
             pool.touch(new_computed_blocks)
             req_blocks.extend(new_computed_blocks)
+            block_ids.extend(block.block_id for block in new_computed_blocks)
             # Prefix hits are in the cache already.
             self.num_cached_blocks[request_id] = len(req_blocks)
-        new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
-        req_blocks.extend(new_blocks)
+        if num_new_blocks:
+            new_blocks = pool.get_new_blocks(num_new_blocks)
+            req_blocks.extend(new_blocks)
+            block_ids.extend(block.block_id for block in new_blocks)
+        else:
+            new_blocks = []
 
-        if self.enable_caching:
-            # Only tokens already known (in all_token_ids) have hashes; the rest of a step's
-            # slots are for tokens not sampled yet.
-            num_full_blocks = min(num_required_tokens, request.num_tokens) // self.block_size
-            num_cached = self.num_cached_blocks[request_id]
-            if num_full_blocks > num_cached:
-                pool.cache_full_blocks(
-                    req_blocks,
-                    request.block_hashes,
-                    num_cached,
-                    num_full_blocks,
-                    request.all_token_ids,
-                    self.block_size,
-                )
-                self.num_cached_blocks[request_id] = num_full_blocks
+        if not delay_caching:
+            self.cache_blocks(request, num_required_tokens)
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's full blocks within its first ``num_computed_tokens`` tokens
+        in the prefix cache (those not registered yet)."""
+        if not self.enable_caching:
+            return
+        request_id = request.request_id
+        num_cached = self.num_cached_blocks.get(request_id)
+        if num_cached is None:
+            return  # holds no blocks
+        # Only tokens already known (in all_token_ids) have hashes; the rest of a step's
+        # slots are for tokens not sampled yet.
+        blocks = self.req_to_blocks[request_id]
+        num_full_blocks = min(
+            min(num_computed_tokens, request.num_tokens) // self.block_size, len(blocks)
+        )
+        if num_full_blocks > num_cached:
+            self.block_pool.cache_full_blocks(
+                blocks,
+                request.block_hashes,
+                num_cached,
+                num_full_blocks,
+                request.all_token_ids,
+                self.block_size,
+            )
+            self.num_cached_blocks[request_id] = num_full_blocks
 
     def free(self, request: Request) -> None:
         """Release every block of a finished, aborted or preempted request (tail first, so the
         tail is evicted first). A request holding nothing is a no-op."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
+        self.req_to_block_ids.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 
@@ -166,7 +192,8 @@ class KVCacheManager:
         return self.req_to_blocks.get(request_id, [])
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+        """A copy: the caller may keep it while the request grows."""
+        return list(self.req_to_block_ids.get(request_id, ()))
 
     def take_events(self) -> list[KVEvent]:
         return self.block_pool.take_events()

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 from engine_common.detokenizer import IncrementalDetokenizer
 from engine_common.metrics import EngineMetrics
-from engine_common.outputs import EngineCoreOutputs
+from engine_common.outputs import EngineCoreOutputs, KvTransferReport
 from engine_common.sampler import TokenLogprobs
 from engine_common.sampling_params import SamplingParams
+from kv_transfer.connector import KvHandle
 
 
 @dataclass
@@ -32,6 +33,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    kv_handle: KvHandle | None = None
+    kv_transfer: KvTransferReport | None = None
 
 
 @dataclass
@@ -102,6 +105,8 @@ class OutputProcessor:
                     num_prompt_tokens=state.num_prompt_tokens,
                     num_output_tokens=state.num_output_tokens,
                     num_cached_tokens=out.num_cached_tokens,
+                    kv_handle=out.kv_handle,
+                    kv_transfer=out.kv_transfer,
                 )
             )
             if finished:

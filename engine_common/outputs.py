@@ -9,7 +9,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kv_transfer.connector import KvHandle
+
 from engine_common.sampler import TokenLogprobs
+
+
+@dataclass
+class RemotePrefill:
+    """On a decode replica: where the prompt's KV is and the token its prefill sampled."""
+
+    handle: KvHandle
+    first_token_id: int
+
+
+@dataclass
+class KvTransferReport:
+    """How a decode replica got a request's prompt KV."""
+
+    prefill_engine_id: str
+    blocks_pulled: int = 0
+    blocks_local: int = 0  # prompt blocks this replica already had in its prefix cache
+    num_bytes: int = 0
+    seconds: float = 0.0
+    fallback_reason: str | None = None  # set when the prompt was recomputed here instead
 
 
 @dataclass
@@ -22,6 +44,8 @@ class EngineCoreRequest:
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    hold_kv: bool = False
+    remote_prefill: RemotePrefill | None = None
 
 
 @dataclass
@@ -33,6 +57,8 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    kv_handle: KvHandle | None = None  # prefill side: the pinned blocks, at finish
+    kv_transfer: KvTransferReport | None = None  # decode side: once the prompt KV is in
 
     @property
     def finished(self) -> bool:

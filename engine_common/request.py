@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine_common.block_hash import BlockHash, hash_block_tokens
+from engine_common.outputs import RemotePrefill
 from engine_common.sampling_params import SamplingParams
 
 
@@ -53,6 +54,10 @@ class Request:
     cache_salt: str | None = None
     max_model_len: int = 1 << 30
     block_size: int = 16
+    # P/D: on a prefill replica, keep the blocks pinned for a decode replica after the
+    # first token; on a decode replica, the prompt's KV comes from ``remote_prefill``.
+    hold_kv: bool = False
+    remote_prefill: RemotePrefill | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -68,6 +73,9 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         self._update_block_hashes()
+        if self.remote_prefill is not None:
+            # The prefill replica sampled the first token; its KV is computed here.
+            self.append_output_token(self.remote_prefill.first_token_id)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -39,9 +39,19 @@ class ScheduledRequest:
 
 
 @dataclass
+class RemoteKvPull:
+    """A decode-side request whose prompt blocks are allocated and must now be pulled."""
+
+    request: Request
+    block_ids: list[int]
+    num_local_blocks: int  # leading blocks that were prefix-cache hits here
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    pulls: list[RemoteKvPull] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -108,6 +118,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
+        # P/D, decode side: prompt blocks allocated, KV being pulled (WAITING_FOR_REMOTE_KV).
+        self.receiving: dict[str, Request] = {}
+        # P/D, prefill side: finished requests whose blocks stay pinned for a decode replica.
+        self.held: dict[str, Request] = {}
+        self._to_pin: list[tuple[Request, EngineCoreOutput]] = []
         self._num_preemptions_since_report = 0
         self._watermark_blocks = int(config.watermark * kv_cache_manager.num_blocks)
 
@@ -124,6 +139,12 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status.is_finished:
                 continue
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                # A pull may still be writing into its blocks: they are freed when the
+                # pull ends (finish_remote_kv), never before.
+                request.status = RequestStatus.FINISHED_ABORTED
+                aborted.append(request)
+                continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             else:
@@ -134,7 +155,34 @@ class Scheduler:
         return aborted
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.receiving)
+
+    # ------------------------------------------------------------------ P/D
+    def finish_remote_kv(self, request: Request, ok: bool) -> bool:
+        """A pull ended. On success the prompt is computed; otherwise the blocks stay and the
+        prompt is recomputed from the local prefix hits on. Returns False when the request
+        was aborted meanwhile (its blocks are freed now)."""
+        del self.receiving[request.request_id]
+        if request.status == RequestStatus.FINISHED_ABORTED:
+            self.kv_cache_manager.free(request)
+            self.requests.pop(request.request_id, None)
+            return False
+        if ok:
+            request.num_computed_tokens = request.num_prompt_tokens
+            self.kv_cache_manager.cache_blocks(request, request.num_prompt_tokens)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return True
+
+    def take_to_pin(self) -> list[tuple[Request, EngineCoreOutput]]:
+        """Finished prefill-side requests whose blocks the core must pin for a consumer."""
+        to_pin, self._to_pin = self._to_pin, []
+        return to_pin
+
+    def release_held(self, request_id: str) -> None:
+        request = self.held.pop(request_id, None)
+        if request is not None:
+            self.kv_cache_manager.free(request)
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
@@ -174,9 +222,14 @@ class Scheduler:
 
         # 2. WAITING requests, unless this step had to preempt (no room to admit anyone).
         if not out.preempted_request_ids:
-            while len(self.waiting) > 0 and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            while (len(self.waiting) > 0 and budget > 0
+                   and len(self.running) + len(self.receiving) < self.config.max_num_seqs):
                 request = self.waiting.peek()
                 computed_blocks, num_computed = kv.get_computed_blocks(request)
+                if request.remote_prefill is not None and request.num_preemptions == 0:
+                    if not self._admit_remote(request, computed_blocks, num_computed, out):
+                        break
+                    continue
                 num_new = self._cap_new_tokens(request, request.num_tokens - num_computed, budget)
                 if not self.config.enable_chunked_prefill and num_new < request.num_tokens - num_computed:
                     break
@@ -200,6 +253,27 @@ class Scheduler:
                 out.scheduled.append(ScheduledRequest(request, num_new, kv.get_block_ids(request.request_id)))
                 budget -= num_new
         return out
+
+    def _admit_remote(self, request: Request, computed_blocks: list, num_computed: int,
+                      out: SchedulerOutput) -> bool:
+        """Allocate a decode-side request's prompt blocks and queue the pull of those the
+        prefix cache does not already hold here. Takes no token budget: nothing is computed.
+        The blocks enter the prefix cache only once their KV has arrived."""
+        kv = self.kv_cache_manager
+        if kv.allocate_slots(
+            request, request.num_prompt_tokens - num_computed, new_computed_blocks=computed_blocks,
+            num_new_computed_tokens=num_computed, num_reserved_blocks=self._watermark_blocks,
+            delay_caching=True,
+        ) is None:
+            return False
+        self.waiting.pop()
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        request.num_computed_tokens = num_computed
+        request.num_cached_tokens = num_computed
+        self.receiving[request.request_id] = request
+        out.pulls.append(RemoteKvPull(request, kv.get_block_ids(request.request_id),
+                                      num_computed // kv.block_size))
+        return True
 
     def _cap_new_tokens(self, request: Request, remaining: int, budget: int) -> int:
         threshold = self.config.long_prefill_token_threshold
@@ -249,9 +323,14 @@ class Scheduler:
             )
             if finished:
                 self.running.remove(request)
-                self._free(request)
                 output.finish_reason = request.status.finish_reason
                 output.stop_reason = request.stop_reason
+                if request.hold_kv and request.status == RequestStatus.FINISHED_LENGTH:
+                    del self.requests[request.request_id]
+                    self.held[request.request_id] = request
+                    self._to_pin.append((request, output))
+                else:
+                    self._free(request)
             outputs.append(output)
         return outputs
 

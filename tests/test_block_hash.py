@@ -89,7 +89,9 @@ def test_prompt_blocks_equal_blockwise_chain_and_request(
         expected.append(parent)
     assert hash_prompt_blocks(tokens, block_size, keys) == expected
     if tokens:
-        req = Request("r", tokens, SamplingParams(max_tokens=4), cache_salt=salt, block_size=block_size)
+        req = Request(
+            "r", tokens, SamplingParams(max_tokens=4), cache_salt=salt, block_size=block_size
+        )
         assert req.block_hashes == expected
 
 

@@ -102,7 +102,9 @@ def test_cache_full_blocks_records_stored_with_parent_and_tokens() -> None:
     assert [pool.get_cached_block(h) for h in hashes] == blocks[:2]
     assert blocks[2].block_hash is None
     assert pool.take_events() == [
-        BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=tokens[:8], block_size=BS)
+        BlockStored(
+            block_hashes=hashes, parent_block_hash=None, token_ids=tokens[:8], block_size=BS
+        )
     ]
     assert pool.take_events() == []
     # Later blocks of the same request chain to the last cached one.

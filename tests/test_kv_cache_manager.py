@@ -28,7 +28,9 @@ BS = 4
 def make_request(
     rid: str, prompt: list[int], max_tokens: int = 16, salt: str | None = None
 ) -> Request:
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), cache_salt=salt, block_size=BS)
+    return Request(
+        rid, prompt, SamplingParams(max_tokens=max_tokens), cache_salt=salt, block_size=BS
+    )
 
 
 def run_prefill(kv: KVCacheManager, req: Request) -> int:
@@ -128,6 +130,31 @@ def test_chunked_prefill_caches_only_computed_blocks() -> None:
     assert len(kv.block_pool.cached_block_hash_to_block) == 3
 
 
+def test_delayed_caching_registers_blocks_only_when_asked() -> None:
+    # P/D decode side: the prompt's KV arrives from a prefill replica after allocation.
+    kv = KVCacheManager(num_blocks=8, block_size=BS, max_model_len=64)
+    run_prefill(kv, make_request("local", list(range(4)) + [9]))
+    kv.take_events()
+    req = make_request("remote", list(range(13)))
+    hits, n = kv.get_computed_blocks(req)
+    assert n == 4
+    new = kv.allocate_slots(req, req.num_tokens - n, hits, n, delay_caching=True)
+    assert new is not None and len(new) == 3
+    assert kv.take_events() == [] and len(kv.block_pool.cached_block_hash_to_block) == 1
+    assert kv.get_computed_blocks(make_request("peek", list(range(13))))[1] == 4
+    kv.cache_blocks(req, req.num_tokens)  # the pull finished
+    [stored] = kv.take_events()
+    assert isinstance(stored, BlockStored)
+    assert (
+        stored.block_hashes == req.block_hashes[1:3]
+        and stored.parent_block_hash == req.block_hashes[0]
+    )
+    assert kv.get_computed_blocks(make_request("peek", list(range(13))))[1] == 12
+    kv.cache_blocks(req, req.num_tokens)  # idempotent
+    kv.cache_blocks(make_request("nobody", list(range(13))), 13)  # holds nothing: no-op
+    assert kv.take_events() == []
+
+
 def test_allocation_failure_changes_nothing_and_watermark_is_respected() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=BS, max_model_len=64)
     a = make_request("a", list(range(8)))
@@ -185,7 +212,7 @@ def test_reset_and_bad_arguments() -> None:
 
 # ---- stateful property test ---------------------------------------------------------------
 
-NUM_BLOCKS = 10
+NUM_BLOCKS = 8
 MAX_MODEL_LEN = 40
 # A few shared stems so that prompts share prefixes often.
 STEMS = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5]]
@@ -242,6 +269,9 @@ class KVCacheMachine(RuleBasedStateMachine):
             req.append_output_token(req.num_tokens % 3)
 
     @rule(req=requests, chunk=st.integers(1, 12), reserved=st.integers(0, 2))
+    def step_one(self, req: Request, chunk: int, reserved: int) -> None:
+        self.step(req, chunk, reserved)
+
     def step(self, req: Request, chunk: int, reserved: int) -> None:
         """Schedule one step of ``req``: admit it (with prefix hits) if it holds no blocks,
         else continue its prefill or decode. Out of blocks: a running request is preempted."""
@@ -254,7 +284,9 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert num_hit_tokens < req.num_tokens
             num_new = min(chunk, req.num_tokens - num_hit_tokens)
             free_before = kv.num_free_blocks
-            new = kv.allocate_slots(req, num_new, hits, num_hit_tokens, num_reserved_blocks=reserved)
+            new = kv.allocate_slots(
+                req, num_new, hits, num_hit_tokens, num_reserved_blocks=reserved
+            )
             if new is None:
                 assert kv.num_free_blocks == free_before and not kv.get_blocks(req.request_id)
                 return
@@ -271,6 +303,12 @@ class KVCacheMachine(RuleBasedStateMachine):
             req.num_preemptions += 1
             return
         self._compute(req, num_new)
+
+    @rule(chunk=st.integers(1, 12))
+    def schedule_all(self, chunk: int) -> None:
+        """One engine step over every live request, oldest first."""
+        for req in list(self.live.values()):
+            self.step(req, chunk, reserved=0)
 
     @rule(req=consumes(requests))
     def finish_or_abort(self, req: Request) -> None:
@@ -298,6 +336,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert rid in self.live
             req = self.live[rid]
             assert len({b.block_id for b in blocks}) == len(blocks)
+            assert self.kv.get_block_ids(rid) == [b.block_id for b in blocks]
             for i, block in enumerate(blocks):
                 holders[block.block_id] = holders.get(block.block_id, 0) + 1
                 # A cached block a request holds at position i holds that request's block i.
@@ -310,6 +349,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             if block.block_hash is not None:
                 assert pool.cached_block_hash_to_block[block.block_hash] is block
         assert len(free_ids) + len(holders) == NUM_BLOCKS
+        assert self.kv.req_to_block_ids.keys() == self.kv.req_to_blocks.keys()
         for block_hash, block in pool.cached_block_hash_to_block.items():
             assert block.block_hash == block_hash
 

@@ -115,10 +115,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin().to(dtype=dtype, device=device), persistent=False)
         self.half_size = arch.head_size // 2
 
-    def forward(self, positions: torch.Tensor, qk: torch.Tensor) -> None:
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for ``positions``, [num_tokens, 1, head_size // 2]; looked up once per
+        step and shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def rotate_(self, qk: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Rotates ``qk`` [num_tokens, num_heads, head_size] in place."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = cos_sin
         x1 = qk[..., : self.half_size]
         x2 = qk[..., self.half_size :]
         first = x1 * cos - x2 * sin
@@ -150,8 +154,8 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
         rotary: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
@@ -159,7 +163,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         # q and k are adjacent in the fused output, so one rotary pass covers both.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_size)
-        rotary(positions, qk)
+        rotary.rotate_(qk, cos_sin)
         query = qk[:, : self.num_heads]
         key = qk[:, self.num_heads :]
         value = qkv[:, self.q_size + self.kv_size :].view(num_tokens, -1, self.head_size)
@@ -200,12 +204,12 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
         rotary: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(hidden), positions, rotary, kv_cache, metadata)
+        attn = self.self_attn(self.input_layernorm(hidden), rotary, cos_sin, kv_cache, metadata)
         hidden = hidden + attn
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -234,8 +238,9 @@ class LlamaModel(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions)
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, positions, self.rotary, kv_cache[i], metadata)
+            hidden = layer(hidden, self.rotary, cos_sin, kv_cache[i], metadata)
         return self.norm(hidden)
 
 

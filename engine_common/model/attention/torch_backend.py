@@ -1,12 +1,24 @@
 """Paged attention in plain PyTorch: the CPU backend.
 
-Owns writing a step's K/V into the paged cache and attending over it with PyTorch ops.
-Decode sequences (one query token) of a step are attended together: their contexts are
-gathered from the block tables into one padded batch and masked, one SDPA call per layer,
-with grouped-query attention done by folding each KV head's query heads into the query
-length (no repeated K/V). Sequences with several query tokens (prefill, chunked prefill,
-prefix-cache hits) are attended one at a time with a causal mask offset by the part of the
-context already cached. It does not own the cache tensor or the block tables.
+Owns writing a step's K/V into the paged cache and attending over it with PyTorch ops. It
+does not own the cache tensor or the block tables.
+
+Decode sequences (one query token) of a step are attended together: their blocks are
+gathered from the block tables into one padded batch (into a reused workspace, since fresh
+multi-megabyte buffers cost page faults every layer) and padding is masked. With few KV
+heads, the scores of all query heads against all KV heads come from one batched matmul and
+the matching (query head, KV head) pairs are kept: ``num_kv_heads`` times the useful FLOPs,
+but one well-shaped GEMM per sequence beats ``batch * num_kv_heads`` tiny ones (or SDPA's
+per-head blocking) on CPU by 1.5-2x, and no K/V is repeated. With many KV heads that waste
+grows, so those models use one SDPA call with each KV head's query heads folded into the
+query length.
+
+Sequences with several query tokens (prefill, chunked prefill, prefix-cache hits) are
+attended one at a time with SDPA and a causal mask offset by the cached prefix.
+
+Padding positions read cache slots that no sequence of the step wrote; the cache must hold
+finite values there (the model runner allocates it with zeros), since a NaN times a zero
+attention weight is still NaN.
 """
 
 from __future__ import annotations
@@ -18,15 +30,22 @@ import torch.nn.functional as F
 
 from engine_common.model.attention.backend import AttentionBackend, AttentionMetadata
 
+# Up to this many KV heads, decode computes scores against all KV heads in one matmul.
+_MAX_KV_HEADS_FOR_DENSE_DECODE = 4
+
 
 @dataclass
 class _DecodePlan:
     # [num_decode] token indices in the step's flat batch; None when every token decodes.
     token_indices: torch.Tensor | None
-    # [num_decode, num_context_blocks] int64 block ids.
-    block_tables: torch.Tensor
-    # [num_decode, 1, 1, num_context_blocks * block_size] True where a key is in context.
+    # [num_decode * num_context_blocks] block ids, row by row.
+    block_ids: torch.Tensor
+    # Padded context length: num_context_blocks * block_size.
+    context_len: int
+    # [num_decode, 1, 1, context_len] True where a key is in the sequence's context.
     mask: torch.Tensor
+    # The same mask as float32 0 / -inf, added to the scores.
+    mask_bias: torch.Tensor
 
 
 @dataclass
@@ -52,9 +71,12 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float):
         super().__init__(num_heads, num_kv_heads, head_size, scale)
         self.num_queries_per_kv = num_heads // num_kv_heads
+        self.dense_decode = num_kv_heads <= _MAX_KV_HEADS_FOR_DENSE_DECODE
         # Every layer of a step shares the same plan; it is rebuilt when the metadata changes.
         self._planned_for: AttentionMetadata | None = None
         self._plan: _StepPlan | None = None
+        # Reused buffers for gathered K and V (layers run one after another).
+        self._gather_workspace: torch.Tensor | None = None
 
     def forward(
         self,
@@ -87,22 +109,62 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode(
         self,
-        query: torch.Tensor,  # [num_decode, num_heads, head_size]
+        query: torch.Tensor,  # [batch, num_heads, head_size]
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
         v_cache: torch.Tensor,
         plan: _DecodePlan,
     ) -> torch.Tensor:
-        batch = query.shape[0]
-        # [batch, blocks, block_size, kv_heads, head] -> [batch, kv_heads, context, head]
-        keys = k_cache[plan.block_tables].flatten(1, 2).transpose(1, 2)
-        values = v_cache[plan.block_tables].flatten(1, 2).transpose(1, 2)
-        # Query heads h = kv * group + g share KV head kv (HF's repeat_kv order), so the
-        # group becomes SDPA's query length and K/V are used once per KV head.
-        grouped = query.view(batch, self.num_kv_heads, self.num_queries_per_kv, self.head_size)
-        out = F.scaled_dot_product_attention(
-            grouped, keys, values, attn_mask=plan.mask, scale=self.scale
-        )
-        return out.view(batch, self.num_heads, self.head_size)
+        batch, context = query.shape[0], plan.context_len
+        keys, values = self._gather(k_cache, v_cache, plan.block_ids)
+        kv_heads, group, head_size = self.num_kv_heads, self.num_queries_per_kv, self.head_size
+        if not self.dense_decode:
+            # [batch, context, kv_heads, head] viewed as [batch, kv_heads, context, head]; the
+            # query heads of one KV head (h = kv * group + g, HF's repeat_kv order) become
+            # SDPA's query length, so K/V are not repeated.
+            shape = (batch, context, kv_heads, head_size)
+            out = F.scaled_dot_product_attention(
+                query.view(batch, kv_heads, group, head_size),
+                keys.view(shape).transpose(1, 2),
+                values.view(shape).transpose(1, 2),
+                attn_mask=plan.mask,
+                scale=self.scale,
+            )
+            return out.view(batch, self.num_heads, head_size)
+        keys = keys.view(batch, context * kv_heads, head_size)
+        values = values.view(batch, context * kv_heads, head_size)
+        # [batch, heads, context * kv_heads]: every query head against every KV head; keep
+        # the pairs where the query head's KV head is the key's KV head.
+        all_pairs = torch.bmm(query, keys.transpose(1, 2))
+        all_pairs = all_pairs.view(batch, kv_heads, group, context, kv_heads)
+        scores = all_pairs.diagonal(dim1=1, dim2=4)  # [batch, group, context, kv_heads]
+        scores = scores.permute(0, 3, 1, 2)  # [batch, kv_heads, group, context]
+        probs = torch.softmax(scores.float() * self.scale + plan.mask_bias, dim=-1)
+        # Back to the all-pairs layout with zero weight on the other KV heads' values.
+        weights = torch.zeros_like(all_pairs)
+        weights.diagonal(dim1=1, dim2=4).copy_(probs.permute(0, 2, 3, 1))
+        out = torch.bmm(weights.view(batch, self.num_heads, context * kv_heads), values)
+        return out
+
+    def _gather(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the given blocks, [len(block_ids), block_size * kv_heads * head_size]."""
+        row = k_cache[0].numel()
+        size = block_ids.numel() * row
+        workspace = self._gather_workspace
+        if (
+            workspace is None
+            or workspace.shape[1] < size
+            or workspace.dtype != k_cache.dtype
+            or workspace.device != k_cache.device
+        ):
+            workspace = torch.empty((2, size), dtype=k_cache.dtype, device=k_cache.device)
+            self._gather_workspace = workspace
+        keys = workspace[0, :size].view(-1, row)
+        values = workspace[1, :size].view(-1, row)
+        torch.index_select(k_cache.view(-1, row), 0, block_ids, out=keys)
+        torch.index_select(v_cache.view(-1, row), 0, block_ids, out=values)
+        return keys, values
 
     def _prefill(
         self,
@@ -176,12 +238,17 @@ class TorchAttentionBackend(AttentionBackend):
             # A decode sequence's query token sits at its query start.
             token_indices = metadata.query_start_loc.index_select(0, rows).long()
         num_context_blocks = -(-context // block_size)
-        positions = torch.arange(num_context_blocks * block_size, device=device)
-        mask = positions[None, :] < seq_lens[:, None]
+        context_len = num_context_blocks * block_size
+        in_context = torch.arange(context_len, device=device)[None, :] < seq_lens[:, None]
+        mask = in_context[:, None, None, :]
+        mask_bias = torch.zeros(mask.shape, dtype=torch.float32, device=device)
+        mask_bias.masked_fill_(~mask, float("-inf"))
         return _DecodePlan(
             token_indices=token_indices,
-            block_tables=block_tables[:, :num_context_blocks].long(),
-            mask=mask[:, None, None, :],
+            block_ids=block_tables[:, :num_context_blocks].flatten().long(),
+            context_len=context_len,
+            mask=mask,
+            mask_bias=mask_bias,
         )
 
     @staticmethod

@@ -143,7 +143,7 @@ def _decode_split_kernel(
         )
     else:
         # An empty split leaves output 0 and lse -inf: weight zero in the merge.
-        lse = tl.where(has_keys, m_i + tl.log2(l_i), float("-inf"))
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(
             partial_out_ptr
             + seq.to(tl.int64) * stride_part_seq

@@ -33,11 +33,22 @@ def is_interpreted(kernel: object) -> bool:
 
 
 def check_launchable(kernel: object, tensor: torch.Tensor) -> None:
-    """Fails clearly when a compiled kernel is about to be handed CPU tensors."""
-    if tensor.device.type != "cuda" and not is_interpreted(kernel):
+    """Fails clearly where a launch would otherwise fail obscurely.
+
+    A compiled kernel cannot take CPU tensors; an interpreted kernel cannot call Triton's
+    own jit library (tl.zeros, tl.max, ...) if triton itself was imported before
+    TRITON_INTERPRET=1 was set.
+    """
+    if is_interpreted(kernel):
+        if not is_interpreted(tl.zeros):
+            raise RuntimeError(
+                "TRITON_INTERPRET=1 was set after triton was imported; set it before any "
+                "import of triton (transformers and torch extensions import it too)"
+            )
+    elif tensor.device.type != "cuda":
         raise RuntimeError(
             "Triton attention kernels need CUDA tensors, or TRITON_INTERPRET=1 set before "
-            "engine_common.model.attention.triton_kernels is first imported"
+            "triton is first imported"
         )
 
 

@@ -1,0 +1,1 @@
+"""How Tandem starts: the local supervisor (`tandem up`), Envoy and Kubernetes configuration."""

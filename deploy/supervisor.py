@@ -1,0 +1,176 @@
+"""The local supervisor behind `tandem up`: start a suite of processes, watch, stop.
+
+Owns the process plan (which replicas, gateway and Envoy to start on which ports), starting
+them in their own process groups with their output in log files, waiting until each answers
+``grpc.health.v1`` SERVING, and stopping all of them cleanly (SIGTERM, then SIGKILL after a
+grace period) on Ctrl-C, SIGTERM, or when one of them dies. It does not own what the
+processes do: each is a normal `python -m ...` entry point.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+@dataclass
+class ProcessSpec:
+    name: str
+    argv: list[str]
+    grpc_target: str | None  # checked for health; None: a process without gRPC health
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class SuiteConfig:
+    model: str | None = None  # None: the default model
+    num_prefill: int = 1
+    num_decode: int = 1
+    num_both: int = 0
+    host: str = "127.0.0.1"
+    base_port: int = 50100  # replicas take base_port, base_port + 1, ...
+    gateway_port: int = 50051
+    metrics_base_port: int = 9100
+    kv_cache_memory: str = "512MiB"
+    gateway: bool = True
+    envoy: bool = False
+    envoy_http_port: int = 8080
+    extra_replica_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Suite:
+    specs: list[ProcessSpec]
+    endpoints: dict[str, str]
+
+
+def plan_suite(cfg: SuiteConfig) -> Suite:
+    py = sys.executable
+    specs: list[ProcessSpec] = []
+    endpoints: dict[str, str] = {}
+    replica_targets = []
+    roles = ["prefill"] * cfg.num_prefill + ["decode"] * cfg.num_decode + ["both"] * cfg.num_both
+    if not roles:
+        raise ValueError("the suite needs at least one replica")
+    model_args = ["--model", cfg.model] if cfg.model else []
+    for i, role in enumerate(roles):
+        port = cfg.base_port + i
+        name = f"{role}-{i}"
+        target = f"{cfg.host}:{port}"
+        replica_targets.append(target)
+        specs.append(ProcessSpec(
+            name=name,
+            argv=[py, "-m", "services.replica", *model_args, "--role", role, "--host", cfg.host,
+                  "--port", str(port), "--metrics-port", str(cfg.metrics_base_port + i),
+                  "--engine-id", name, "--kv-cache-memory", cfg.kv_cache_memory,
+                  *cfg.extra_replica_args],
+            grpc_target=target,
+        ))
+        endpoints[f"replica {name} (gRPC)"] = target
+        endpoints[f"replica {name} (metrics)"] = f"http://{cfg.host}:{cfg.metrics_base_port + i}/metrics"
+    if cfg.gateway:
+        gw_target = f"{cfg.host}:{cfg.gateway_port}"
+        replica_flags = [arg for t in replica_targets for arg in ("--replica", t)]
+        specs.append(ProcessSpec(
+            name="gateway",
+            argv=[py, "-m", "gateway", *model_args, "--host", cfg.host, "--port", str(cfg.gateway_port),
+                  "--metrics-port", str(cfg.metrics_base_port + len(roles)), *replica_flags],
+            grpc_target=gw_target,
+        ))
+        endpoints["gateway (gRPC, tandem.v1.Generation)"] = gw_target
+    if cfg.envoy:
+        upstream = f"{cfg.host}:{cfg.gateway_port}" if cfg.gateway else replica_targets[0]
+        specs.append(ProcessSpec(
+            name="envoy",
+            argv=[py, "-m", "deploy.envoy_runner", "--http-port", str(cfg.envoy_http_port),
+                  "--upstream", upstream],
+            grpc_target=None,
+        ))
+        endpoints["envoy (HTTP, OpenAI-compatible)"] = f"http://{cfg.host}:{cfg.envoy_http_port}/v1"
+    return Suite(specs, endpoints)
+
+
+def wait_serving(target: str, deadline: float) -> None:
+    """Block until ``target`` answers SERVING, or raise TimeoutError at ``deadline``."""
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{target} did not become healthy in time")
+            time.sleep(0.2)
+
+
+class Supervisor:
+    def __init__(self, suite: Suite, log_dir: Path):
+        self.suite = suite
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, timeout: float = 300.0) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for spec in self.suite.specs:
+            log = open(self.log_dir / f"{spec.name}.log", "wb")  # noqa: SIM115 - owned by the child
+            self.procs[spec.name] = subprocess.Popen(
+                spec.argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **spec.env},
+                start_new_session=True)
+        deadline = time.monotonic() + timeout
+        for spec in self.suite.specs:
+            if spec.grpc_target is None:
+                continue
+            while True:
+                self.check_alive()
+                try:
+                    wait_serving(spec.grpc_target, min(deadline, time.monotonic() + 2))
+                    break
+                except TimeoutError:
+                    if time.monotonic() > deadline:
+                        raise
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{name} exited with code {proc.returncode}; its log ends:\n{tail}")
+
+    def stop(self, grace: float = 15.0) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def serve_forever(self) -> None:
+        """Wait until Ctrl-C or SIGTERM, or until a process dies; then stop everything."""
+        stop = False
+
+        def on_signal(signum: int, _frame: object) -> None:
+            nonlocal stop
+            stop = True
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        try:
+            while not stop:
+                self.check_alive()
+                time.sleep(0.5)
+        finally:
+            self.stop()

