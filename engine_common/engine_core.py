@@ -164,6 +164,7 @@ class EngineCore:
         if self.remote_kv is not None:
             outputs.extend(self._transfer_housekeeping())
         scheduler_output = self.scheduler.schedule()
+        outputs.extend(self.scheduler.take_finished_unscheduled())
         if self.remote_kv is not None:
             for pull in scheduler_output.pulls:
                 self.remote_kv.start_pull(pull.request, pull.block_ids, pull.num_local_blocks)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine_common.config import CacheConfig
-from engine_common.outputs import SchedulerStats
+from engine_common.outputs import KvTransferReport, SchedulerStats
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -64,6 +64,21 @@ class EngineMetrics:
             "vllm:request_success", "Finished requests by reason.", [*names, "finished_reason"],
             registry=reg)
         self._labels = labels
+        # P/D KV transfer (Tandem's own).
+        self.kv_transfer_bytes = counter(
+            "tandem:kv_transfer_bytes", "KV bytes pulled from prefill replicas.")
+        self.kv_transfer_seconds = histogram(
+            "tandem:kv_transfer_seconds", "Duration of one KV pull.", _ITL_BUCKETS)
+        self.kv_transfer_blocks_local = counter(
+            "tandem:kv_transfer_blocks_local",
+            "Prompt blocks a decode replica already held and did not pull.")
+        self.kv_transfer_fallbacks = counter(
+            "tandem:kv_transfer_fallbacks", "Requests whose prompt was recomputed after a failed pull.")
+        self._kv_transfer_failures = Counter(
+            "tandem:kv_transfer_failures", "Failed KV pulls by reason.", [*names, "reason"],
+            registry=reg)
+        self.kv_pinned_blocks = gauge(
+            "tandem:kv_pinned_blocks", "Blocks a prefill replica holds for decode replicas.")
 
     def set_cache_config(self, cache: CacheConfig, num_blocks: int) -> None:
         info = {
@@ -81,6 +96,16 @@ class EngineMetrics:
         self.prefix_cache_queries.inc(stats.prefix_cache_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits)
         self.num_preemptions.inc(stats.num_preemptions)
+        self.kv_pinned_blocks.set(stats.num_pinned_blocks)
+
+    def record_kv_transfer(self, report: KvTransferReport) -> None:
+        self.kv_transfer_blocks_local.inc(report.blocks_local)
+        if report.fallback_reason is not None:
+            self._kv_transfer_failures.labels(**self._labels, reason=report.fallback_reason).inc()
+            self.kv_transfer_fallbacks.inc()
+            return
+        self.kv_transfer_bytes.inc(report.num_bytes)
+        self.kv_transfer_seconds.observe(report.seconds)
 
     def record_finished(self, finish_reason: str, num_prompt: int, num_output: int, e2e: float) -> None:
         self._request_success.labels(**self._labels, finished_reason=finish_reason).inc()

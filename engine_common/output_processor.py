@@ -80,6 +80,8 @@ class OutputProcessor:
         results: list[RequestOutput] = []
         to_abort: list[str] = []
         for out in core_outputs.outputs:
+            if out.kv_transfer is not None and self.metrics is not None:
+                self.metrics.record_kv_transfer(out.kv_transfer)
             state = self._states.get(out.request_id)
             if state is None:
                 continue  # already finished here (stop string) or aborted

@@ -76,6 +76,7 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    num_pinned_blocks: int = 0  # held for decode replicas (P/D, prefill side)
 
 
 @dataclass

@@ -123,6 +123,8 @@ class Scheduler:
         # P/D, prefill side: finished requests whose blocks stay pinned for a decode replica.
         self.held: dict[str, Request] = {}
         self._to_pin: list[tuple[Request, EngineCoreOutput]] = []
+        # Requests ended without running (they cannot fit in the KV cache at all).
+        self._finished_unscheduled: list[EngineCoreOutput] = []
         self._num_preemptions_since_report = 0
         self._watermark_blocks = int(config.watermark * kv_cache_manager.num_blocks)
 
@@ -173,6 +175,10 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         return True
+
+    def take_finished_unscheduled(self) -> list[EngineCoreOutput]:
+        finished, self._finished_unscheduled = self._finished_unscheduled, []
+        return finished
 
     def take_to_pin(self) -> list[tuple[Request, EngineCoreOutput]]:
         """Finished prefill-side requests whose blocks the core must pin for a consumer."""
@@ -233,16 +239,28 @@ class Scheduler:
                 num_new = self._cap_new_tokens(request, request.num_tokens - num_computed, budget)
                 if not self.config.enable_chunked_prefill and num_new < request.num_tokens - num_computed:
                     break
+                alone = not self.running and not self.receiving and not out.scheduled
                 if (
                     kv.allocate_slots(
                         request,
                         num_new,
                         new_computed_blocks=computed_blocks,
                         num_new_computed_tokens=num_computed,
-                        num_reserved_blocks=self._watermark_blocks,
+                        # The watermark keeps room for running requests to grow; with
+                        # none running it would only keep this one waiting forever.
+                        num_reserved_blocks=0 if alone else self._watermark_blocks,
                     )
                     is None
                 ):
+                    if alone:
+                        # Not even an empty pool holds it: end it instead of waiting forever.
+                        self.waiting.pop()
+                        request.status = RequestStatus.FINISHED_LENGTH
+                        self._free(request)
+                        self._finished_unscheduled.append(EngineCoreOutput(
+                            request.request_id, [], finish_reason="length",
+                            stop_reason="kv_cache_capacity", num_preemptions=request.num_preemptions))
+                        continue
                     break
                 self.waiting.pop()
                 request.status = RequestStatus.RUNNING
@@ -350,6 +368,8 @@ class Scheduler:
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             num_preemptions=self._num_preemptions_since_report,
+            num_pinned_blocks=sum(
+                len(kv.get_block_ids(request_id)) for request_id in self.held),
         )
         self._num_preemptions_since_report = 0
         return stats
