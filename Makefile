@@ -32,9 +32,11 @@ serve: setup
 
 protos: setup
 	$(PY) -m protos.generate
+	$(PY) -m protos.third_party.generate
 
 protos-check: setup
 	$(PY) -m protos.generate --check
+	$(PY) -m protos.third_party.generate --check
 
 lint: setup
 	$(VENV)/bin/ruff check .

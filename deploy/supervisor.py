@@ -91,7 +91,7 @@ def plan_suite(cfg: SuiteConfig) -> Suite:
         specs.append(ProcessSpec(
             name="envoy",
             argv=[py, "-m", "deploy.envoy_runner", "--http-port", str(cfg.envoy_http_port),
-                  "--upstream", upstream],
+                  "--upstream", upstream, "--listen-host", cfg.host],
             grpc_target=None,
         ))
         endpoints["envoy (HTTP, OpenAI-compatible)"] = f"http://{cfg.host}:{cfg.envoy_http_port}/v1"

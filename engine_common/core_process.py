@@ -105,8 +105,8 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection)
 class EngineCoreClient:
     """Starts the core process and moves messages to and from it."""
 
-    def __init__(self, config: EngineConfig, on_outputs: Callable[[EngineCoreOutputs], None],
-                 on_dead: Callable[[str], None]):
+    def __init__(self, config: EngineConfig, on_outputs: Callable[[EngineCoreOutputs], object],
+                 on_dead: Callable[[str], object]):
         ctx = mp.get_context("spawn")
         child_inbox, self._inbox = ctx.Pipe(duplex=False)
         self._outbox, child_outbox = ctx.Pipe(duplex=False)

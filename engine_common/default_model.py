@@ -60,6 +60,7 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     try:
         _convert(gguf_source_dir(), staging)
         _check_loads(staging)
+        staging.chmod(0o755)  # mkdtemp makes it private; the cache is a plain directory
         try:
             os.rename(staging, target)
         except OSError:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kv_transfer.connector import KvHandle
-
+from engine_common.kv_events import KVEvent
 from engine_common.sampler import TokenLogprobs
+from kv_transfer.connector import KvHandle
 
 
 @dataclass
@@ -85,5 +85,5 @@ class EngineCoreOutputs:
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     stats: SchedulerStats | None = None
-    kv_events: list[object] = field(default_factory=list)
+    kv_events: list[KVEvent] = field(default_factory=list)
     timestamp: float = 0.0

@@ -119,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         from gateway.__main__ import main as gateway_main
 
         return gateway_main(argv[1:]) or 0
+    if argv and argv[0] == "picker":
+        from gateway.endpoint_picker_main import main as picker_main
+
+        return picker_main(argv[1:]) or 0
     if argv and argv[0] == "render":
         from deploy.render import main as render_main
 
@@ -128,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="run one replica (see `tandem serve --help`)")
     sub.add_parser("gateway", help="run the gateway (see `tandem gateway --help`)")
+    sub.add_parser("picker", help="run the Envoy ext_proc endpoint picker (see `tandem picker --help`)")
     sub.add_parser("render", help="render Envoy / Kubernetes configuration")
     up = sub.add_parser("up", help="start a local suite: replicas, gateway, optionally Envoy")
     add_suite_args(up)

@@ -182,18 +182,19 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             keys = k_cache[seq.block_ids].flatten(0, 1)[: seq.seq_len]
             values = v_cache[seq.block_ids].flatten(0, 1)[: seq.seq_len]
-        # [tokens, heads, head_size] -> [heads, tokens, head_size]
-        q = query[start:end].transpose(0, 1)
+        # [tokens, heads, head_size] -> [1, heads, tokens, head_size]: SDPA's fused CPU
+        # kernel (the one HF's LlamaModel uses) needs 4-D inputs; 3-D falls back to the
+        # slower, differently rounded math path.
         out = F.scaled_dot_product_attention(
-            q,
-            keys.transpose(0, 1),
-            values.transpose(0, 1),
+            query[None, start:end].transpose(1, 2),
+            keys[None].transpose(1, 2),
+            values[None].transpose(1, 2),
             attn_mask=seq.mask,
             is_causal=seq.mask is None,
             scale=self.scale,
             enable_gqa=self.num_queries_per_kv > 1,
         )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
 
     def _plan_step(
         self, metadata: AttentionMetadata, block_size: int, device: torch.device

@@ -11,11 +11,9 @@ from __future__ import annotations
 import torch
 
 from engine_common.model.attention.backend import AttentionBackend, AttentionMetadata
-from engine_common.model.attention.triton_kernels import (
-    decode_attention,
-    kv_write,
-    prefill_attention,
-)
+from engine_common.model.attention.triton_kernels.decode_attention import decode_attention
+from engine_common.model.attention.triton_kernels.kv_write import kv_write
+from engine_common.model.attention.triton_kernels.prefill_attention import prefill_attention
 
 
 class TritonAttentionBackend(AttentionBackend):

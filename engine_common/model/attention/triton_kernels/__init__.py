@@ -1,14 +1,12 @@
-"""Triton kernels for paged attention: cache write, decode, and ragged prefill.
+"""Triton kernels for paged attention, one module per kernel.
 
-Set ``TRITON_INTERPRET=1`` before this package is first imported to run them on the CPU
-(Triton's interpreter), as the tests do.
+- ``kv_write``: store a step's K/V into the paged cache (``kv_write.kv_write``).
+- ``decode_attention``: one query token per sequence, split over the context.
+- ``prefill_attention``: ragged batches of query tokens (prefill, chunks, mixed steps).
+- ``paged_attention_tile``: the inner tile step both attention kernels share.
+- ``kernel_config``: launch settings derived from the inputs.
+
+The functions are not re-exported here: their names match their modules', and a package
+attribute would shadow the module. Set ``TRITON_INTERPRET=1`` before triton is first
+imported to run the kernels on the CPU (Triton's interpreter), as the tests do.
 """
-
-from engine_common.model.attention.triton_kernels.decode_attention import (
-    choose_num_splits,
-    decode_attention,
-)
-from engine_common.model.attention.triton_kernels.kv_write import kv_write
-from engine_common.model.attention.triton_kernels.prefill_attention import prefill_attention
-
-__all__ = ["choose_num_splits", "decode_attention", "kv_write", "prefill_attention"]

@@ -31,7 +31,7 @@ from engine_common.model.attention.triton_kernels.paged_attention_tile import (
 
 MAX_NUM_SPLITS = 64
 # Below this many keys per split, the extra partial-output traffic outweighs the parallelism.
-MIN_TOKENS_PER_SPLIT = 256
+MIN_TOKENS_PER_SPLIT = 128
 # Programs per SM the split count aims for, so memory latency is hidden by other programs.
 PROGRAMS_PER_SM = 4
 # Stand-in SM count off the GPU (interpreter): few programs keep the interpreter fast.
@@ -257,12 +257,11 @@ def decode_attention(
     queries_per_kv = num_heads // num_kv_heads
 
     if num_splits is None:
-        num_splits = choose_num_splits(
-            num_seqs, num_kv_heads, max_seq_len, _num_sms(query.device)
-        )
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, _num_sms(query.device))
     assert 1 <= num_splits <= MAX_NUM_SPLITS
     if tile_n is None:
-        tile_n = 64 if head_size <= 128 else 32
+        # Largest tiles that compile for sm_90 without register spills.
+        tile_n = 64 if head_size <= 128 else (16 if query.dtype == torch.float32 else 32)
     head_pad = padded_dim(head_size)
     single_split = num_splits == 1
 

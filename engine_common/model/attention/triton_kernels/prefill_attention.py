@@ -34,9 +34,6 @@ from engine_common.model.attention.triton_kernels.paged_attention_tile import (
     attend_paged_tile,
 )
 
-# Rows per program when queries are long; short (decode-like) batches use MIN_DOT_DIM.
-_LONG_QUERY_BLOCK_M = 64
-
 
 @triton.jit
 def _find_seq(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
@@ -106,7 +103,10 @@ def _prefill_kernel(
     tokens = (query_start + query_index).to(tl.int64)
 
     q = tl.load(
-        query_ptr + tokens[:, None] * stride_q_token + heads[:, None] * stride_q_head + offs_d[None, :],
+        query_ptr
+        + tokens[:, None] * stride_q_token
+        + heads[:, None] * stride_q_head
+        + offs_d[None, :],
         mask=io_mask,
         other=0.0,
     )
@@ -156,6 +156,20 @@ def _prefill_kernel(
     )
 
 
+def _default_tiling(dtype: torch.dtype, head_size: int, short_queries: bool) -> tuple[int, int]:
+    """(block_m, tile_n): the largest tiles that compile for sm_90 without register spills.
+
+    fp32 takes the smaller tiles because its exact (ieee) dot runs on FMA units and
+    holds more in registers. Short (decode-like) batches use MIN_DOT_DIM query rows.
+    """
+    big_head = head_size > 128
+    if dtype == torch.float32:
+        block_m, tile_n = (16, 16) if big_head else (32, 32)
+    else:
+        block_m, tile_n = (64, 32) if big_head else (64, 64)
+    return (MIN_DOT_DIM if short_queries else block_m), tile_n
+
+
 def prefill_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_size]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
@@ -183,14 +197,12 @@ def prefill_attention(
     assert block_size & (block_size - 1) == 0, "block size must be a power of two"
     queries_per_kv = num_heads // num_kv_heads
 
-    if block_m is None:
-        short_queries = max_query_len is not None and max_query_len * queries_per_kv <= MIN_DOT_DIM
-        block_m = MIN_DOT_DIM if short_queries else _LONG_QUERY_BLOCK_M
-    block_m = max(block_m, padded_dim(queries_per_kv))
+    short_queries = max_query_len is not None and max_query_len * queries_per_kv <= MIN_DOT_DIM
+    default_block_m, default_tile_n = _default_tiling(query.dtype, head_size, short_queries)
+    block_m = max(block_m or default_block_m, padded_dim(queries_per_kv))
     assert block_m & (block_m - 1) == 0, "block_m must be a power of two"
     block_q = block_m // queries_per_kv
-    if tile_n is None:
-        tile_n = 64 if head_size <= 128 else 32
+    tile_n = tile_n or default_tile_n
 
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)

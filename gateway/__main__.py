@@ -1,0 +1,117 @@
+"""``python -m gateway``: the gateway's command line (``main(argv)`` is the entry point).
+
+Owns the flags and their mapping onto ``GatewayOptions``, ``PickerConfig`` and
+``RetryPolicy`` (defaults come from those records), and the process's logging and exit code.
+``--policy round_robin`` zeroes every scorer weight, which leaves the picker's rotation among
+tied candidates: plain round-robin over the healthy replicas, for comparisons. It does not
+own serving (``server``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from dataclasses import replace
+
+from gateway.picker import PickerConfig
+from gateway.proxy import RetryPolicy
+from gateway.registry import DnsTarget
+from gateway.server import GatewayOptions, serve
+
+logger = logging.getLogger("gateway")
+
+POLICIES = ("score", "round_robin")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    picker, retry = PickerConfig(), RetryPolicy()
+    options = GatewayOptions(model="", replicas=["unused:0"])
+    p = argparse.ArgumentParser(
+        prog="python -m gateway",
+        description="Tandem's gateway: serves tandem.v1.Generation and routes each request to "
+                    "replicas by prefix-cache match and load (health, reflection, /metrics).")
+    p.add_argument("--replica", action="append", default=[], metavar="HOST:PORT",
+                   help="a replica's gRPC address (repeat for each); its role comes from GetInfo")
+    p.add_argument("--dns", action="append", default=[], metavar="NAME:PORT",
+                   type=DnsTarget.parse,
+                   help="a DNS name whose addresses are replicas (a headless Service), "
+                        "re-resolved every --dns-interval seconds")
+    p.add_argument("--model", default=None,
+                   help="the replicas' model directory, for the tokenizer (default: the bundled "
+                        "SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients use (default: the model directory's name)")
+    p.add_argument("--host", default=options.host, help="address to bind (default: %(default)s)")
+    p.add_argument("--port", type=int, default=options.port,
+                   help="gRPC port (default: %(default)s; 0 picks a free one)")
+    p.add_argument("--metrics-port", type=int, default=options.metrics_port,
+                   help="Prometheus /metrics HTTP port, 0 for none (default: %(default)s)")
+    p.add_argument("--policy", choices=POLICIES, default="score",
+                   help="score: weighted scorers; round_robin: ignore caches and load "
+                        "(default: %(default)s)")
+    p.add_argument("--prefix-weight", type=float, default=picker.prefix_weight,
+                   help="(default: %(default)s)")
+    p.add_argument("--kv-usage-weight", type=float, default=picker.kv_usage_weight,
+                   help="(default: %(default)s)")
+    p.add_argument("--queue-weight", type=float, default=picker.queue_weight,
+                   help="(default: %(default)s)")
+    p.add_argument("--queue-scale", type=float, default=picker.queue_scale,
+                   help="queue depth at which the queue score halves (default: %(default)s)")
+    p.add_argument("--prefill-skip-fraction", type=float, default=picker.prefill_skip_fraction,
+                   help="skip the prefill hop when the decode replica caches at least this "
+                        "fraction of the prompt (default: %(default)s)")
+    p.add_argument("--prefill-min-uncached-tokens", type=int,
+                   default=picker.prefill_min_uncached_tokens,
+                   help="skip the prefill hop for fewer uncached tokens (default: %(default)s)")
+    p.add_argument("--max-attempts", type=int, default=retry.max_attempts,
+                   help="replicas tried before the first token (default: %(default)s)")
+    p.add_argument("--max-resumptions", type=int, default=retry.max_resumptions,
+                   help="times a broken stream is resumed elsewhere (default: %(default)s)")
+    p.add_argument("--load-interval", type=float, default=options.load_interval_s,
+                   help="seconds between GetLoad polls per replica (default: %(default)s)")
+    p.add_argument("--dns-interval", type=float, default=options.dns_interval_s,
+                   help="seconds between DNS resolutions (default: %(default)s)")
+    p.add_argument("--log-level", default="INFO",
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="(default: %(default)s)")
+    return p
+
+
+def options_from_args(args: argparse.Namespace) -> GatewayOptions:
+    if args.model is None:
+        from engine_common.default_model import ensure_default_model
+
+        args.model = str(ensure_default_model())
+    picker = replace(
+        PickerConfig(),
+        prefix_weight=args.prefix_weight, kv_usage_weight=args.kv_usage_weight,
+        queue_weight=args.queue_weight, queue_scale=args.queue_scale,
+        prefill_skip_fraction=args.prefill_skip_fraction,
+        prefill_min_uncached_tokens=args.prefill_min_uncached_tokens)
+    if args.policy == "round_robin":
+        picker = replace(picker, prefix_weight=0.0, kv_usage_weight=0.0, queue_weight=0.0)
+    return GatewayOptions(
+        model=args.model, replicas=args.replica, dns=args.dns, host=args.host, port=args.port,
+        metrics_port=args.metrics_port, served_model_name=args.served_model_name,
+        picker=picker,
+        retry=RetryPolicy(max_attempts=args.max_attempts, max_resumptions=args.max_resumptions),
+        load_interval_s=args.load_interval, dns_interval_s=args.dns_interval)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default: ``sys.argv[1:]``), serve until stopped; the exit code."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        options = options_from_args(args)
+        asyncio.run(serve(options))
+    except (OSError, RuntimeError, ValueError) as error:
+        logger.error("gateway failed: %s", error, exc_info=args.log_level == "DEBUG")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""``python -m gateway.endpoint_picker_main``: the endpoint picker as a process.
+
+Owns the picker's flags, wiring the gateway's registry, load tracker and prefix index to an
+``EndpointChooser`` behind a grpc.aio server (``envoy.service.ext_proc.v3.ExternalProcessor``,
+``grpc.health.v1`` and reflection), and its life: health as the endpoint-picker protocol
+defines it (``liveness`` while the process runs; ``readiness``, the ext_proc service and the
+server as a whole SERVING while at least one decode-capable replica is routable), optional
+Prometheus /metrics, and a clean stop on SIGTERM or SIGINT. It does not own the protocol
+(``endpoint_picker``) or choosing (``picker``).
+
+    python -m gateway.endpoint_picker_main --port 9002 --model DIR \\
+        --replica 10.0.0.5:50051 --dns tandem-decode.default.svc.cluster.local:50051
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from dataclasses import dataclass, field, replace
+from wsgiref.simple_server import WSGIServer
+
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from gateway.endpoint_picker import (
+    EXT_PROC_SERVICE,
+    EndpointChooser,
+    EndpointPickerServicer,
+    SheddingPolicy,
+)
+from gateway.load import LoadTracker
+from gateway.metrics import GatewayMetrics
+from gateway.picker import DECODE_ROLES, PickerConfig
+from gateway.prefix_index import PrefixIndex
+from gateway.registry import DnsTarget, ReplicaRegistry
+from gateway.server import load_inputs
+from protos.third_party.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+logger = logging.getLogger("gateway.endpoint_picker")
+
+_STATE_INTERVAL_S = 0.25
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass
+class PickerOptions:
+    model: str
+    replicas: list[str] = field(default_factory=list)
+    dns: list[DnsTarget] = field(default_factory=list)
+    host: str = "0.0.0.0"
+    port: int = 9002  # the inference extension's conventional endpoint-picker port
+    metrics_port: int = 0
+    picker: PickerConfig = field(default_factory=PickerConfig)
+    shedding: SheddingPolicy = field(default_factory=SheddingPolicy)
+    load_interval_s: float = 0.05
+    dns_interval_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.replicas and not self.dns:
+            raise ValueError("give at least one replica (ip:port) or DNS name (name:port)")
+
+
+class EndpointPickerServer:
+    def __init__(self, options: PickerOptions, chooser: EndpointChooser) -> None:
+        self.options = options
+        self.chooser = chooser
+        self.health = health_aio.HealthServicer()
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        ep_grpc.add_ExternalProcessorServicer_to_server(
+            EndpointPickerServicer(chooser), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (EXT_PROC_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), self.server)
+        self.port = self.server.add_insecure_port(f"{options.host}:{options.port}")
+        self._ready: bool | None = None
+        self._follower: asyncio.Task[None] | None = None
+        self._metrics_http: WSGIServer | None = None
+
+    @classmethod
+    async def start(cls, options: PickerOptions) -> EndpointPickerServer:
+        inputs = await asyncio.get_running_loop().run_in_executor(
+            None, load_inputs, options.model)
+        metrics = GatewayMetrics()
+        registry = ReplicaRegistry(options.replicas, options.dns,
+                                   dns_interval_s=options.dns_interval_s)
+        loads = LoadTracker(interval_s=options.load_interval_s)
+        index = PrefixIndex()
+        registry.add_listener(loads)
+        registry.add_listener(index)
+        chooser = EndpointChooser(registry, loads, index, inputs, options.picker,
+                                  options.shedding, metrics)
+        picker = cls(options, chooser)
+        if options.metrics_port:
+            picker._metrics_http, _ = start_http_server(
+                options.metrics_port, addr=options.host, registry=metrics.registry)
+        await registry.start()
+        await picker.server.start()
+        await picker.health.set("liveness", _SERVING)
+        await picker._update_state()
+        picker._follower = asyncio.create_task(picker._follow(), name="picker-state")
+        logger.info("endpoint picker on %s:%d in front of %s", options.host, picker.port,
+                    ", ".join(options.replicas + [f"{d.host}:{d.port}" for d in options.dns]))
+        return picker
+
+    async def _update_state(self) -> None:
+        replicas = self.chooser.registry.replicas()
+        ready = any(r.routable and r.role in DECODE_ROLES for r in replicas)
+        if ready != self._ready:
+            self._ready = ready
+            for service in ("", "readiness", EXT_PROC_SERVICE):
+                await self.health.set(service, _SERVING if ready else _NOT_SERVING)
+        # The replicas may serve a shorter context than the model's; validate as they do.
+        lengths = [r.max_model_len for r in replicas if r.max_model_len > 0]
+        if lengths:
+            self.chooser.inputs.max_model_len = min(lengths)
+
+    async def _follow(self) -> None:
+        while True:
+            await asyncio.sleep(_STATE_INTERVAL_S)
+            await self._update_state()
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        if self._follower is not None:
+            self._follower.cancel()
+        await self.server.stop(grace_s)
+        await self.chooser.loads.stop()
+        await self.chooser.index.stop()
+        await self.chooser.registry.stop()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+
+
+async def serve(options: PickerOptions) -> None:
+    """Run the picker until SIGTERM or SIGINT."""
+    picker = await EndpointPickerServer.start(options)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        await picker.stop()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = PickerOptions(model="", replicas=["unused:0"])
+    picker, shedding = defaults.picker, defaults.shedding
+    p = argparse.ArgumentParser(
+        prog="python -m gateway.endpoint_picker_main",
+        description="Tandem's endpoint picker: an Envoy ext_proc server that names the replica "
+                    "for each request (x-gateway-destination-endpoint), by prefix-cache match "
+                    "and load, as the gateway-api-inference-extension protocol specifies.")
+    p.add_argument("--replica", action="append", default=[], metavar="IP:PORT",
+                   help="a replica's gRPC address (repeat); Envoy connects to it by IP")
+    p.add_argument("--dns", action="append", default=[], metavar="NAME:PORT",
+                   type=DnsTarget.parse,
+                   help="a DNS name whose addresses are replicas (a headless Service)")
+    p.add_argument("--model", default=None,
+                   help="the replicas' model directory, for the tokenizer (default: the "
+                        "bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default=defaults.host, help="(default: %(default)s)")
+    p.add_argument("--port", type=int, default=defaults.port,
+                   help="ext_proc gRPC port (default: %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=defaults.metrics_port,
+                   help="Prometheus /metrics port, 0 for none (default: %(default)s)")
+    p.add_argument("--prefix-weight", type=float, default=picker.prefix_weight)
+    p.add_argument("--kv-usage-weight", type=float, default=picker.kv_usage_weight)
+    p.add_argument("--queue-weight", type=float, default=picker.queue_weight)
+    p.add_argument("--shed-queue-depth", type=int, default=shedding.queue_depth_threshold,
+                   help="waiting requests at which a replica counts as saturated "
+                        "(default: %(default)s)")
+    p.add_argument("--shed-kv-cache-usage", type=float, default=shedding.kv_cache_threshold,
+                   help="KV-cache fill at which a replica counts as saturated "
+                        "(default: %(default)s)")
+    p.add_argument("--dns-interval", type=float, default=defaults.dns_interval_s)
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return p
+
+
+def options_from_args(args: argparse.Namespace) -> PickerOptions:
+    if args.model is None:
+        from engine_common.default_model import ensure_default_model
+
+        args.model = str(ensure_default_model())
+    return PickerOptions(
+        model=args.model, replicas=args.replica, dns=args.dns, host=args.host, port=args.port,
+        metrics_port=args.metrics_port,
+        picker=replace(PickerConfig(), prefix_weight=args.prefix_weight,
+                       kv_usage_weight=args.kv_usage_weight, queue_weight=args.queue_weight),
+        shedding=SheddingPolicy(args.shed_queue_depth, args.shed_kv_cache_usage),
+        dns_interval_s=args.dns_interval)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(options_from_args(args)))
+    except (OSError, RuntimeError, ValueError) as error:
+        logger.error("endpoint picker failed: %s", error)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""How busy each replica is: its own load reports, plus what this gateway has sent it.
+
+Owns polling ``Engine.GetLoad`` on every registered replica (every ``interval_s``, 50 ms by
+default, so a report is never much older than that) and the gateway's own count of open
+streams per replica, incremented at pick time. The reports lag (a request the gateway just
+sent shows up in the replica's queue only after its next engine step), so a burst of picks
+between two reports would all land on the replica that looked idlest; counting our own
+in-flight streams closes that gap. It does not own health (``registry``) or scoring
+(``picker``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc.aio
+
+from gateway.registry import Replica
+from protos.tandem.v1 import engine_pb2
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadView:
+    """One replica's load as the picker sees it."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    # Streams this gateway has open to the replica (picked, not yet finished).
+    in_flight: int = 0
+    # Seconds since the last report arrived; None before the first.
+    age_s: float | None = None
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests on the replica: its report, or our own count when that is higher (our
+        latest picks are not in its report yet). Not the sum: the report already holds most
+        of ours, and adding would count them twice."""
+        return max(self.num_running + self.num_waiting, self.in_flight)
+
+
+@dataclass
+class _ReplicaLoad:
+    report: engine_pb2.LoadReport | None = None
+    received_at: float = 0.0
+    in_flight: int = 0
+    task: asyncio.Task[None] | None = None
+
+
+class LoadTracker:
+    """A ``ReplicaListener``: starts a poller per replica the registry adds."""
+
+    def __init__(self, interval_s: float = 0.05, rpc_timeout_s: float = 0.5) -> None:
+        self.interval_s = interval_s
+        self.rpc_timeout_s = rpc_timeout_s
+        self._loads: dict[str, _ReplicaLoad] = {}
+
+    # ----------------------------------------------------------------- listener
+    def replica_added(self, replica: Replica) -> None:
+        load = self._loads.setdefault(replica.address, _ReplicaLoad())
+        load.task = asyncio.get_running_loop().create_task(
+            self._poll(replica, load), name=f"load-{replica.address}")
+
+    def replica_removed(self, replica: Replica) -> None:
+        load = self._loads.pop(replica.address, None)
+        if load is not None and load.task is not None:
+            load.task.cancel()
+
+    async def stop(self) -> None:
+        tasks = [load.task for load in self._loads.values() if load.task is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    # ----------------------------------------------------------------- in flight
+    def stream_started(self, address: str) -> None:
+        load = self._loads.get(address)
+        if load is not None:
+            load.in_flight += 1
+
+    def stream_finished(self, address: str) -> None:
+        load = self._loads.get(address)
+        if load is not None and load.in_flight > 0:
+            load.in_flight -= 1
+
+    # ----------------------------------------------------------------- views
+    def view(self, address: str, now: float | None = None) -> LoadView:
+        load = self._loads.get(address)
+        if load is None:
+            return LoadView()
+        report = load.report
+        if report is None:
+            return LoadView(in_flight=load.in_flight)
+        now = time.monotonic() if now is None else now
+        return LoadView(
+            num_running=report.num_requests_running,
+            num_waiting=report.num_requests_waiting,
+            kv_cache_usage=report.kv_cache_usage_perc,
+            in_flight=load.in_flight,
+            age_s=max(0.0, now - load.received_at),
+            prefix_cache_queries=report.prefix_cache_queries,
+            prefix_cache_hits=report.prefix_cache_hits,
+        )
+
+    def report(self, address: str) -> engine_pb2.LoadReport | None:
+        load = self._loads.get(address)
+        return None if load is None else load.report
+
+    # ----------------------------------------------------------------- polling
+    async def _poll(self, replica: Replica, load: _ReplicaLoad) -> None:
+        request = engine_pb2.GetLoadRequest()
+        while True:
+            started = time.monotonic()
+            try:
+                load.report = await replica.engine.GetLoad(request, timeout=self.rpc_timeout_s)
+                load.received_at = time.monotonic()
+                pause = self.interval_s - (load.received_at - started)
+            except grpc.aio.AioRpcError as e:
+                # The report ages; the picker stops trusting it once it is too old.
+                logger.debug("GetLoad on %s failed: %s", replica.address, e.code())
+                pause = max(self.interval_s, 0.2)
+            await asyncio.sleep(max(pause, 0.0))

@@ -1,0 +1,197 @@
+"""Choosing replicas for one request: filters, weighted scorers and the P/D decider.
+
+A pure function over a snapshot (each replica's role, health, load and how much of this
+prompt it already caches), so the gateway's proxy and an Envoy ext_proc endpoint picker can
+share it. It owns no I/O and no state; building the snapshot is ``snapshot``'s job.
+
+Scoring, per candidate, each scorer in [0, 1] and weighted:
+
+- prefix: the fraction of the prompt's tokens the replica already holds in its prefix cache;
+- kv_usage: ``1 - kv_cache_usage`` (room for the request's blocks without evicting);
+- queue: ``1 / (1 + queue_depth / queue_scale)`` (requests running or waiting there).
+
+The decode side (the replica that streams the answer: role ``decode`` or ``both``) is the
+best-scoring candidate. When prefill replicas exist, the P/D decider adds a prefill replica,
+scored the same way, unless the decode replica already holds at least
+``prefill_skip_fraction`` of the prompt or fewer than ``prefill_min_uncached_tokens`` tokens
+are left to compute: then the prefill hop costs more than it saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+from gateway.load import LoadView
+
+DECODE_ROLES = frozenset({"decode", "both"})
+PREFILL_ROLES = frozenset({"prefill"})
+
+
+class NoReplicaError(RuntimeError):
+    """No replica can take the request; the message says why each one was left out."""
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    """What the picker knows about one replica for one request."""
+
+    address: str
+    role: str
+    healthy: bool
+    load: LoadView = field(default_factory=LoadView)
+    # Leading blocks of this request's prompt that the replica holds in its prefix cache.
+    matched_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class PickerConfig:
+    prefix_weight: float = 2.0
+    kv_usage_weight: float = 1.0
+    queue_weight: float = 1.0
+    # Queue depth at which the queue score halves.
+    queue_scale: float = 4.0
+    # A replica whose last load report is older than this is left out (it may be hung), unless
+    # every candidate is in that state.
+    max_load_age_s: float = 2.0
+    # The decode replica holding at least this fraction of the prompt computes it itself.
+    prefill_skip_fraction: float = 0.5
+    # Fewer uncached prompt tokens than this are not worth a prefill hop.
+    prefill_min_uncached_tokens: int = 32
+
+
+@dataclass(frozen=True)
+class ScoredReplica:
+    address: str
+    role: str
+    score: float
+    matched_blocks: int
+    prefix_fraction: float
+    queue_depth: int
+    kv_cache_usage: float
+    scores: dict[str, float]
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    decode: ScoredReplica
+    # Set when the decode replica should pull the prompt's KV from this prefill replica.
+    prefill: ScoredReplica | None
+    # Why ``decode`` won: "prefix" (it caches more of the prompt than some other candidate),
+    # "load" (caches are level; load decided) or "only_candidate".
+    reason: str
+    # "prefill_hop", "cached_on_decode", "short_prompt" or "no_prefill_replica".
+    pd_reason: str
+    # Decode candidates, best first.
+    candidates: tuple[ScoredReplica, ...]
+    # Replicas left out, and why ("unhealthy", "excluded", "load_stale").
+    filtered: dict[str, str]
+
+    @property
+    def reasons(self) -> list[str]:
+        return [self.reason, self.pd_reason]
+
+
+def score_replica(
+    replica: ReplicaState, num_prompt_tokens: int, block_size: int, config: PickerConfig
+) -> ScoredReplica:
+    cached_tokens = min(replica.matched_blocks * block_size, num_prompt_tokens)
+    prefix_fraction = cached_tokens / num_prompt_tokens if num_prompt_tokens > 0 else 0.0
+    queue_depth = replica.load.queue_depth
+    kv_usage = min(max(replica.load.kv_cache_usage, 0.0), 1.0)
+    scores = {
+        "prefix": prefix_fraction,
+        "kv_usage": 1.0 - kv_usage,
+        "queue": 1.0 / (1.0 + queue_depth / config.queue_scale),
+    }
+    total = (
+        config.prefix_weight * scores["prefix"]
+        + config.kv_usage_weight * scores["kv_usage"]
+        + config.queue_weight * scores["queue"]
+    )
+    return ScoredReplica(
+        replica.address, replica.role, total, replica.matched_blocks, prefix_fraction,
+        queue_depth, kv_usage, scores)
+
+
+def _filter(
+    replicas: Sequence[ReplicaState],
+    roles: Collection[str],
+    exclude: Collection[str],
+    config: PickerConfig,
+    filtered: dict[str, str],
+) -> list[ReplicaState]:
+    usable: list[ReplicaState] = []
+    stale: list[ReplicaState] = []
+    for replica in replicas:
+        if replica.role not in roles:
+            continue
+        if not replica.healthy:
+            filtered[replica.address] = "unhealthy"
+        elif replica.address in exclude:
+            filtered[replica.address] = "excluded"
+        elif replica.load.age_s is not None and replica.load.age_s > config.max_load_age_s:
+            stale.append(replica)
+        else:
+            usable.append(replica)
+    if not usable:
+        # Stale reports everywhere says more about the reporting than about the replicas.
+        return stale
+    for replica in stale:
+        filtered[replica.address] = "load_stale"
+    return usable
+
+
+def _best(scored: list[ScoredReplica], tie_break: int) -> ScoredReplica:
+    scored.sort(key=lambda s: (-s.score, s.address))
+    top = scored[0].score
+    tied = [s for s in scored if top - s.score <= 1e-9]
+    return tied[tie_break % len(tied)]
+
+
+def pick(
+    replicas: Sequence[ReplicaState],
+    num_prompt_tokens: int,
+    block_size: int,
+    config: PickerConfig | None = None,
+    *,
+    exclude: Collection[str] = (),
+    tie_break: int = 0,
+) -> RoutingDecision:
+    """Choose the decode replica, and a prefill replica when the hop is worth it.
+
+    ``exclude``: addresses that already failed this request. ``tie_break``: which of equally
+    scored candidates to take (a caller passing a counter spreads ties round-robin).
+    Raises ``NoReplicaError`` when no decode-capable replica is usable.
+    """
+    config = config or PickerConfig()
+    filtered: dict[str, str] = {}
+    decode_pool = _filter(replicas, DECODE_ROLES, exclude, config, filtered)
+    if not decode_pool:
+        known = ", ".join(f"{a}: {why}" for a, why in sorted(filtered.items())) or "none known"
+        raise NoReplicaError(f"no decode-capable replica is available ({known})")
+    candidates = [score_replica(r, num_prompt_tokens, block_size, config) for r in decode_pool]
+    decode = _best(candidates, tie_break)
+    if len(candidates) == 1:
+        reason = "only_candidate"
+    elif decode.prefix_fraction > min(c.prefix_fraction for c in candidates):
+        reason = "prefix"
+    else:
+        reason = "load"
+
+    prefill: ScoredReplica | None = None
+    prefill_pool = _filter(replicas, PREFILL_ROLES, exclude, config, filtered)
+    uncached_tokens = num_prompt_tokens - min(
+        decode.matched_blocks * block_size, num_prompt_tokens)
+    if not prefill_pool:
+        pd_reason = "no_prefill_replica"
+    elif decode.prefix_fraction >= config.prefill_skip_fraction:
+        pd_reason = "cached_on_decode"
+    elif uncached_tokens < config.prefill_min_uncached_tokens:
+        pd_reason = "short_prompt"
+    else:
+        prefill = _best(
+            [score_replica(r, num_prompt_tokens, block_size, config) for r in prefill_pool],
+            tie_break)
+        pd_reason = "prefill_hop"
+    return RoutingDecision(decode, prefill, reason, pd_reason, tuple(candidates), filtered)

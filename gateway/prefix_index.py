@@ -1,0 +1,232 @@
+"""Which replica holds which cached KV blocks, from the KV events every replica publishes.
+
+Owns one ``Engine.WatchKvEvents`` subscription per registered replica and the index it feeds:
+block hash -> the replicas that hold it. Batches carry consecutive sequence numbers; the
+watcher remembers the last one it applied and reconnects from there, so a dropped connection
+loses nothing. A gap, a ``resync`` snapshot, ``AllBlocksCleared`` or a new engine id behind
+the same address (a restart) drops everything known about that replica first.
+
+Events arrive only once a replica has computed a prompt's blocks, seconds later for a long
+prompt on a busy replica; requests sharing that prefix in the meantime would scatter. So the
+index also records what the gateway has just routed (``expect``): the prompt's blocks count
+as held by the chosen replica until the events confirm them or ``expect_ttl_s`` passes. It
+does not own hashing prompts (``engine_common.block_hash``, which the engines use too) or
+scoring.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc.aio
+
+from engine_common.block_hash import BlockHash
+from gateway.registry import Replica
+from protos.tandem.v1 import engine_pb2
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _ReplicaBlocks:
+    blocks: set[BlockHash] = field(default_factory=set)
+    last_seq: int = 0
+    engine_id: str = ""
+    # The registry's Replica.epoch when this state was built (see there).
+    epoch: int = 0
+    # True while a subscription is open.
+    connected: bool = False
+    resyncs: int = 0
+    # Blocks routed here but not confirmed by events yet -> time.monotonic() they expire at.
+    expected: dict[BlockHash, float] = field(default_factory=dict)
+    task: asyncio.Task[None] | None = None
+
+    def holds(self, block_hash: BlockHash, now: float) -> bool:
+        if block_hash in self.blocks:
+            return True
+        expiry = self.expected.get(block_hash)
+        return expiry is not None and expiry > now
+
+
+class PrefixIndex:
+    """A ``ReplicaListener``: subscribes to each replica's KV events as the registry adds it."""
+
+    def __init__(self, reconnect_interval_s: float = 0.2, expect_ttl_s: float = 30.0) -> None:
+        self.reconnect_interval_s = reconnect_interval_s
+        self.expect_ttl_s = expect_ttl_s
+        self._replicas_by_block: dict[BlockHash, set[str]] = {}
+        self._state: dict[str, _ReplicaBlocks] = {}
+
+    # ----------------------------------------------------------------- queries
+    def longest_prefix(self, address: str, block_hashes: Sequence[BlockHash],
+                       now: float | None = None) -> int:
+        """How many leading blocks of the chain ``address`` holds (or was just sent). Hashes
+        are chained, so the first block it lacks ends the match."""
+        state = self._state.get(address)
+        if state is None:
+            return 0
+        now = time.monotonic() if now is None else now
+        n = 0
+        for block_hash in block_hashes:
+            if not state.holds(block_hash, now):
+                break
+            n += 1
+        return n
+
+    def match(self, block_hashes: Sequence[BlockHash], now: float | None = None) -> dict[str, int]:
+        """Longest cached prefix, in blocks, of every replica holding at least the first block."""
+        if not block_hashes:
+            return {}
+        now = time.monotonic() if now is None else now
+        first = block_hashes[0]
+        candidates = set(self._replicas_by_block.get(first, ()))
+        candidates.update(a for a, s in self._state.items() if s.expected.get(first, 0.0) > now)
+        return {a: self.longest_prefix(a, block_hashes, now) for a in candidates}
+
+    def expect(self, address: str, block_hashes: Sequence[BlockHash],
+               now: float | None = None) -> None:
+        """The gateway just sent a prompt with these blocks to ``address``: count them as held
+        there until its events confirm them or ``expect_ttl_s`` passes."""
+        state = self._state.get(address)
+        if state is None or not block_hashes:
+            return
+        now = time.monotonic() if now is None else now
+        if len(state.expected) > 4 * len(block_hashes) + 1024:
+            state.expected = {h: t for h, t in state.expected.items() if t > now}
+        expiry = now + self.expect_ttl_s
+        for block_hash in block_hashes:
+            if block_hash not in state.blocks:
+                state.expected[block_hash] = expiry
+
+    def retract(self, address: str, block_hashes: Sequence[BlockHash]) -> None:
+        """Undo ``expect``: the request failed there before computing anything."""
+        state = self._state.get(address)
+        if state is not None:
+            for block_hash in block_hashes:
+                state.expected.pop(block_hash, None)
+
+    def num_blocks(self, address: str) -> int:
+        state = self._state.get(address)
+        return 0 if state is None else len(state.blocks)
+
+    def last_seq(self, address: str) -> int:
+        state = self._state.get(address)
+        return 0 if state is None else state.last_seq
+
+    def resyncs(self, address: str) -> int:
+        state = self._state.get(address)
+        return 0 if state is None else state.resyncs
+
+    # ----------------------------------------------------------------- listener
+    def replica_added(self, replica: Replica) -> None:
+        state = self._state.setdefault(replica.address, _ReplicaBlocks())
+        state.task = asyncio.get_running_loop().create_task(
+            self._watch(replica, state), name=f"kv-events-{replica.address}")
+
+    def replica_removed(self, replica: Replica) -> None:
+        self._drop(replica.address)
+        state = self._state.pop(replica.address, None)
+        if state is not None and state.task is not None:
+            state.task.cancel()
+
+    async def stop(self) -> None:
+        tasks = [s.task for s in self._state.values() if s.task is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    # ----------------------------------------------------------------- applying events
+    def apply(self, address: str, batch: engine_pb2.KvEventBatch) -> bool:
+        """Apply one batch; False (and nothing applied) when it does not follow the last one,
+        in which case the caller must resubscribe from seq 0."""
+        state = self._state.setdefault(address, _ReplicaBlocks())
+        if batch.resync:
+            self._drop(address)
+            state.resyncs += 1
+        elif batch.seq <= state.last_seq:
+            return True  # a replayed batch we already applied
+        elif batch.seq != state.last_seq + 1:
+            return False
+        for event in batch.events:
+            kind = event.WhichOneof("event")
+            if kind == "block_stored":
+                for block_hash in event.block_stored.block_hashes:
+                    self._add_block(address, state, block_hash)
+            elif kind == "block_removed":
+                for block_hash in event.block_removed.block_hashes:
+                    self._remove_block(address, state, block_hash)
+            elif kind == "all_blocks_cleared":
+                self._drop(address)
+        state.last_seq = batch.seq
+        return True
+
+    def _add_block(self, address: str, state: _ReplicaBlocks, block_hash: BlockHash) -> None:
+        state.blocks.add(block_hash)
+        state.expected.pop(block_hash, None)
+        self._replicas_by_block.setdefault(block_hash, set()).add(address)
+
+    def _remove_block(self, address: str, state: _ReplicaBlocks, block_hash: BlockHash) -> None:
+        state.blocks.discard(block_hash)
+        state.expected.pop(block_hash, None)
+        holders = self._replicas_by_block.get(block_hash)
+        if holders is not None:
+            holders.discard(address)
+            if not holders:
+                del self._replicas_by_block[block_hash]
+
+    def _drop(self, address: str) -> None:
+        """Forget every block of ``address`` (keeps its seq and engine id)."""
+        state = self._state.get(address)
+        if state is None:
+            return
+        state.expected = {}
+        for block_hash in state.blocks:
+            holders = self._replicas_by_block.get(block_hash)
+            if holders is not None:
+                holders.discard(address)
+                if not holders:
+                    del self._replicas_by_block[block_hash]
+        state.blocks = set()
+
+    # ----------------------------------------------------------------- subscription
+    async def _watch(self, replica: Replica, state: _ReplicaBlocks) -> None:
+        while True:
+            try:
+                await self._subscribe_once(replica, state)
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as e:
+                logger.debug("KV events of %s: %s", replica.address, e.code())
+            state.connected = False
+            await asyncio.sleep(self.reconnect_interval_s)
+
+    async def _subscribe_once(self, replica: Replica, state: _ReplicaBlocks) -> None:
+        info = await replica.engine.GetInfo(engine_pb2.GetInfoRequest(), timeout=5.0)
+        if info.engine_id != state.engine_id or replica.epoch != state.epoch:
+            # Perhaps another incarnation behind the address, whose seqs started over: a
+            # replay from our last seq could skip its first batches. Rebuild from scratch.
+            self._drop(replica.address)
+            state.engine_id = info.engine_id
+            state.epoch = replica.epoch
+            state.last_seq = 0
+        call = replica.engine.WatchKvEvents(
+            engine_pb2.WatchKvEventsRequest(since_seq=state.last_seq))
+        try:
+            state.connected = True
+            async for batch in call:
+                if not self.apply(replica.address, batch):
+                    logger.info("KV events of %s: gap after seq %d (got %d); rebuilding",
+                                replica.address, state.last_seq, batch.seq)
+                    self._drop(replica.address)
+                    state.last_seq = 0
+                    state.resyncs += 1
+                    return
+        finally:
+            call.cancel()

@@ -1,0 +1,234 @@
+"""One gateway process: the registry, load tracker, prefix index and proxy behind a grpc.aio
+server, plus /metrics.
+
+Owns wiring the parts together and their life: serve ``tandem.v1.Generation`` (the replica's
+own servicer, over ``RemoteEngine``), ``grpc.health.v1`` and server reflection on one port and
+the gateway's Prometheus registry on another; report SERVING while at least one
+decode-capable replica is routable; stop cleanly on SIGTERM or SIGINT. The model directory
+gives the tokenizer (the replicas' own, so prompts hash the same) and the served name. It
+does not own routing (``picker``) or forwarding (``proxy``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import TypeVar
+from wsgiref.simple_server import WSGIServer
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from engine_common.input_processor import InputProcessor
+from engine_common.model.arch_config import ModelArchConfig
+from engine_common.tokenizer import load_tokenizer
+from gateway.load import LoadTracker
+from gateway.metrics import GatewayMetrics
+from gateway.picker import DECODE_ROLES, PickerConfig
+from gateway.prefix_index import PrefixIndex
+from gateway.proxy import EngineProxy, RemoteEngine, RetryPolicy, call_timeout
+from gateway.registry import DnsTarget, ReplicaRegistry
+from protos.tandem.v1 import generation_pb2 as pb
+from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
+from services.replica.generation_servicer import GenerationServicer
+from services.replica.served_model import ServedModel
+from services.replica.validation import MAX_MESSAGE_BYTES
+
+logger = logging.getLogger(__name__)
+
+GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+HEALTH_SERVICES = ("", GENERATION_SERVICE)
+_STATE_INTERVAL_S = 0.25
+
+R = TypeVar("R")
+
+
+@dataclass
+class GatewayOptions:
+    model: str
+    replicas: list[str] = field(default_factory=list)
+    dns: list[DnsTarget] = field(default_factory=list)
+    host: str = "0.0.0.0"
+    port: int = 50050
+    metrics_port: int = 9450  # 0: no /metrics endpoint
+    served_model_name: str | None = None
+    picker: PickerConfig = field(default_factory=PickerConfig)
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    load_interval_s: float = 0.05
+    dns_interval_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.replicas and not self.dns:
+            raise ValueError("give at least one replica (host:port) or DNS name (name:port)")
+
+
+class GatewayGenerationServicer(GenerationServicer):
+    """The replica's public servicer, plus the client's deadline for the proxy and the
+    gateway's per-method request metrics."""
+
+    def __init__(self, model: ServedModel, inputs: InputProcessor, engine: RemoteEngine,
+                 metrics: GatewayMetrics) -> None:
+        super().__init__(model, inputs, engine.generate)
+        self.metrics = metrics
+
+    async def _observed(self, method: str, context: grpc.aio.ServicerContext,
+                        call: Awaitable[R]) -> R:
+        call_timeout.set(context.time_remaining())
+        started = time.monotonic()
+        code = "OK"
+        try:
+            return await call
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        except BaseException:
+            status = context.code()
+            code = status.name if isinstance(status, grpc.StatusCode) else "UNKNOWN"
+            raise
+        finally:
+            self.metrics.requests.labels(method, code).inc()
+            self.metrics.request_latency.labels(method).observe(time.monotonic() - started)
+
+    async def Complete(self, request: pb.CompletionRequest,  # noqa: N802 (gRPC's names)
+                       context: grpc.aio.ServicerContext) -> pb.CompletionResponse:
+        return await self._observed("Complete", context, super().Complete(request, context))
+
+    async def CompleteStream(self, request: pb.CompletionRequest,  # noqa: N802
+                             context: grpc.aio.ServicerContext) -> None:
+        await self._observed("CompleteStream", context, super().CompleteStream(request, context))
+
+    async def ChatComplete(self, request: pb.ChatCompletionRequest,  # noqa: N802
+                           context: grpc.aio.ServicerContext) -> pb.ChatCompletionResponse:
+        return await self._observed(
+            "ChatComplete", context, super().ChatComplete(request, context))
+
+    async def ChatCompleteStream(self, request: pb.ChatCompletionRequest,  # noqa: N802
+                                 context: grpc.aio.ServicerContext) -> None:
+        await self._observed(
+            "ChatCompleteStream", context, super().ChatCompleteStream(request, context))
+
+
+def load_inputs(model_dir: str) -> InputProcessor:
+    """The replicas' tokenizer and limits, from the model directory they serve."""
+    arch = ModelArchConfig.from_model_dir(model_dir)
+    # The replicas may run with a shorter context; GatewayServer adopts theirs once known.
+    return InputProcessor(load_tokenizer(model_dir), arch.max_position_embeddings,
+                          arch.vocab_size)
+
+
+class GatewayServer:
+    def __init__(self, options: GatewayOptions, inputs: InputProcessor) -> None:
+        self.options = options
+        self.metrics = GatewayMetrics()
+        self.registry = ReplicaRegistry(
+            options.replicas, options.dns, dns_interval_s=options.dns_interval_s)
+        self.loads = LoadTracker(interval_s=options.load_interval_s)
+        self.index = PrefixIndex()
+        self.registry.add_listener(self.loads)
+        self.registry.add_listener(self.index)
+        self.proxy = EngineProxy(self.registry, self.loads, self.index, self.metrics,
+                                 options.picker, options.retry)
+        self.inputs = inputs
+        self.model = ServedModel.for_directory(options.model, self.inputs.max_model_len,
+                                               options.served_model_name)
+        self.servicer = GatewayGenerationServicer(
+            self.model, self.inputs, RemoteEngine(self.proxy), self.metrics)
+        self.health = health_aio.HealthServicer()
+        self.server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ])
+        pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (GENERATION_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), self.server)
+        self.port = self.server.add_insecure_port(f"{options.host}:{options.port}")
+        self.metrics_port = 0
+        self._metrics_http: WSGIServer | None = None
+        self._serving: bool | None = None
+        self._follower: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def start(cls, options: GatewayOptions) -> GatewayServer:
+        # Loading the tokenizer takes a moment; keep the event loop free meanwhile.
+        inputs = await asyncio.get_running_loop().run_in_executor(
+            None, load_inputs, options.model)
+        gateway = cls(options, inputs)
+        await gateway._start()
+        return gateway
+
+    async def _start(self) -> None:
+        if self.options.metrics_port:
+            self._metrics_http, _ = start_http_server(
+                self.options.metrics_port, addr=self.options.host, registry=self.metrics.registry)
+            self.metrics_port = self._metrics_http.server_port
+        await self.registry.start()
+        await self.server.start()
+        await self._update_state()
+        self._follower = asyncio.create_task(self._follow_replicas(), name="gateway-state")
+        logger.info("gateway serving %s on %s:%d in front of %s%s", self.model.name,
+                    self.options.host, self.port,
+                    ", ".join(self.options.replicas + [f"{d.host}:{d.port}"
+                                                       for d in self.options.dns]),
+                    f", metrics on :{self.metrics_port}/metrics" if self.metrics_port else "")
+
+    async def _update_state(self) -> None:
+        replicas = self.registry.replicas()
+        serving = any(r.routable and r.role in DECODE_ROLES for r in replicas)
+        if serving != self._serving:
+            self._serving = serving
+            status = (health_pb2.HealthCheckResponse.SERVING if serving
+                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+            for service in HEALTH_SERVICES:
+                await self.health.set(service, status)
+        self.metrics.replicas.clear()
+        for r in replicas:
+            self.metrics.replicas.labels(r.role or "unknown", str(r.healthy).lower()).inc()
+        lengths = [r.max_model_len for r in replicas if r.max_model_len > 0]
+        if lengths and min(lengths) != self.inputs.max_model_len:
+            self.inputs.max_model_len = min(lengths)
+            self.servicer.model = ServedModel(
+                self.model.name, self.inputs.max_model_len, self.model.aliases,
+                self.model.created, self.model.owned_by)
+
+    async def _follow_replicas(self) -> None:
+        while True:
+            await asyncio.sleep(_STATE_INTERVAL_S)
+            await self._update_state()
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        if self._follower is not None:
+            self._follower.cancel()
+        await self.server.stop(grace_s)
+        await self.loads.stop()
+        await self.index.stop()
+        await self.registry.stop()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+
+
+async def serve(options: GatewayOptions) -> None:
+    """Run a gateway until SIGTERM or SIGINT."""
+    gateway = await GatewayServer.start(options)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        logger.info("gateway stopping")
+        await gateway.stop()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,313 @@
+"""End to end over HTTP: the real ``openai`` SDK and curl -> Envoy -> gateway -> replicas.
+
+One cluster for the module, all real processes on loopback: a prefill and a decode replica
+on a tiny model, the gateway in front of them, and Envoy (``deploy.envoy_runner``) in front
+of the gateway. Greedy text must equal the offline engine's (``engine_common.llm.LLM``) on
+the same model, streamed (server-sent events) or not; errors must come back with the right
+HTTP status and OpenAI's error body; gRPC reflection must work through the same port. The
+decode replica admits one request at a time and the gateway tries one replica, so overload is
+easy to provoke; the last test stops the decode replica.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine_common.config import CacheConfig, EngineConfig
+from engine_common.llm import LLM
+from engine_common.sampling_params import SamplingParams
+from tests.replica_process import ReplicaProcess, free_port, start_replicas
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = ["alpha bravo charlie delta", "the tandem project serves models over grpc"]
+# Longer than the gateway's prefill_min_uncached_tokens: the gateway adds a prefill hop.
+LONG_PROMPT = " ".join(["kilo lima mike november oscar papa quebec romeo"] * 6)
+MESSAGES = [{"role": "system", "content": "be brief"},
+            {"role": "user", "content": "Tell me a \"story\" about envoy"}]
+
+pytestmark = pytest.mark.timeout(400)
+
+
+@dataclass
+class Stack:
+    replicas: dict[str, ReplicaProcess]
+    gateway: str
+    gateway_metrics_port: int
+    http_port: int
+    logs: Path
+
+    def prefill_hops(self) -> float:
+        url = f"http://127.0.0.1:{self.gateway_metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+        return sum(sample.value for family in text_string_to_metric_families(text)
+                   for sample in family.samples
+                   if sample.name == "tandem:gateway_routing_decisions_total"
+                   and sample.labels.get("pd") == "prefill_hop")
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/v1"
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0,
+                             timeout=120)
+
+
+def is_serving(target: str) -> bool:
+    with grpc.insecure_channel(target) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=1)
+        except grpc.RpcError:
+            return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def wait_until(condition: Any, deadline: float, what: str, logs: Path) -> None:
+    while not condition():
+        if time.monotonic() > deadline:
+            tails = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}"
+                              for p in sorted(logs.glob("*.log")))
+            raise AssertionError(f"{what} not ready in time\n{tails}")
+        time.sleep(0.2)
+
+
+def envoy_answers(port: int) -> bool:
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/nowhere", timeout=1)
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    logs = tmp_path_factory.mktemp("envoy-e2e-logs")
+    common = ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--served-model-name", "tiny",
+              "--log-level", "WARNING"]
+    replicas = start_replicas(tiny_llama_dir, logs, {
+        "prefill": [*common, "--role", "prefill"],
+        "decode": [*common, "--role", "decode", "--max-num-seqs", "1", "--max-waiting", "0"],
+    })
+    gateway_port, gateway_metrics_port, http_port = free_port(), free_port(), free_port()
+    processes: list[subprocess.Popen[bytes]] = []
+
+    def spawn(name: str, argv: list[str]) -> None:
+        with open(logs / f"{name}.log", "wb") as log:
+            processes.append(subprocess.Popen(
+                [sys.executable, "-m", *argv], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True))
+
+    try:
+        spawn("gateway", ["gateway", "--model", str(tiny_llama_dir), "--served-model-name",
+                          "tiny", "--host", "127.0.0.1", "--port", str(gateway_port),
+                          "--metrics-port", str(gateway_metrics_port), "--max-attempts", "1",
+                          *[a for r in replicas.values() for a in ("--replica", r.target)]])
+        spawn("envoy", ["deploy.envoy_runner", "--http-port", str(http_port), "--upstream",
+                        f"127.0.0.1:{gateway_port}", "--concurrency", "1"])
+        deadline = time.monotonic() + 120
+        wait_until(lambda: is_serving(f"127.0.0.1:{gateway_port}"), deadline, "gateway", logs)
+        wait_until(lambda: envoy_answers(http_port), deadline, "envoy", logs)
+        time.sleep(1.0)  # the prefill replica registered too, load reports in
+        yield Stack(replicas, f"127.0.0.1:{gateway_port}", gateway_metrics_port, http_port, logs)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for replica in replicas.values():
+            if replica.process.poll() is None:
+                replica.process.send_signal(signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+        for replica in replicas.values():
+            replica.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama_dir: Path) -> LLM:
+    return LLM(EngineConfig(model=str(tiny_llama_dir), dtype="float32",
+                            cache=CacheConfig(num_gpu_blocks_override=512)))
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+def test_completions_equal_offline_greedy_streamed_or_not(stack: Stack, offline: LLM) -> None:
+    client = stack.client()
+    prompts = [*PROMPTS, LONG_PROMPT]
+    expected = offline.generate(prompts, greedy(12))
+    hops = stack.prefill_hops()
+    for prompt, want in zip(prompts, expected, strict=True):
+        completion = client.completions.create(model="tiny", prompt=prompt, max_tokens=12,
+                                               **GREEDY)
+        assert completion.object == "text_completion" and completion.id.startswith("cmpl-")
+        assert completion.choices[0].text == want.text
+        assert completion.choices[0].finish_reason == "length"
+        assert completion.usage is not None
+        assert completion.usage.prompt_tokens == len(want.prompt_token_ids)
+        assert completion.usage.completion_tokens == 12
+
+        chunks = list(client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=12, stream=True,
+            stream_options={"include_usage": True}, **GREEDY))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    # The long prompt went through the prefill replica first (P/D), the short ones did not.
+    assert stack.prefill_hops() > hops
+
+
+def test_chat_equals_offline_greedy_streamed_or_not(stack: Stack, offline: LLM) -> None:
+    client = stack.client()
+    want = offline.generate([offline.inputs.tokenize_chat(MESSAGES)], greedy(10))[0]
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES,  # type: ignore[arg-type]
+                                          max_tokens=10, **GREEDY)
+    assert chat.object == "chat.completion" and chat.id.startswith("chatcmpl-")
+    message = chat.choices[0].message
+    assert (message.role, message.content, chat.choices[0].finish_reason) == (
+        "assistant", want.text, "length")
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=10, stream=True, **GREEDY))  # type: ignore[arg-type]
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+
+
+def test_curl_gets_server_sent_events(stack: Stack, offline: LLM) -> None:
+    want = offline.generate([PROMPTS[1]], greedy(8))[0]
+    body = json.dumps({"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 8,
+                       "temperature": 0, "ignore_eos": True, "stream": True})
+    result = subprocess.run(
+        ["curl", "-sS", "-N", "-i", f"{stack.base_url}/completions",
+         "-H", "content-type: application/json", "-d", body],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    head, _, events = result.stdout.replace("\r\n", "\n").partition("\n\n")
+    assert head.startswith("HTTP/1.1 200")
+    headers = {line.split(":", 1)[0].lower(): line.split(":", 1)[1].strip()
+               for line in head.splitlines()[1:]}
+    assert headers["content-type"] == "text/event-stream"
+    assert "grpc-status" not in headers
+    frames = [frame for frame in events.split("\n\n") if frame.strip()]
+    assert frames and all(frame.startswith("data: ") for frame in frames)
+    chunks = [json.loads(frame[len("data: "):]) for frame in frames]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == want.text
+
+
+def test_models_tokenize_and_detokenize(stack: Stack, offline: LLM) -> None:
+    assert [m.id for m in stack.client().models.list()] == ["tiny"]
+
+    def post(path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{stack.http_port}{path}", data=json.dumps(payload).encode(),
+            headers={"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return dict(json.loads(response.read()))
+
+    tokens = post("/tokenize", {"prompt": PROMPTS[0]})
+    assert tokens["tokens"] == offline.inputs.tokenize(PROMPTS[0])
+    assert tokens["count"] == len(tokens["tokens"])
+    assert post("/detokenize", {"tokens": tokens["tokens"]})["prompt"].strip() == PROMPTS[0]
+
+
+def post_raw(stack: Stack, path: str, body: bytes) -> tuple[int, dict[str, str], Any]:
+    request = urllib.request.Request(f"http://127.0.0.1:{stack.http_port}{path}", data=body,
+                                     headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, dict(response.headers), json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), json.loads(error.read())
+
+
+def test_bad_requests_get_openai_errors(stack: Stack) -> None:
+    client = stack.client()
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model="tiny", prompt="alpha", temperature=-1)
+    assert raised.value.status_code == 400
+    assert "temperature must be non-negative" in raised.value.message
+    assert raised.value.body == {"message": raised.value.body["message"],  # type: ignore[index]
+                                 "type": "invalid_request_error", "param": None,
+                                 "code": "invalid_argument"}
+    with pytest.raises(openai.BadRequestError, match="not served here"):
+        client.chat.completions.create(model="no-such-model", messages=MESSAGES)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.completions.create(model="tiny", prompt="alpha " * 5000, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="non-negative"):  # also when streaming
+        client.completions.create(model="tiny", prompt="alpha", temperature=-1, stream=True)
+    status, headers, payload = post_raw(stack, "/v1/chat/completions", b'{"messages": [')
+    assert status == 400 and headers["content-type"] == "application/json"
+    assert payload["error"]["type"] == "invalid_request_error"
+    status, _, payload = post_raw(stack, "/v1/embeddings", b"{}")
+    assert status == 404 and payload["error"]["type"] == "not_found_error"
+
+
+def test_overload_is_a_429(stack: Stack) -> None:
+    client = stack.client()
+    # The decode replica runs one request and queues none: hold its slot with a long stream.
+    holder = client.completions.create(model="tiny", prompt="alpha", max_tokens=400,
+                                       stream=True, **GREEDY)
+    try:
+        next(iter(holder))
+        with pytest.raises(openai.RateLimitError) as raised:
+            client.completions.create(model="tiny", prompt="bravo", max_tokens=2)
+        assert raised.value.status_code == 429
+        assert "queue is full" in raised.value.message
+        assert raised.value.body["type"] == "rate_limit_error"  # type: ignore[index]
+        assert raised.value.body["code"] == "resource_exhausted"  # type: ignore[index]
+    finally:
+        holder.close()
+
+
+def test_reflection_lists_the_services_through_envoy(stack: Stack) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{stack.http_port}") as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        replies = stub.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=30)
+        services = {s.name for reply in replies
+                    for s in reply.list_services_response.service}
+    assert {"tandem.v1.Generation", "grpc.health.v1.Health"} <= services
+
+
+def test_no_replica_is_a_503(stack: Stack) -> None:
+    stack.replicas["decode"].stop()
+    client = stack.client()
+    deadline = time.monotonic() + 30
+    while True:  # until the gateway has seen the replica leave
+        try:
+            client.completions.create(model="tiny", prompt="alpha", max_tokens=1)
+        except openai.InternalServerError as error:
+            assert error.status_code == 503
+            assert error.body["code"] == "unavailable"  # type: ignore[index]
+            assert "no decode-capable replica" in error.message
+            return
+        assert time.monotonic() < deadline, "the gateway kept routing to a stopped replica"
+        time.sleep(0.2)

@@ -1,0 +1,177 @@
+"""The gateway's picker and prefix index as pure logic: scoring, filters, the P/D decider,
+and applying KV-event batches (gaps, resyncs, removals)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_common.block_hash import hash_prompt_blocks
+from gateway.__main__ import build_parser, options_from_args
+from gateway.load import LoadView
+from gateway.picker import NoReplicaError, PickerConfig, ReplicaState, pick
+from gateway.prefix_index import PrefixIndex
+from gateway.snapshot import prompt_block_hashes
+from protos.tandem.v1 import engine_pb2
+
+BS = 16
+
+
+def replica(address: str, role: str = "both", *, healthy: bool = True, matched: int = 0,
+            running: int = 0, waiting: int = 0, kv: float = 0.0, in_flight: int = 0,
+            age: float | None = 0.01) -> ReplicaState:
+    load = LoadView(num_running=running, num_waiting=waiting, kv_cache_usage=kv,
+                    in_flight=in_flight, age_s=age)
+    return ReplicaState(address, role, healthy, load, matched)
+
+
+def test_prefix_wins_over_light_load() -> None:
+    replicas = [replica("a", matched=8, running=3), replica("b"), replica("c")]
+    decision = pick(replicas, num_prompt_tokens=8 * BS + 5, block_size=BS)
+    assert decision.decode.address == "a"
+    assert decision.reason == "prefix"
+    assert decision.decode.prefix_fraction == pytest.approx(128 / 133)
+    assert decision.pd_reason == "no_prefill_replica" and decision.prefill is None
+
+
+def test_queue_breaks_even_caches_and_in_flight_counts() -> None:
+    replicas = [replica("a", running=2), replica("b", waiting=1), replica("c", in_flight=3)]
+    decision = pick(replicas, 40, BS)
+    assert decision.decode.address == "b"
+    assert decision.reason == "load"
+    # Our own in-flight streams count when the replica's report has not caught up.
+    assert [c.address for c in decision.candidates] == ["b", "a", "c"]
+
+
+def test_kv_usage_scorer_and_weights() -> None:
+    replicas = [replica("a", kv=0.9), replica("b", kv=0.1)]
+    assert pick(replicas, 40, BS).decode.address == "b"
+    only_queue = PickerConfig(kv_usage_weight=0.0)
+    # With the KV scorer off, the tie is broken by tie_break alone.
+    assert {pick(replicas, 40, BS, only_queue, tie_break=i).decode.address
+            for i in range(2)} == {"a", "b"}
+
+
+def test_ties_rotate_with_tie_break() -> None:
+    replicas = [replica(x) for x in "abc"]
+    chosen = [pick(replicas, 10, BS, tie_break=i).decode.address for i in range(6)]
+    assert chosen == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_filters_unhealthy_excluded_stale_and_roles() -> None:
+    replicas = [
+        replica("sick", healthy=False, matched=4),
+        replica("failed", matched=4),
+        replica("stale", matched=4, age=10.0),
+        replica("p", role="prefill", matched=4),
+        replica("ok"),
+    ]
+    decision = pick(replicas, 80, BS, exclude={"failed"})
+    assert decision.decode.address == "ok"
+    assert decision.filtered == {"sick": "unhealthy", "failed": "excluded",
+                                 "stale": "load_stale"}
+    assert decision.reason == "only_candidate"
+
+
+def test_stale_everywhere_still_routes() -> None:
+    decision = pick([replica("a", age=9.0), replica("b", age=9.0, running=1)], 10, BS)
+    assert decision.decode.address == "a"
+
+
+def test_no_decode_replica_raises_with_reasons() -> None:
+    with pytest.raises(NoReplicaError, match="sick: unhealthy"):
+        pick([replica("sick", healthy=False), replica("p", role="prefill")], 10, BS)
+
+
+def test_pd_decider() -> None:
+    prefill = [replica("p1", role="prefill", running=2), replica("p2", role="prefill", matched=2)]
+    cold_decode = [replica("d1", role="decode"), *prefill]
+    decision = pick(cold_decode, 10 * BS, BS)
+    assert decision.decode.address == "d1"
+    assert decision.pd_reason == "prefill_hop"
+    assert decision.prefill is not None and decision.prefill.address == "p2"
+
+    warm_decode = [replica("d1", role="decode", matched=6), *prefill]
+    decision = pick(warm_decode, 10 * BS, BS)
+    assert decision.pd_reason == "cached_on_decode" and decision.prefill is None
+
+    short = pick(cold_decode, 20, BS)
+    assert short.pd_reason == "short_prompt" and short.prefill is None
+
+    sick_prefill = [replica("d1", role="decode"),
+                    replica("p1", role="prefill", healthy=False)]
+    decision = pick(sick_prefill, 10 * BS, BS)
+    assert decision.pd_reason == "no_prefill_replica"
+    assert decision.filtered == {"p1": "unhealthy"}
+
+
+def _stored(seq: int, hashes: list[bytes], resync: bool = False) -> engine_pb2.KvEventBatch:
+    batch = engine_pb2.KvEventBatch(seq=seq, resync=resync)
+    batch.events.add().block_stored.block_hashes.extend(hashes)
+    return batch
+
+
+def test_prefix_index_applies_events_in_order() -> None:
+    chain = hash_prompt_blocks(list(range(64)), BS)
+    other = hash_prompt_blocks(list(range(100, 132)), BS)
+    index = PrefixIndex()
+    assert index.apply("a", _stored(1, chain[:3]))
+    assert index.apply("b", _stored(1, chain[:1] + other))
+    assert index.longest_prefix("a", chain) == 3
+    assert index.longest_prefix("b", chain) == 1
+    assert index.match(chain) == {"a": 3, "b": 1}
+    assert index.match(other) == {"b": 2}
+
+    removed = engine_pb2.KvEventBatch(seq=2)
+    removed.events.add().block_removed.block_hashes.append(chain[1])
+    assert index.apply("a", removed)
+    assert index.longest_prefix("a", chain) == 1  # a chain is broken by its first hole
+
+    assert index.apply("a", _stored(2, chain))  # a replay of an applied seq changes nothing
+    assert index.longest_prefix("a", chain) == 1
+    assert not index.apply("a", _stored(4, chain))  # seq 3 is missing: caller must rebuild
+    assert index.last_seq("a") == 2
+
+    snapshot = _stored(9, chain[:2], resync=True)
+    assert index.apply("a", snapshot)
+    assert index.longest_prefix("a", chain) == 2 and index.num_blocks("a") == 2
+    cleared = engine_pb2.KvEventBatch(seq=10)
+    cleared.events.add().all_blocks_cleared.SetInParent()
+    assert index.apply("a", cleared)
+    assert index.match(chain) == {"b": 1}
+
+
+def test_salt_changes_the_chain() -> None:
+    tokens = list(range(40))
+    assert prompt_block_hashes(tokens, BS) == hash_prompt_blocks(tokens, BS)
+    salted = prompt_block_hashes(tokens, BS, "tenant-a")
+    assert salted == hash_prompt_blocks(tokens, BS, ("tenant-a",))
+    assert salted[0] != prompt_block_hashes(tokens, BS)[0]
+
+
+def test_routed_blocks_count_until_confirmed_or_expired() -> None:
+    chain = hash_prompt_blocks(list(range(48)), BS)
+    index = PrefixIndex(expect_ttl_s=5.0)
+    assert index.apply("a", engine_pb2.KvEventBatch(seq=1))  # "a" is known, holds nothing
+    assert index.apply("b", engine_pb2.KvEventBatch(seq=1))
+    index.expect("a", chain, now=100.0)
+    assert index.match(chain, now=101.0) == {"a": 3}
+    assert index.match(chain, now=106.0) == {}  # expired: it never confirmed them
+    index.expect("b", chain, now=200.0)
+    index.retract("b", chain)  # the request failed there before any work
+    assert index.match(chain, now=200.5) == {}
+
+    index.expect("a", chain, now=300.0)
+    assert index.apply("a", _stored(2, chain[:2]))  # events confirm two of the three blocks
+    assert index.match(chain, now=301.0) == {"a": 3}
+    assert index.match(chain, now=400.0) == {"a": 2}  # confirmed ones do not expire
+
+
+def test_round_robin_policy_ignores_caches_and_load() -> None:
+    args = build_parser().parse_args(
+        ["--model", "m", "--replica", "a:1", "--policy", "round_robin", "--prefix-weight", "5"])
+    config = options_from_args(args).picker
+    replicas = [replica("a", matched=9, running=0), replica("b", running=7), replica("c", kv=0.9)]
+    chosen = [pick(replicas, 10 * BS, BS, config, tie_break=i).decode.address for i in range(3)]
+    assert chosen == ["a", "b", "c"]
+    scored = options_from_args(build_parser().parse_args(["--model", "m", "--replica", "a:1"]))
+    assert pick(replicas, 10 * BS, BS, scored.picker).decode.address == "a"
