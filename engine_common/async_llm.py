@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from engine_common.config import EngineConfig
 from engine_common.core_process import EngineCoreClient
@@ -89,7 +89,7 @@ class AsyncLLM:
         cache_salt: str | None = None,
         hold_kv: bool = False,
         remote_prefill: RemotePrefill | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs; closing the iterator early aborts the request.
 
         ``hold_kv`` (prefill replica): the final output carries a ``kv_handle`` and the blocks
@@ -127,8 +127,10 @@ class AsyncLLM:
                 if finished:
                     return
         finally:
-            if not finished:
-                self.abort(request_id)
+            if not finished:  # the caller stopped reading: nobody waits for an end
+                self._streams.pop(request_id, None)
+                self.outputs.remove_request(request_id)
+                self.core.abort([request_id])
 
     def _first_remote_token(self, request_id: str, prompt_token_ids: list[int],
                             params: SamplingParams, remote: RemotePrefill) -> RequestOutput:
@@ -139,7 +141,7 @@ class AsyncLLM:
                         remote_prefill=remote)
         done = probe.check_stop()
         results, _ = self.outputs.process(EngineCoreOutputs(outputs=[EngineCoreOutput(
-            request_id, [remote.first_token_id], [None],
+            request_id, [remote.first_token_id], [remote.first_logprobs],
             finish_reason=probe.status.finish_reason if done else None,
             stop_reason=probe.stop_reason)]))
         return results[0]
@@ -168,10 +170,9 @@ class AsyncLLM:
     def release_kv(self, request_id: str) -> None:
         self.core.release_kv([request_id])
 
-    def abort(self, request_id: str) -> None:
-        if self._streams.pop(request_id, None) is not None:
-            self.outputs.remove_request(request_id)
-            self.core.abort([request_id])
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests in the core; their streams end with finish_reason "abort"."""
+        self.core.abort([r for r in request_ids if r in self._streams])
 
     # ----------------------------------------------------------------- outputs
     def _on_outputs(self, core_outputs: EngineCoreOutputs) -> None:
@@ -203,7 +204,7 @@ class AsyncLLM:
         self._streams.clear()
 
     # ----------------------------------------------------------------- KV events
-    async def watch_kv_events(self, since_seq: int) -> AsyncIterator[list[KVEventBatch] | None]:
+    async def watch_kv_events(self, since_seq: int) -> AsyncGenerator[list[KVEventBatch] | None, None]:
         """Yield batches after ``since_seq`` as they arrive; ``None`` once when the log no
         longer holds everything after ``since_seq`` (the watcher must resync)."""
         wake = asyncio.Event()
@@ -224,6 +225,4 @@ class AsyncLLM:
             self._kv_event_waiters.discard(wake)
 
     def shutdown(self) -> None:
-        for request_id in list(self._streams):
-            self.abort(request_id)
         self.core.shutdown()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import queue
+import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,6 +59,11 @@ CoreMessage = AddRequest | AbortRequests | ReleaseKv | Shutdown
 
 def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection) -> None:
     """Child-process entry point: build the core, then step while there is work."""
+    # The core stops when its frontend says so or when the pipe closes because the frontend
+    # died, never on a terminal's Ctrl-C or a SIGTERM to the process group: the frontend may
+    # still be draining streams that need this core.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(message)s")
     try:
         core = EngineCore(config)

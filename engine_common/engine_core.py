@@ -10,6 +10,7 @@ finish states, scheduler statistics and KV events (``EngineCoreOutputs``). The f
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from engine_common.request import Request, RequestStatus
 from engine_common.sampling_params import SamplingParams
 from engine_common.scheduler import Scheduler
 from engine_common.tokenizer import eos_token_ids, load_tokenizer
+from kv_transfer.layout import KvLayout
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +43,8 @@ class EngineInfo:
     num_layers: int
     num_kv_heads: int
     head_size: int
+    kv_layout: KvLayout  # what P/D peers must agree on to exchange blocks
     kv_address: tuple[str, int] | None = None  # UCX listener of a prefill (producer) engine
-    kv_layout_fingerprint: str | None = None
 
 
 class EngineCore:
@@ -62,8 +64,11 @@ class EngineCore:
             enable_caching=config.cache.enable_prefix_caching,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        # The model's directory name, not its path: P and D may keep it in different places.
+        kv_layout = KvLayout.of_cache(os.path.basename(os.path.normpath(config.model)),
+                                      self.model_runner.kv_cache)
         self.remote_kv = (
-            RemoteKv(config.kv_transfer, self.model_runner.kv_cache, config.model, config.engine_id)
+            RemoteKv(config.kv_transfer, self.model_runner.kv_cache, kv_layout, config.engine_id)
             if config.kv_transfer.role is not None else None)
         self.info = EngineInfo(
             engine_id=config.engine_id,
@@ -76,8 +81,8 @@ class EngineCore:
             num_layers=self.arch.num_layers,
             num_kv_heads=self.arch.num_kv_heads,
             head_size=self.arch.head_size,
+            kv_layout=kv_layout,
             kv_address=self.remote_kv.address if self.remote_kv else None,
-            kv_layout_fingerprint=self.remote_kv.layout.fingerprint() if self.remote_kv else None,
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -20,6 +20,7 @@ class RemotePrefill:
 
     handle: KvHandle
     first_token_id: int
+    first_logprobs: TokenLogprobs | None = None
 
 
 @dataclass

@@ -11,7 +11,6 @@ producer's release callback, which only queues.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import time
 from concurrent.futures import Future
@@ -38,14 +37,14 @@ class _PendingPull:
 
 
 class RemoteKv:
-    def __init__(self, config: KvTransferConfig, kv_cache: torch.Tensor, model: str, engine_id: str):
+    def __init__(self, config: KvTransferConfig, kv_cache: torch.Tensor, layout: KvLayout,
+                 engine_id: str):
         if config.role not in ("producer", "consumer"):
             raise ValueError(f"KV transfer role must be 'producer' or 'consumer', got {config.role!r}")
         if config.fallback not in ("recompute", "fail"):
             raise ValueError(f"KV transfer fallback must be 'recompute' or 'fail', got {config.fallback!r}")
         self.config = config
-        # The model's directory name, not its path: P and D may keep it in different places.
-        self.layout = KvLayout.of_cache(os.path.basename(os.path.normpath(model)), kv_cache)
+        self.layout = layout
         self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._pulls: dict[str, _PendingPull] = {}
         self.producer: UcxKvProducer | None = None

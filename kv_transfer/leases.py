@@ -55,11 +55,14 @@ class LeaseTable:
         return lease
 
     @contextmanager
-    def reading(self, request_id: str, block_ids: Sequence[int], now: float) -> Iterator[Lease]:
+    def reading(
+        self, request_id: str, block_ids: Sequence[int], now: float | None
+    ) -> Iterator[Lease]:
         """Hold the lease open while its blocks ``block_ids`` are read.
 
-        Raises KvTransferError: "unknown_request", "lease_expired", or "protocol" when
-        ``block_ids`` are not among the pinned ones.
+        Raises KvTransferError: "unknown_request", "lease_expired" (also when past its
+        deadline at ``now``; None skips that check, for the later reads of a transfer
+        that began in time), or "protocol" when ``block_ids`` are not among the pinned.
         """
         with self._cond:
             lease = self._leases.get(request_id)
@@ -67,7 +70,7 @@ class LeaseTable:
                 if request_id in self._expired:
                     raise KvTransferError("lease_expired", f"request {request_id!r}")
                 raise KvTransferError("unknown_request", f"request {request_id!r}")
-            if now > lease.deadline:
+            if now is not None and now > lease.deadline:
                 raise KvTransferError("lease_expired", f"request {request_id!r}")
             stray = set(block_ids) - set(lease.block_ids)
             if stray:

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
-import pytest
+import torch
 
-from tests.model_factory import build_tiny_model
+# Triton kernels run under the interpreter on machines without a GPU. The variable must be
+# set before anything imports triton (transformers does, through the model factory).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests.model_factory import build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

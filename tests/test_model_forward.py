@@ -104,8 +104,11 @@ def _run_step(
 def _new_cache(model: LlamaForCausalLM) -> torch.Tensor:
     arch = model.arch
     shape = (arch.num_layers, 2, NUM_BLOCKS, BLOCK_SIZE, arch.num_kv_heads, arch.head_size)
-    # NaN-filled: reading a slot nobody wrote poisons the result instead of passing silently.
-    return torch.full(shape, float("nan"), dtype=model.dtype)
+    # Large finite garbage: attending to a slot the sequence did not write changes the result
+    # visibly. (Not NaN: padding may be read, masked to zero weight, and the runner's cache
+    # starts zeroed, see torch_backend's docstring.)
+    generator = torch.Generator().manual_seed(7)
+    return (torch.randn(shape, generator=generator) * 100).to(model.dtype)
 
 
 def _hf_logits(model_dir: Path, seqs: list[Seq]) -> list[torch.Tensor]:
@@ -308,6 +311,89 @@ def test_sharded_checkpoint_loads(tmp_path, tiny_mistral_dir):
         model.state_dict().items(), reference.state_dict().items(), strict=True
     ):
         assert torch.equal(ours, ref), name
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "dtype"),
+    [(4, 2, torch.float32), (6, 1, torch.float32), (8, 8, torch.float32), (9, 3, torch.bfloat16)],
+)
+def test_torch_backend_matches_naive_attention(num_heads, num_kv_heads, dtype):
+    """Decode rows (dense all-KV-heads matmul for <= 4 KV heads, SDPA above) and prefill
+    rows with and without a cached prefix, in one step, against a float64 reference."""
+    head_size, block_size, num_blocks = 8, 4, 40
+    gen = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads)
+    backend = TorchAttentionBackend(num_heads, num_kv_heads, head_size, head_size**-0.5)
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, generator=gen)
+    kv_cache = (kv_cache * 100).to(dtype)
+    # (cached tokens, new tokens) per sequence: prefill, decode, extend, decode, 1-token prompt
+    shapes = [(0, 5), (7, 1), (12, 4), (3, 1), (0, 1)]
+    block_order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, queries, keys, values, slots, expected = [], [], [], [], [], []
+    group = num_heads // num_kv_heads
+    for cached, new in shapes:
+        total = cached + new
+        table = [block_order.pop() for _ in range(-(-total // block_size))]
+        tables.append(table)
+        k = torch.randn(total, num_kv_heads, head_size, generator=gen).to(dtype)
+        v = torch.randn(total, num_kv_heads, head_size, generator=gen).to(dtype)
+        q = torch.randn(new, num_heads, head_size, generator=gen).to(dtype)
+        seq_slots = [table[p // block_size] * block_size + p % block_size for p in range(total)]
+        flat = kv_cache.view(2, -1, num_kv_heads, head_size)
+        flat[0, seq_slots[:cached]] = k[:cached]
+        flat[1, seq_slots[:cached]] = v[:cached]
+        queries.append(q)
+        keys.append(k[cached:])
+        values.append(v[cached:])
+        slots.extend(seq_slots[cached:])
+        for j in range(new):
+            visible = cached + j + 1
+            kk = k[:visible].double().repeat_interleave(group, dim=1)  # [visible, heads, hs]
+            vv = v[:visible].double().repeat_interleave(group, dim=1)
+            weights = torch.einsum("hd,thd->ht", q[j].double(), kk) * head_size**-0.5
+            expected.append(torch.einsum("ht,thd->hd", weights.softmax(-1), vv))
+    block_tables = torch.zeros(len(shapes), max(map(len, tables)), dtype=torch.int32)
+    for i, table in enumerate(tables):
+        block_tables[i, : len(table)] = torch.tensor(table)
+    query_lens = [new for _, new in shapes]
+    seq_lens = [cached + new for cached, new in shapes]
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()]).int(),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+    )
+    out = backend.forward(
+        torch.cat(queries), torch.cat(keys), torch.cat(values), kv_cache, metadata
+    )
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), torch.stack(expected), atol=tolerance, rtol=0)
+    # The step's new K/V landed in the cache at their slots.
+    flat = kv_cache.view(2, -1, num_kv_heads, head_size)
+    assert torch.equal(flat[0, torch.tensor(slots)], torch.cat(keys))
+    assert torch.equal(flat[1, torch.tensor(slots)], torch.cat(values))
+    # A pure-decode step (the fast path) over the same cache agrees with the mixed one.
+    decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
+    starts = metadata.query_start_loc.tolist()
+    decode_meta = AttentionMetadata(
+        slot_mapping=torch.tensor([slots[starts[i]] for i in decode_rows]),
+        query_start_loc=torch.arange(len(decode_rows) + 1, dtype=torch.int32),
+        seq_lens=torch.tensor([seq_lens[i] for i in decode_rows], dtype=torch.int32),
+        block_tables=block_tables[decode_rows],
+        max_query_len=1,
+        max_seq_len=max(seq_lens[i] for i in decode_rows),
+        query_lens_cpu=[1] * len(decode_rows),
+        seq_lens_cpu=[seq_lens[i] for i in decode_rows],
+    )
+    rows = torch.tensor([starts[i] for i in decode_rows])
+    decode_out = backend.forward(
+        torch.cat(queries)[rows], torch.cat(keys)[rows], torch.cat(values)[rows], kv_cache,
+        decode_meta,
+    )
+    torch.testing.assert_close(decode_out, out[rows], atol=tolerance, rtol=0)
 
 
 def test_backend_selection():

@@ -91,18 +91,20 @@ class PositionLogprobs(_message.Message):
     def __init__(self, sampled: _Optional[_Union[TokenLogprob, _Mapping]] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class KvTransferInfo(_message.Message):
-    __slots__ = ("prefill_engine_id", "blocks_pulled", "bytes", "seconds", "fallback_reason")
+    __slots__ = ("prefill_engine_id", "blocks_pulled", "bytes", "seconds", "fallback_reason", "blocks_local")
     PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_PULLED_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_LOCAL_FIELD_NUMBER: _ClassVar[int]
     prefill_engine_id: str
     blocks_pulled: int
     bytes: int
     seconds: float
     fallback_reason: str
-    def __init__(self, prefill_engine_id: _Optional[str] = ..., blocks_pulled: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., fallback_reason: _Optional[str] = ...) -> None: ...
+    blocks_local: int
+    def __init__(self, prefill_engine_id: _Optional[str] = ..., blocks_pulled: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., fallback_reason: _Optional[str] = ..., blocks_local: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "new_token_ids", "delta_text", "finish_reason", "stop_reason", "stop_token_id", "logprobs", "prompt_tokens", "completion_tokens", "cached_tokens", "kv_transfer")

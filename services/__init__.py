@@ -1,0 +1,1 @@
+"""Tandem's processes around the engine: the replica service (``services.replica``)."""

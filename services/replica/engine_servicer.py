@@ -1,0 +1,185 @@
+"""The internal ``tandem.v1.Engine`` service of one replica (gateway -> replica, peer -> peer).
+
+Owns the handlers: Generate (tokenized requests streamed back as ``GenerateResponse`` deltas),
+Abort, GetLoad (the scheduler's latest statistics and the cumulative prefix-cache counters),
+WatchKvEvents, GetInfo, and the P/D pair on a prefill replica: Prefill (compute the prompt,
+sample the first token, pin the blocks under a lease, answer with a KV handle) and ReleaseKv
+(a decode replica is done with them). A Generate that names a ``prefill_peer`` gets its KV
+from that replica when this one decodes (``LocalEngine``); any other role computes the prefill
+here and says so in ``kv_transfer.fallback_reason``.
+
+WatchKvEvents replays the batches after ``since_seq`` and then streams new ones live. When
+the replica's event log no longer covers ``since_seq`` (the watcher fell too far behind, or
+it watched an earlier incarnation of this engine whose seq was higher), it sends one batch
+with ``resync=true``, ``seq`` = the newest seq and *no* events, then continues live from
+there. No snapshot of the cache exists to send, so a watcher must drop what it knew about
+this replica and rebuild from the events that follow: blocks cached before the resync stay
+unknown to it until they are stored again, which costs routing some prefix hits, never
+correctness.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import replace
+from typing import cast
+
+import grpc.aio
+
+from engine_common.kv_events import KVEventBatch
+from protos.tandem.v1 import engine_pb2 as epb
+from protos.tandem.v1 import engine_pb2_grpc as epb_grpc
+from services.replica.engine_messages import (
+    delta_to_response,
+    kv_event_batch_to_pb,
+    kv_handle_to_pb,
+    sampling_params_from_pb,
+)
+from services.replica.errors import FailedPrecondition, InvalidArgument, rpc_handler
+from services.replica.local_engine import LocalEngine
+from services.replica.openai_api import EngineRequest
+from services.replica.served_model import ServedModel
+
+
+class EngineServicer(epb_grpc.EngineServicer):
+    def __init__(self, engine: LocalEngine, role: str, model: ServedModel):
+        self.engine = engine
+        self.llm = engine.llm
+        self.role = role
+        self.model = model
+
+    @rpc_handler
+    async def Generate(self, request: epb.GenerateRequest,  # noqa: N802 (gRPC's names)
+                       context: grpc.aio.ServicerContext) -> None:
+        request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+        engine_request, num_resumed = self._engine_request(request)
+        return_token_ids = request.output_options.return_token_ids
+        async with aclosing(self.engine.generate(request_id, engine_request)) as deltas:
+            async for delta in deltas:
+                response = delta_to_response(delta, request_id, return_token_ids)
+                # Resumed tokens were sent by the replica that died: they count as output.
+                response.prompt_tokens -= num_resumed
+                response.completion_tokens += num_resumed
+                await context.write(response)
+
+    def _engine_request(self, request: epb.GenerateRequest) -> tuple[EngineRequest, int]:
+        params = sampling_params_from_pb(request.sampling_params)
+        prompt = list(request.prompt_token_ids)
+        resumed = list(request.resume_output_token_ids)
+        if resumed:
+            if params.max_tokens is not None and len(resumed) >= params.max_tokens:
+                raise InvalidArgument(
+                    f"resume_output_token_ids holds {len(resumed)} tokens, which already "
+                    f"reaches max_tokens ({params.max_tokens}); the request is complete")
+            if not prompt:
+                raise InvalidArgument("prompt_token_ids is empty")
+            params = replace(
+                params,
+                max_tokens=None if params.max_tokens is None else params.max_tokens - len(resumed),
+                min_tokens=max(0, params.min_tokens - len(resumed)))
+            prompt += resumed
+        self.llm.inputs.validate_prompt(prompt, params.max_tokens)
+        cache_salt = request.cache_salt or None
+        # A resumed stream recomputes here: the prefill replica never saw its output tokens.
+        peer = request.prefill_peer if request.HasField("prefill_peer") and not resumed else None
+        return EngineRequest(prompt, params, request.priority, cache_salt, peer), len(resumed)
+
+    @rpc_handler
+    async def Prefill(self, request: epb.PrefillRequest,  # noqa: N802
+                      context: grpc.aio.ServicerContext) -> epb.PrefillResponse:
+        if self.role != "prefill":
+            raise FailedPrecondition(
+                f"this replica's role is {self.role}; Prefill is served by prefill replicas")
+        if not request.request_id:
+            raise InvalidArgument("request_id is required: the decode replica releases the "
+                                  "blocks under it")
+        params = sampling_params_from_pb(request.sampling_params)
+        prompt = list(request.prompt_token_ids)
+        self.llm.inputs.validate_prompt(prompt, None)
+        with self.engine.admission.admit(request.request_id):
+            output, handle = await self.llm.prefill(
+                request.request_id, prompt, params, priority=request.priority,
+                cache_salt=request.cache_salt or None)
+        response = epb.PrefillResponse(
+            request_id=request.request_id, first_token_id=output.new_token_ids[0],
+            kv_handle=kv_handle_to_pb(handle, self.llm.info.kv_layout, output.num_cached_tokens))
+        logprobs = output.new_logprobs[0] if output.new_logprobs else None
+        if logprobs is not None:
+            delta = self.engine.delta_of(output)
+            response.first_token_logprobs.CopyFrom(delta_to_response(delta, "", False).logprobs[0])
+        return response
+
+    @rpc_handler
+    async def ReleaseKv(self, request: epb.ReleaseKvRequest,  # noqa: N802
+                        context: grpc.aio.ServicerContext) -> epb.ReleaseKvResponse:
+        if self.role != "prefill":
+            raise FailedPrecondition(f"this replica's role is {self.role}; it pins no KV blocks")
+        if request.engine_id and request.engine_id != self.llm.info.engine_id:
+            # A handle of an earlier incarnation of this replica: nothing of it is held.
+            return epb.ReleaseKvResponse(released=False)
+        self.llm.release_kv(request.request_id)
+        return epb.ReleaseKvResponse(released=True)
+
+    @rpc_handler
+    async def Abort(self, request: epb.AbortRequest,  # noqa: N802
+                    context: grpc.aio.ServicerContext) -> epb.AbortResponse:
+        return epb.AbortResponse(aborted_request_ids=self.engine.abort(request.request_ids))
+
+    @rpc_handler
+    async def GetLoad(self, request: epb.GetLoadRequest,  # noqa: N802
+                      context: grpc.aio.ServicerContext) -> epb.LoadReport:
+        stats, info = self.llm.stats, self.llm.info
+        return epb.LoadReport(
+            engine_id=info.engine_id,
+            role=self.role,
+            model=self.model.name,
+            num_requests_running=stats.num_running_reqs,
+            num_requests_waiting=stats.num_waiting_reqs,
+            kv_cache_usage_perc=stats.kv_cache_usage,
+            num_free_blocks=stats.num_free_blocks,
+            num_total_blocks=stats.num_total_blocks,
+            prefix_cache_queries=self.llm.prefix_cache_queries,
+            prefix_cache_hits=self.llm.prefix_cache_hits,
+            num_preemptions=self.llm.num_preemptions,
+            block_size=info.block_size,
+            kv_events_last_seq=self.llm.kv_events.last_seq,
+            timestamp=time.time(),
+        )
+
+    @rpc_handler
+    async def WatchKvEvents(self, request: epb.WatchKvEventsRequest,  # noqa: N802
+                            context: grpc.aio.ServicerContext) -> None:
+        if request.since_seq < 0:
+            raise InvalidArgument(f"since_seq must be 0 or more, got {request.since_seq}")
+        since = request.since_seq
+        while True:
+            watch = cast(AsyncGenerator[list[KVEventBatch] | None, None],
+                         self.llm.watch_kv_events(since))
+            async with aclosing(watch):
+                async for batches in watch:
+                    if batches is None:
+                        break  # the log no longer covers `since`
+                    for batch in batches:
+                        await context.write(kv_event_batch_to_pb(batch))
+                    since = batches[-1].seq
+            since = self.llm.kv_events.last_seq
+            await context.write(epb.KvEventBatch(seq=since, timestamp=time.time(), resync=True))
+
+    @rpc_handler
+    async def GetInfo(self, request: epb.GetInfoRequest,  # noqa: N802
+                      context: grpc.aio.ServicerContext) -> epb.EngineInfo:
+        info, layout = self.llm.info, self.llm.info.kv_layout
+        return epb.EngineInfo(
+            engine_id=info.engine_id,
+            role=self.role,
+            model=self.model.name,
+            max_model_len=info.max_model_len,
+            block_size=info.block_size,
+            kv_layout=epb.KvLayout(
+                model=layout.model, dtype=layout.dtype, num_layers=layout.num_layers,
+                num_kv_heads=layout.num_kv_heads, head_size=layout.head_size,
+                block_size=layout.block_size, fingerprint=layout.fingerprint()),
+        )

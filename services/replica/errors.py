@@ -1,0 +1,102 @@
+"""How a failed request becomes a gRPC status, in one place for every servicer.
+
+Owns ``ServiceError`` (an error that already knows its status code and a message a person can
+act on) and ``rpc_handler``, the decorator every RPC handler wears: it turns
+``ServiceError``, the engine's own input errors (``SamplingParamsError``,
+``InvalidRequestError``: INVALID_ARGUMENT) and a dead engine core (UNAVAILABLE) into the
+call's status, and anything else into INTERNAL (logged with its traceback). It does not own
+deciding when a request is wrong (``validation``, ``openai_api``) or overloaded
+(``admission``). Cancellation (client gone, deadline) is never caught here: it must reach the
+engine's stream so the request is aborted and its blocks freed.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+import grpc.aio
+
+from engine_common.async_llm import EngineDeadError
+from engine_common.input_processor import InvalidRequestError
+from engine_common.sampling_params import SamplingParamsError
+
+logger = logging.getLogger(__name__)
+
+S = TypeVar("S")
+Req = TypeVar("Req")
+R = TypeVar("R")
+
+
+class ServiceError(Exception):
+    """A request failed for a reason the caller should see as ``code`` and ``message``."""
+
+    code = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(ServiceError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class AlreadyExists(ServiceError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class Overloaded(ServiceError):
+    """The bounded waiting queue is full; the caller should retry later or elsewhere."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(ServiceError):
+    """The engine is dead or the replica is shutting down; another replica may serve it."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class FailedPrecondition(ServiceError):
+    """The RPC does not apply to this replica as configured (e.g. its role)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+def status_of(error: Exception) -> tuple[grpc.StatusCode, str] | None:
+    """The status a known failure maps to, or None for an unexpected one (a bug)."""
+    if isinstance(error, ServiceError):
+        return error.code, error.message
+    if isinstance(error, SamplingParamsError | InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+    if isinstance(error, EngineDeadError):
+        return grpc.StatusCode.UNAVAILABLE, f"the engine is not running: {error}"
+    return None
+
+
+def rpc_handler(
+    method: Callable[[S, Req, grpc.aio.ServicerContext], Awaitable[R]],
+) -> Callable[[S, Req, grpc.aio.ServicerContext], Awaitable[R]]:
+    """Decorate an RPC handler (a coroutine; streaming ones write with ``context.write``) so
+    that its failure ends the call with the status it maps to."""
+
+    @functools.wraps(method)
+    async def handler(self: S, request: Req, context: grpc.aio.ServicerContext) -> R:
+        try:
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise  # the handler already chose a status
+        except Exception as error:  # noqa: BLE001 - every failure must become a status
+            status = status_of(error)
+            if status is None:
+                logger.exception("unexpected error in %s", method.__name__)
+                status = (grpc.StatusCode.INTERNAL,
+                          f"internal error: {type(error).__name__}: {error}")
+            await context.abort(*status)
+            raise AssertionError("context.abort returned") from error  # it always raises
+
+    return handler

@@ -1,0 +1,95 @@
+"""The public ``tandem.v1.Generation`` service over any ``GenerateFn``.
+
+Owns the RPC handlers: check the model name, resolve the request (``openai_api``), run it
+through the ``GenerateFn`` and write OpenAI-shaped responses; every failure becomes a status
+(``errors.rpc_handler``). Streams are closed explicitly, so a client that cancels or runs out
+of deadline aborts its request in the engine at once. The replica builds it over its local
+engine; the gateway can build it over a remote replica's ``Engine.Generate``, with the same
+tokenizer (``InputProcessor``) and served model. It does not own tokenization rules
+(``InputProcessor``), admission or the engine.
+"""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+
+import grpc.aio
+
+from engine_common.input_processor import InputProcessor
+from protos.tandem.v1 import generation_pb2 as pb
+from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
+from services.replica import openai_api as api
+from services.replica.errors import rpc_handler
+from services.replica.served_model import ServedModel
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, model: ServedModel, inputs: InputProcessor, generate: api.GenerateFn):
+        self.model = model
+        self.inputs = inputs
+        self.generate = generate
+
+    @rpc_handler
+    async def Complete(self, request: pb.CompletionRequest,  # noqa: N802 (gRPC's names)
+                       context: grpc.aio.ServicerContext) -> pb.CompletionResponse:
+        self.model.check(request.model)
+        engine_request = api.completion_to_engine_request(request, self.inputs)
+        response_id = api.new_completion_id()
+        async with aclosing(self.generate(response_id, engine_request)) as deltas:
+            return await api.completion_response(
+                deltas, response_id=response_id, model=self.model.name,
+                logprobs=engine_request.params.logprobs is not None)
+
+    @rpc_handler
+    async def CompleteStream(self, request: pb.CompletionRequest,  # noqa: N802
+                             context: grpc.aio.ServicerContext) -> None:
+        self.model.check(request.model)
+        engine_request = api.completion_to_engine_request(request, self.inputs)
+        response_id = api.new_completion_id()
+        deltas = self.generate(response_id, engine_request)
+        chunks = api.completion_chunks(deltas, response_id=response_id, model=self.model.name,
+                                       include_usage=request.stream_options.include_usage)
+        async with aclosing(deltas), aclosing(chunks):
+            async for chunk in chunks:
+                await context.write(chunk)
+
+    @rpc_handler
+    async def ChatComplete(self, request: pb.ChatCompletionRequest,  # noqa: N802
+                           context: grpc.aio.ServicerContext) -> pb.ChatCompletionResponse:
+        self.model.check(request.model)
+        engine_request = api.chat_to_engine_request(request, self.inputs)
+        response_id = api.new_chat_completion_id()
+        async with aclosing(self.generate(response_id, engine_request)) as deltas:
+            return await api.chat_response(
+                deltas, response_id=response_id, model=self.model.name,
+                logprobs=engine_request.params.logprobs is not None)
+
+    @rpc_handler
+    async def ChatCompleteStream(self, request: pb.ChatCompletionRequest,  # noqa: N802
+                                 context: grpc.aio.ServicerContext) -> None:
+        self.model.check(request.model)
+        engine_request = api.chat_to_engine_request(request, self.inputs)
+        response_id = api.new_chat_completion_id()
+        deltas = self.generate(response_id, engine_request)
+        chunks = api.chat_chunks(deltas, response_id=response_id, model=self.model.name,
+                                 include_usage=request.stream_options.include_usage)
+        async with aclosing(deltas), aclosing(chunks):
+            async for chunk in chunks:
+                await context.write(chunk)
+
+    @rpc_handler
+    async def ListModels(self, request: pb.ListModelsRequest,  # noqa: N802
+                         context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        return api.models_response(self.model)
+
+    @rpc_handler
+    async def Tokenize(self, request: pb.TokenizeRequest,  # noqa: N802
+                       context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        self.model.check(request.model)
+        return api.tokenize_response(request, self.inputs)
+
+    @rpc_handler
+    async def Detokenize(self, request: pb.DetokenizeRequest,  # noqa: N802
+                         context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
+        self.model.check(request.model)
+        return api.detokenize_response(request, self.inputs)

@@ -1,0 +1,129 @@
+"""The replica's engine as a ``GenerateFn``: ``AsyncLLM`` behind admission control.
+
+Owns turning ``AsyncLLM``'s ``RequestOutput``s into ``GenerationDelta``s (with logprob tokens
+decoded to text), holding an admission slot for the life of each request, aborting requests
+by id so that their streams end with finish_reason "abort", and, on a decode replica, the
+P/D flow of a request that names a prefill replica: ask it to prefill, stream its first token
+at once, let the engine pull the KV, release the prefill replica's blocks, or fall back to a
+local prefill (policy ``recompute``) when any of that fails. Both public API
+(``generation_servicer``) and internal API (``engine_servicer``) requests go through here, so
+one bound covers both. It does not own the engine (``engine_common.async_llm``) or any wire
+format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
+from typing import cast
+
+from engine_common.async_llm import AsyncLLM, EngineDeadError
+from engine_common.output_processor import RequestOutput
+from engine_common.outputs import KvTransferReport, RemotePrefill
+from engine_common.sampler import TokenLogprobs
+from services.replica.admission import Admission
+from services.replica.errors import Unavailable
+from services.replica.openai_api import (
+    EngineRequest,
+    GenerationDelta,
+    PositionLogprobs,
+    TokenChoice,
+)
+from services.replica.prefill_peers import PrefillFailed, PrefillPeers
+
+
+class LocalEngine:
+    def __init__(self, llm: AsyncLLM, admission: Admission,
+                 prefill_peers: PrefillPeers | None = None) -> None:
+        self.llm = llm
+        self.admission = admission
+        # Set on decode replicas: requests naming a prefill replica get their KV from it.
+        self.prefill_peers = prefill_peers
+        self._token_text: dict[int, str] = {}  # bounded by the vocabulary
+
+    async def generate(self, request_id: str,
+                       request: EngineRequest) -> AsyncGenerator[GenerationDelta, None]:
+        """Stream the request's deltas; closing this iterator early aborts the request."""
+        with self.admission.admit(request_id):
+            if self.llm.dead_reason is not None:
+                raise Unavailable(f"the engine is not running: {self.llm.dead_reason}")
+            remote, report = await self._remote_prefill(request_id, request)
+            # An async generator, though annotated as an iterator: it must be closed (which
+            # aborts the request) as soon as this one is.
+            outputs = cast(AsyncGenerator[RequestOutput, None], self.llm.generate(
+                request_id, request.prompt_token_ids, request.params,
+                priority=request.priority, cache_salt=request.cache_salt, remote_prefill=remote))
+            released = remote is None
+            try:
+                async with aclosing(outputs):
+                    async for output in outputs:
+                        delta = self.delta_of(output)
+                        if report is not None:  # a fallback, reported on the first delta
+                            delta.kv_transfer, report = report, None
+                        if output.kv_transfer is not None and not released:
+                            self._release(request, remote, request_id)
+                            released = True
+                        yield delta
+            except EngineDeadError as error:
+                raise Unavailable(f"the engine stopped mid-request: {error}") from error
+            finally:
+                if not released:  # cancelled or finished before the pull: free P's blocks
+                    self._release(request, remote, request_id)
+
+    async def _remote_prefill(self, request_id: str, request: EngineRequest
+                              ) -> tuple[RemotePrefill | None, KvTransferReport | None]:
+        """Ask the named prefill replica for the prompt's KV. Returns its answer, or (None,
+        a fallback report) when this replica computes the prefill itself."""
+        peer = request.prefill_peer
+        if not peer:
+            return None, None
+        if self.prefill_peers is None:
+            report = KvTransferReport(prefill_engine_id="", fallback_reason="not_a_decode_replica")
+        else:
+            try:
+                return await self.prefill_peers.prefill(peer, request_id, request), None
+            except PrefillFailed as error:
+                if self.llm.config.kv_transfer.fallback == "fail":
+                    raise Unavailable(
+                        f"the prefill replica failed ({error}) and this replica runs with "
+                        "--kv-fallback fail") from error
+                report = KvTransferReport(prefill_engine_id="", fallback_reason=error.reason)
+        self.llm.metrics.record_kv_transfer(report)
+        return None, report
+
+    def _release(self, request: EngineRequest, remote: RemotePrefill | None, request_id: str) -> None:
+        if remote is not None and self.prefill_peers is not None and request.prefill_peer:
+            self.prefill_peers.release(request.prefill_peer, request_id, remote.handle.engine_id)
+
+    def abort(self, request_ids: Sequence[str]) -> list[str]:
+        """Abort the requests still running here; their streams end with "abort"."""
+        live = [rid for rid in dict.fromkeys(request_ids) if self.admission.is_active(rid)]
+        self.llm.abort(live)
+        return live
+
+    def delta_of(self, output: RequestOutput) -> GenerationDelta:
+        return GenerationDelta(
+            text=output.delta_text,
+            token_ids=list(output.new_token_ids),
+            logprobs=[self._position(lp) for lp in output.new_logprobs if lp is not None],
+            finish_reason=output.finish_reason,
+            stop_reason=output.stop_reason,
+            prompt_tokens=output.num_prompt_tokens,
+            completion_tokens=output.num_output_tokens,
+            cached_tokens=output.num_cached_tokens,
+            kv_transfer=output.kv_transfer,
+        )
+
+    def _position(self, logprobs: TokenLogprobs) -> PositionLogprobs:
+        return PositionLogprobs(
+            sampled=TokenChoice(logprobs.token_id, self._text(logprobs.token_id),
+                                logprobs.logprob, logprobs.rank),
+            top=[TokenChoice(token_id, self._text(token_id), logprob, rank)
+                 for rank, (token_id, logprob) in enumerate(logprobs.top, start=1)],
+        )
+
+    def _text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = str(self.llm.tokenizer.decode([token_id]))
+        return text

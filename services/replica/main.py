@@ -1,0 +1,166 @@
+"""The replica's command line: ``python -m services.replica`` and ``tandem serve``.
+
+Owns the flags, their mapping onto ``EngineConfig`` and ``ReplicaOptions`` (defaults come from
+those records, not repeated here), byte sizes such as ``1GiB``, and the process's logging and
+exit code. It does not own serving (``server``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import re
+import socket
+import sys
+from dataclasses import replace
+
+from engine_common.config import CacheConfig, EngineConfig, KvTransferConfig, SchedulerConfig
+from services.replica.server import ROLES, ReplicaOptions, serve
+
+logger = logging.getLogger("services.replica")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+    "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """``1073741824``, ``1GiB``, ``512Mi``, ``2G`` (Kubernetes' convention: ``Gi`` is 2**30,
+    ``G`` is 10**9; a trailing ``B`` is optional)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; use bytes or a unit such as 512MiB, 1GiB, 2G")
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[(unit or "").lower()])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    cache, scheduler = CacheConfig(), SchedulerConfig()
+    engine = EngineConfig(model="")
+    options = ReplicaOptions(engine=engine)
+    p = argparse.ArgumentParser(
+        prog="python -m services.replica",
+        description="Serve one engine over gRPC: tandem.v1.Generation (public, OpenAI-shaped), "
+                    "tandem.v1.Engine (internal), health, reflection and Prometheus /metrics.")
+    p.add_argument("--model", default=None,
+                   help="local Hugging Face model directory (default: the bundled "
+                        "SmolLM2-135M-Instruct, converted on first use)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients use (default: the model directory's name)")
+    p.add_argument("--role", choices=ROLES, default=options.role,
+                   help="prefill, decode or both (aggregated) (default: %(default)s)")
+    p.add_argument("--host", default=options.host, help="address to bind (default: %(default)s)")
+    p.add_argument("--port", type=int, default=options.port,
+                   help="gRPC port (default: %(default)s; 0 picks a free one)")
+    p.add_argument("--metrics-port", type=int, default=options.metrics_port,
+                   help="Prometheus /metrics HTTP port, 0 for none (default: %(default)s)")
+    p.add_argument("--engine-id", default=None,
+                   help="stable engine identity in KV events and handles "
+                        "(default: <role>-<hostname>-<port>)")
+    p.add_argument("--dtype", default=engine.dtype,
+                   choices=("auto", "bfloat16", "float16", "float32"),
+                   help="weights and KV-cache dtype (default: the checkpoint's)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: cuda when available, else cpu (default: %(default)s)")
+    p.add_argument("--attention-backend", default=engine.attention_backend,
+                   choices=("auto", "torch", "triton"), help="(default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's)")
+    p.add_argument("--seed", type=int, default=engine.seed, help="(default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=cache.block_size,
+                   help="tokens per KV block (default: %(default)s)")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=cache.kv_cache_memory_bytes,
+                   help="KV-cache bytes on CPU, e.g. 1GiB (default: %(default)s)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=cache.gpu_memory_utilization,
+                   help="fraction of free GPU memory for the KV cache (default: %(default)s)")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="exact number of KV blocks, overriding the memory budget")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    p.add_argument("--max-num-batched-tokens", type=int, default=scheduler.max_num_batched_tokens,
+                   help="token budget per engine step (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=scheduler.max_num_seqs,
+                   help="requests running at once (default: %(default)s)")
+    p.add_argument("--max-waiting", type=int, default=options.max_waiting,
+                   help="requests queued beyond --max-num-seqs before new ones are refused "
+                        "with RESOURCE_EXHAUSTED (default: %(default)s)")
+    p.add_argument("--scheduling-policy", default=scheduler.policy, choices=("fcfs", "priority"),
+                   help="(default: %(default)s)")
+    p.add_argument("--shutdown-grace", type=float, default=options.shutdown_grace_s,
+                   help="seconds in-flight requests get to finish on SIGTERM (default: %(default)s)")
+    kv = KvTransferConfig()
+    p.add_argument("--kv-host", default=None,
+                   help="P/D: the address decode replicas reach this prefill replica's UCX "
+                        "listener on (default: --host, or 127.0.0.1 when that is 0.0.0.0)")
+    p.add_argument("--kv-port", type=int, default=kv.port,
+                   help="P/D: UCX listener port of a prefill replica (default: a free one)")
+    p.add_argument("--kv-lease-seconds", type=float, default=kv.lease_seconds,
+                   help="P/D: pinned blocks nobody pulls are freed after this (default: %(default)s)")
+    p.add_argument("--kv-pull-timeout", type=float, default=kv.pull_timeout_seconds,
+                   help="P/D: seconds a decode replica waits for a KV pull (default: %(default)s)")
+    p.add_argument("--kv-fallback", default=kv.fallback, choices=("recompute", "fail"),
+                   help="P/D: when the prefill replica or the transfer fails, recompute the "
+                        "prefill here, or fail the request (default: %(default)s)")
+    p.add_argument("--log-level", default="INFO",
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="(default: %(default)s)")
+    return p
+
+
+def _resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def options_from_args(args: argparse.Namespace) -> ReplicaOptions:
+    if args.model is None:
+        from engine_common.default_model import ensure_default_model
+
+        args.model = str(ensure_default_model())
+    engine = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=_resolve_device(args.device),
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        attention_backend=args.attention_backend,
+        engine_id=args.engine_id or f"{args.role}-{socket.gethostname()}-{args.port}",
+        cache=replace(
+            CacheConfig(), block_size=args.block_size,
+            kv_cache_memory_bytes=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            num_gpu_blocks_override=args.num_kv_blocks,
+            enable_prefix_caching=not args.no_prefix_caching),
+        scheduler=replace(
+            SchedulerConfig(), max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs, policy=args.scheduling_policy),
+        kv_transfer=KvTransferConfig(
+            role={"prefill": "producer", "decode": "consumer"}.get(args.role),
+            host=args.kv_host or (args.host if args.host not in ("0.0.0.0", "::") else "127.0.0.1"),
+            port=args.kv_port, lease_seconds=args.kv_lease_seconds,
+            pull_timeout_seconds=args.kv_pull_timeout, fallback=args.kv_fallback),
+    )
+    return ReplicaOptions(
+        engine=engine, role=args.role, host=args.host, port=args.port,
+        metrics_port=args.metrics_port, served_model_name=args.served_model_name,
+        max_waiting=args.max_waiting, shutdown_grace_s=args.shutdown_grace)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default: ``sys.argv[1:]``), serve until stopped; the exit code."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        options = options_from_args(args)
+        asyncio.run(serve(options))
+    except (OSError, RuntimeError, ValueError) as error:
+        logger.error("replica failed: %s", error, exc_info=args.log_level == "DEBUG")
+        return 1
+    return 0

@@ -1,0 +1,365 @@
+"""The mapping between the public, OpenAI-shaped ``tandem.v1.Generation`` messages and an
+engine, independent of where the engine runs.
+
+Owns three things, so that the replica and the gateway serve the public API identically:
+
+- requests in: ``completion_to_engine_request`` / ``chat_to_engine_request`` turn a public
+  request into an ``EngineRequest`` (prompt token ids, ``SamplingParams``, priority, cache
+  salt), applying OpenAI's defaults (completions: ``max_tokens`` 16; chat: unbounded, that is
+  up to the context) and rejecting what cannot be served with an actionable message;
+- the engine, behind ``GenerateFn``: any async callable that streams ``GenerationDelta``s
+  for an ``EngineRequest`` and aborts the request when its iterator is closed early. The
+  replica plugs in its local engine (``local_engine``), the gateway a remote replica's
+  ``Engine.Generate``;
+- responses out: ``completion_chunks`` / ``completion_response`` / ``chat_chunks`` /
+  ``chat_response`` fold a stream of deltas into OpenAI's chunk and response shapes
+  (ids ``cmpl-<uuid>`` / ``chatcmpl-<uuid>``, usage with cached tokens, logprobs).
+
+It does not own transport, status codes (``errors``) or admission (``admission``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine_common.input_processor import InputProcessor, InvalidRequestError
+from engine_common.outputs import KvTransferReport
+from engine_common.sampling_params import SamplingParams
+from protos.tandem.v1 import generation_pb2 as pb
+from services.replica.errors import InvalidArgument
+from services.replica.served_model import ServedModel
+from services.replica.validation import (
+    check_echo,
+    check_text_length,
+    prompt_from_value,
+    stop_from_value,
+)
+
+# OpenAI's default for the completions API (the chat API's is "up to the context").
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+# JSON has no -inf: a logprob that underflowed is reported as this, as vLLM does.
+_LOGPROB_FLOOR = -9999.0
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass
+class EngineRequest:
+    """A public request resolved into what an engine runs."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    # P/D: the prefill replica (host:port) a decode replica asks for the prompt's KV.
+    prefill_peer: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenChoice:
+    """One candidate token at an output position."""
+
+    token_id: int
+    token: str  # the token decoded on its own
+    logprob: float
+    rank: int  # 1 = most likely
+
+
+@dataclass(frozen=True)
+class PositionLogprobs:
+    sampled: TokenChoice
+    top: list[TokenChoice]  # best first
+
+
+@dataclass
+class GenerationDelta:
+    """What one engine step added to a request, plus its running token counts."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length" or "abort" on the last delta
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    kv_transfer: KvTransferReport | None = None  # P/D: how the prompt's KV got here
+
+
+class GenerateFn(Protocol):
+    """Streams a request's deltas; closing the iterator early must abort the request."""
+
+    def __call__(self, request_id: str,
+                 request: EngineRequest) -> AsyncGenerator[GenerationDelta, None]:
+        ...
+
+
+def new_completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def new_chat_completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+# --------------------------------------------------------------------------- requests in
+
+_SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
+    "include_stop_str_in_output", "n",
+)
+
+
+def _sampling_params(request: pb.CompletionRequest | pb.ChatCompletionRequest,
+                     max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """Unset optional fields keep SamplingParams' defaults (OpenAI's, for these fields)."""
+    chosen = {name: getattr(request, name) for name in _SAMPLING_FIELDS if request.HasField(name)}
+    stop = stop_from_value(request.stop if request.HasField("stop") else None)
+    return SamplingParams(
+        max_tokens=max_tokens, logprobs=logprobs, stop=stop,
+        stop_token_ids=list(request.stop_token_ids), **chosen)
+
+
+def completion_to_engine_request(request: pb.CompletionRequest,
+                                 inputs: InputProcessor) -> EngineRequest:
+    check_echo(request.echo)
+    max_tokens = (request.max_tokens if request.HasField("max_tokens")
+                  else COMPLETION_DEFAULT_MAX_TOKENS)
+    logprobs = request.logprobs if request.HasField("logprobs") else None
+    params = _sampling_params(request, max_tokens, logprobs)
+    prompt = prompt_from_value(request.prompt if request.HasField("prompt") else None)
+    if isinstance(prompt, str):
+        check_text_length(len(prompt), inputs.max_model_len, "prompt")
+        prompt_token_ids = inputs.tokenize(prompt)
+    else:
+        prompt_token_ids = prompt
+    inputs.validate_prompt(prompt_token_ids, params.max_tokens)
+    return EngineRequest(prompt_token_ids, params, request.priority, request.cache_salt or None)
+
+
+def chat_messages(messages: Sequence[pb.ChatMessage]) -> list[dict[str, str]]:
+    """OpenAI-style message dicts for the chat template."""
+    converted = []
+    for message in messages:
+        entry = {"role": message.role, "content": message.content}
+        if message.name:
+            entry["name"] = message.name
+        converted.append(entry)
+    return converted
+
+
+def chat_to_engine_request(request: pb.ChatCompletionRequest,
+                           inputs: InputProcessor) -> EngineRequest:
+    if request.HasField("max_completion_tokens"):
+        max_tokens: int | None = request.max_completion_tokens
+    elif request.HasField("max_tokens"):
+        max_tokens = request.max_tokens
+    else:
+        max_tokens = None
+    if request.HasField("top_logprobs") and not request.logprobs:
+        raise InvalidArgument("top_logprobs needs logprobs=true")
+    logprobs: int | None = None
+    if request.logprobs:
+        logprobs = request.top_logprobs if request.HasField("top_logprobs") else 0
+    params = _sampling_params(request, max_tokens, logprobs)
+    check_text_length(sum(len(m.content) for m in request.messages), inputs.max_model_len,
+                      "messages")
+    prompt_token_ids = inputs.tokenize_chat(chat_messages(request.messages))
+    inputs.validate_prompt(prompt_token_ids, params.max_tokens)
+    return EngineRequest(prompt_token_ids, params, request.priority, request.cache_salt or None)
+
+
+# --------------------------------------------------------------------------- responses out
+
+
+def _usage(delta: GenerationDelta) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=delta.prompt_tokens,
+        completion_tokens=delta.completion_tokens,
+        total_tokens=delta.prompt_tokens + delta.completion_tokens,
+        prompt_tokens_details=pb.PromptTokensDetails(cached_tokens=delta.cached_tokens),
+    )
+
+
+def _json_logprob(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else _LOGPROB_FLOOR
+
+
+def _completion_logprobs(positions: Sequence[PositionLogprobs],
+                         text_offset: int) -> tuple[pb.CompletionLogprobs, int]:
+    """OpenAI's legacy shape; ``text_offset`` counts characters of the tokens before."""
+    out = pb.CompletionLogprobs()
+    for position in positions:
+        sampled = position.sampled
+        out.tokens.append(sampled.token)
+        out.token_logprobs.append(_json_logprob(sampled.logprob))
+        top = {choice.token: _json_logprob(choice.logprob) for choice in position.top}
+        top.setdefault(sampled.token, _json_logprob(sampled.logprob))
+        out.top_logprobs.add().update(top)
+        out.text_offset.append(text_offset)
+        text_offset += len(sampled.token)
+    return out, text_offset
+
+
+def _chat_logprobs(positions: Sequence[PositionLogprobs]) -> pb.ChatLogprobs:
+    return pb.ChatLogprobs(content=[
+        pb.ChatTokenLogprob(
+            token=p.sampled.token,
+            logprob=_json_logprob(p.sampled.logprob),
+            top_logprobs=[pb.ChatTopLogprob(token=c.token, logprob=_json_logprob(c.logprob))
+                          for c in p.top],
+        )
+        for p in positions
+    ])
+
+
+async def completion_chunks(
+    deltas: AsyncIterator[GenerationDelta], *, response_id: str, model: str, include_usage: bool,
+) -> AsyncGenerator[pb.CompletionResponse, None]:
+    """CompleteStream's messages: one chunk per delta that carries anything, then (with
+    ``include_usage``) a last chunk with no choices and the usage."""
+    created = int(time.time())
+    text_offset = 0
+    last: GenerationDelta | None = None
+    async for delta in deltas:
+        last = delta
+        if not (delta.text or delta.finish_reason or delta.logprobs):
+            continue  # tokens whose text is held back (a possible stop string)
+        choice = pb.CompletionChoice(index=0, text=delta.text)
+        if delta.finish_reason is not None:
+            choice.finish_reason = delta.finish_reason
+        if delta.logprobs:
+            logprobs, text_offset = _completion_logprobs(delta.logprobs, text_offset)
+            choice.logprobs.CopyFrom(logprobs)
+        yield pb.CompletionResponse(id=response_id, object="text_completion", created=created,
+                                    model=model, choices=[choice])
+    if include_usage and last is not None:
+        yield pb.CompletionResponse(id=response_id, object="text_completion", created=created,
+                                    model=model, usage=_usage(last))
+
+
+@dataclass
+class _Collected:
+    text: str = ""
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    last: GenerationDelta = field(default_factory=lambda: GenerationDelta("", []))
+
+
+async def _collect(deltas: AsyncIterator[GenerationDelta]) -> _Collected:
+    collected = _Collected()
+    parts = []
+    async for delta in deltas:
+        parts.append(delta.text)
+        collected.logprobs.extend(delta.logprobs)
+        collected.last = delta
+    collected.text = "".join(parts)
+    return collected
+
+
+async def completion_response(deltas: AsyncIterator[GenerationDelta], *, response_id: str,
+                              model: str, logprobs: bool) -> pb.CompletionResponse:
+    """Complete's answer: the whole stream folded into one choice."""
+    collected = await _collect(deltas)
+    choice = pb.CompletionChoice(index=0, text=collected.text)
+    if collected.last.finish_reason is not None:
+        choice.finish_reason = collected.last.finish_reason
+    if logprobs:
+        choice.logprobs.CopyFrom(_completion_logprobs(collected.logprobs, 0)[0])
+    return pb.CompletionResponse(id=response_id, object="text_completion",
+                                 created=int(time.time()), model=model, choices=[choice],
+                                 usage=_usage(collected.last))
+
+
+async def chat_chunks(
+    deltas: AsyncIterator[GenerationDelta], *, response_id: str, model: str, include_usage: bool,
+) -> AsyncGenerator[pb.ChatCompletionChunk, None]:
+    """ChatCompleteStream's messages; the first chunk carries the role "assistant"."""
+    created = int(time.time())
+    first = True
+    last: GenerationDelta | None = None
+    async for delta in deltas:
+        last = delta
+        if not (first or delta.text or delta.finish_reason or delta.logprobs):
+            continue
+        choice = pb.ChatChunkChoice(index=0, delta=pb.ChatDelta(content=delta.text))
+        if first:
+            choice.delta.role = "assistant"
+            first = False
+        if delta.finish_reason is not None:
+            choice.finish_reason = delta.finish_reason
+        if delta.logprobs:
+            choice.logprobs.CopyFrom(_chat_logprobs(delta.logprobs))
+        yield pb.ChatCompletionChunk(id=response_id, object="chat.completion.chunk",
+                                     created=created, model=model, choices=[choice])
+    if include_usage and last is not None:
+        yield pb.ChatCompletionChunk(id=response_id, object="chat.completion.chunk",
+                                     created=created, model=model, usage=_usage(last))
+
+
+async def chat_response(deltas: AsyncIterator[GenerationDelta], *, response_id: str,
+                        model: str, logprobs: bool) -> pb.ChatCompletionResponse:
+    collected = await _collect(deltas)
+    choice = pb.ChatChoice(
+        index=0, message=pb.ChatResponseMessage(role="assistant", content=collected.text))
+    if collected.last.finish_reason is not None:
+        choice.finish_reason = collected.last.finish_reason
+    if logprobs:
+        choice.logprobs.CopyFrom(_chat_logprobs(collected.logprobs))
+    return pb.ChatCompletionResponse(id=response_id, object="chat.completion",
+                                     created=int(time.time()), model=model, choices=[choice],
+                                     usage=_usage(collected.last))
+
+
+# --------------------------------------------------------------------------- models, tokens
+
+
+def models_response(model: ServedModel) -> pb.ListModelsResponse:
+    return pb.ListModelsResponse(object="list", data=[pb.Model(
+        id=model.name, object="model", created=model.created, owned_by=model.owned_by,
+        max_model_len=model.max_model_len)])
+
+
+def tokenize_response(request: pb.TokenizeRequest, inputs: InputProcessor) -> pb.TokenizeResponse:
+    if request.prompt and request.messages:
+        raise InvalidArgument("give either prompt or messages, not both")
+    if request.messages:
+        check_text_length(sum(len(m.content) for m in request.messages), inputs.max_model_len,
+                          "messages")
+        add_generation_prompt = (request.add_generation_prompt
+                                 if request.HasField("add_generation_prompt") else True)
+        if add_generation_prompt:
+            tokens = inputs.tokenize_chat(chat_messages(request.messages))
+        else:
+            tokens = _render_chat_without_generation_prompt(request.messages, inputs)
+    elif request.prompt:
+        check_text_length(len(request.prompt), inputs.max_model_len, "prompt")
+        add_special_tokens = (request.add_special_tokens
+                              if request.HasField("add_special_tokens") else True)
+        tokens = inputs.tokenize(request.prompt, add_special_tokens=add_special_tokens)
+    else:
+        raise InvalidArgument("give a prompt or messages to tokenize")
+    return pb.TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=inputs.max_model_len)
+
+
+def _render_chat_without_generation_prompt(messages: Sequence[pb.ChatMessage],
+                                           inputs: InputProcessor) -> list[int]:
+    # InputProcessor.tokenize_chat always appends the assistant's turn header (what
+    # generation needs); counting a conversation as it stands needs the template without it.
+    inputs.tokenize_chat(chat_messages(messages))  # the same checks on roles and template
+    text = inputs.tokenizer.apply_chat_template(
+        chat_messages(messages), add_generation_prompt=False, tokenize=False)
+    return list(inputs.tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def detokenize_response(request: pb.DetokenizeRequest,
+                        inputs: InputProcessor) -> pb.DetokenizeResponse:
+    try:
+        return pb.DetokenizeResponse(prompt=inputs.detokenize(list(request.tokens)))
+    except InvalidRequestError as error:
+        raise InvalidArgument(f"tokens: {error}") from error

@@ -1,0 +1,88 @@
+"""A decode replica's calls to prefill replicas: ``Prefill``, then ``ReleaseKv``.
+
+Owns one gRPC channel per prefill replica (reused across requests), the Prefill call and the
+fire-and-forget release once the decode side has pulled the blocks (or given up on them). It
+does not move KV: the decode engine core pulls the blocks over UCX with the handle Prefill
+returns. Cancelling a caller cancels its Prefill call, which aborts the request on the
+prefill replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import grpc.aio
+
+from engine_common.outputs import RemotePrefill
+from protos.tandem.v1 import engine_pb2 as epb
+from protos.tandem.v1 import engine_pb2_grpc as epb_grpc
+from services.replica.engine_messages import (
+    kv_handle_from_pb,
+    sampling_params_to_pb,
+    token_logprobs_from_pb,
+)
+from services.replica.openai_api import EngineRequest
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillFailed(Exception):
+    """The prefill replica could not be used; ``reason`` goes into the fallback metric."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+class PrefillPeers:
+    def __init__(self, timeout_s: float = 120.0) -> None:
+        self.timeout_s = timeout_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._releases: set[asyncio.Task[None]] = set()
+
+    def _stub(self, peer: str) -> epb_grpc.EngineStub:
+        channel = self._channels.get(peer)
+        if channel is None:
+            channel = self._channels[peer] = grpc.aio.insecure_channel(peer)
+        return epb_grpc.EngineStub(channel)
+
+    async def prefill(self, peer: str, request_id: str, request: EngineRequest) -> RemotePrefill:
+        message = epb.PrefillRequest(
+            request_id=request_id, prompt_token_ids=request.prompt_token_ids,
+            sampling_params=sampling_params_to_pb(request.params),
+            cache_salt=request.cache_salt or "", priority=request.priority)
+        try:
+            response = await self._stub(peer).Prefill(message, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as error:
+            raise PrefillFailed(
+                "prefill_failed", f"{peer} answered {error.code().name}: {error.details()}"
+            ) from error
+        if not response.HasField("kv_handle"):
+            raise PrefillFailed("prefill_failed", f"{peer} returned no KV handle")
+        return RemotePrefill(
+            handle=kv_handle_from_pb(response.kv_handle, request_id),
+            first_token_id=response.first_token_id,
+            first_logprobs=token_logprobs_from_pb(response.first_token_logprobs)
+            if response.HasField("first_token_logprobs") else None)
+
+    def release(self, peer: str, request_id: str, engine_id: str) -> None:
+        """Tell the prefill replica it may free the request's blocks; never waits. If this
+        is lost, the lease frees them anyway."""
+        task = asyncio.get_running_loop().create_task(self._release(peer, request_id, engine_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, peer: str, request_id: str, engine_id: str) -> None:
+        try:
+            await self._stub(peer).ReleaseKv(
+                epb.ReleaseKvRequest(request_id=request_id, engine_id=engine_id), timeout=10)
+        except grpc.aio.AioRpcError as error:
+            logger.info("ReleaseKv(%s) on %s failed (%s); its lease will free the blocks",
+                        request_id, peer, error.code().name)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()

@@ -1,0 +1,184 @@
+"""One replica process: the engine, a grpc.aio server with every service, and /metrics.
+
+Owns the replica's life: start the engine core (its own process), serve
+``tandem.v1.Generation``, ``tandem.v1.Engine``, ``grpc.health.v1`` and server reflection on one
+port and the engine's Prometheus registry on another; report SERVING once the engine is up
+and NOT_SERVING if its core dies; on SIGTERM or SIGINT drain: NOT_SERVING, refuse new
+requests (UNAVAILABLE), let the requests in flight finish within the grace period, then stop
+the server and the engine. A second signal cuts the drain short. It does not own the RPC
+handlers (``generation_servicer``, ``engine_servicer``) or command-line parsing (``main``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from engine_common.async_llm import AsyncLLM
+from engine_common.config import EngineConfig
+from protos.tandem.v1 import engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
+from services.replica.admission import Admission
+from services.replica.engine_servicer import EngineServicer
+from services.replica.generation_servicer import GenerationServicer
+from services.replica.local_engine import LocalEngine
+from services.replica.prefill_peers import PrefillPeers
+from services.replica.served_model import ServedModel
+from services.replica.validation import MAX_MESSAGE_BYTES
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("both", "prefill", "decode")
+GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+# "" is the server as a whole, as grpc.health.v1 defines it.
+HEALTH_SERVICES = ("", GENERATION_SERVICE, ENGINE_SERVICE)
+# After the drain, unary calls get this long to finish before the server cuts every call
+# (endless ones too: KV-event and health watchers).
+_FINAL_GRACE_S = 1.0
+_ENGINE_CHECK_INTERVAL_S = 0.5
+
+
+@dataclass
+class ReplicaOptions:
+    engine: EngineConfig
+    role: str = "both"
+    host: str = "0.0.0.0"
+    port: int = 50051
+    metrics_port: int = 9400  # 0: no /metrics endpoint
+    served_model_name: str | None = None
+    # Requests admitted beyond engine.scheduler.max_num_seqs before RESOURCE_EXHAUSTED.
+    max_waiting: int = 256
+    shutdown_grace_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+
+
+async def start_engine(config: EngineConfig) -> AsyncLLM:
+    """Start the engine core off the event loop (seconds: the model loads)."""
+    return await AsyncLLM.create(config)
+
+
+class ReplicaServer:
+    def __init__(self, options: ReplicaOptions, llm: AsyncLLM) -> None:
+        self.options = options
+        self.llm = llm
+        info = llm.info
+        self.model = ServedModel.for_directory(options.engine.model, info.max_model_len,
+                                               options.served_model_name)
+        self.admission = Admission(options.engine.scheduler.max_num_seqs, options.max_waiting)
+        self.prefill_peers = PrefillPeers() if options.role == "decode" else None
+        self.engine = LocalEngine(llm, self.admission, self.prefill_peers)
+        self.health = health_aio.HealthServicer()
+        self.server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            # Fail loudly when the port is taken instead of sharing it with another process.
+            ("grpc.so_reuseport", 0),
+        ])
+        generation_pb2_grpc.add_GenerationServicer_to_server(
+            GenerationServicer(self.model, llm.inputs, self.engine.generate), self.server)
+        engine_pb2_grpc.add_EngineServicer_to_server(
+            EngineServicer(self.engine, options.role, self.model), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (GENERATION_SERVICE, ENGINE_SERVICE, health_pb2.DESCRIPTOR.services_by_name[
+                "Health"].full_name, reflection.SERVICE_NAME), self.server)
+        self.port = self.server.add_insecure_port(f"{options.host}:{options.port}")
+        self._metrics_http: WSGIServer | None = None
+        self._forced = asyncio.Event()
+        self._watchdog: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def start(cls, options: ReplicaOptions) -> ReplicaServer:
+        llm = await start_engine(options.engine)
+        try:
+            replica = cls(options, llm)
+            await replica._start()
+        except BaseException:
+            llm.shutdown()
+            raise
+        return replica
+
+    async def _start(self) -> None:
+        if self.options.metrics_port:
+            self._metrics_http, _ = start_http_server(
+                self.options.metrics_port, addr=self.options.host,
+                registry=self.llm.metrics.registry)
+        await self.server.start()
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self._watchdog = asyncio.create_task(self._watch_engine())
+        logger.info(
+            "replica %s (role %s) serving %s on %s:%d%s", self.llm.info.engine_id,
+            self.options.role, self.model.name, self.options.host, self.port,
+            f", metrics on :{self.options.metrics_port}/metrics"
+            if self.options.metrics_port else "")
+
+    async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        for service in HEALTH_SERVICES:
+            await self.health.set(service, status)
+
+    async def _watch_engine(self) -> None:
+        while self.llm.dead_reason is None:
+            await asyncio.sleep(_ENGINE_CHECK_INTERVAL_S)
+        logger.error("engine core died (%s): reporting NOT_SERVING", self.llm.dead_reason)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def force_stop(self) -> None:
+        """Cut a drain in progress short (a second signal)."""
+        self._forced.set()
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Drain (see the module docstring), then stop the server and the engine."""
+        await self.health.enter_graceful_shutdown()
+        self.admission.start_draining()
+        idle = asyncio.create_task(self.admission.wait_idle(grace_s))
+        forced = asyncio.create_task(self._forced.wait())
+        await asyncio.wait((idle, forced), return_when=asyncio.FIRST_COMPLETED)
+        if not (idle.done() and idle.result()):
+            logger.warning("stopping with requests still in flight (grace period over or forced)")
+        idle.cancel()
+        forced.cancel()
+        await self.server.stop(0 if self._forced.is_set() else _FINAL_GRACE_S)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+        if self.prefill_peers is not None:
+            await self.prefill_peers.close()
+        self.llm.shutdown()
+        logger.info("replica %s stopped", self.llm.info.engine_id)
+
+
+async def serve(options: ReplicaOptions) -> None:
+    """Run a replica until SIGTERM or SIGINT, then drain and stop."""
+    replica = await ReplicaServer.start(options)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            replica.force_stop()
+        else:
+            logger.info("draining (up to %.0f s); signal again to stop now",
+                        options.shutdown_grace_s)
+            stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        await stop.wait()
+        await replica.shutdown(options.shutdown_grace_s)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,90 @@
+"""Checks on the shape of incoming requests, before any tokenization or engine work.
+
+Owns the limits a request must fit (message size, prompt characters), the decoding of the
+loosely typed ``google.protobuf.Value`` fields (``prompt``, ``stop``) into what the engine
+takes, and the OpenAI features this server refuses (several prompts per request, ``echo``).
+Every failure is an ``InvalidArgument`` whose message names the field and says what to change.
+It does not own sampling-value ranges (``SamplingParams.validate``) or the checks that need
+token ids (``InputProcessor.validate_prompt``: empty, out of vocabulary, over the context).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from google.protobuf import struct_pb2
+
+from services.replica.errors import InvalidArgument
+
+# gRPC's receive limit for one request message; a bigger one fails with RESOURCE_EXHAUSTED
+# before any handler runs.
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+# No tokenizer's tokens average this many characters, so a text longer than
+# max_model_len * MAX_CHARS_PER_TOKEN cannot fit the context: reject it without spending
+# the event loop's time on tokenizing it.
+MAX_CHARS_PER_TOKEN = 64
+
+
+def prompt_from_value(value: struct_pb2.Value | None, field: str = "prompt") -> str | list[int]:
+    """A completion prompt: a string, a list of token ids, or a one-element list of either."""
+    if value is None or value.WhichOneof("kind") in (None, "null_value"):
+        raise InvalidArgument(f"{field} is required: give a string or a list of token ids")
+    kind = value.WhichOneof("kind")
+    if kind == "string_value":
+        if not value.string_value:
+            raise InvalidArgument(f"{field} is empty")
+        return value.string_value
+    if kind != "list_value":
+        raise InvalidArgument(f"{field} must be a string or a list of token ids, got a {kind}")
+    items = list(value.list_value.values)
+    if not items:
+        raise InvalidArgument(f"{field} is empty")
+    kinds = {item.WhichOneof("kind") for item in items}
+    if kinds == {"number_value"}:
+        return _token_ids(items, field)
+    if len(items) > 1:
+        raise InvalidArgument(
+            f"{field} holds {len(items)} prompts; this server takes one prompt per request "
+            "(send one request per prompt)")
+    if kinds == {"string_value"} or kinds == {"list_value"}:
+        return prompt_from_value(items[0], f"{field}[0]")
+    raise InvalidArgument(f"{field} must be a string or a list of token ids")
+
+
+def _token_ids(items: Iterable[struct_pb2.Value], field: str) -> list[int]:
+    ids = []
+    for i, item in enumerate(items):
+        number = item.number_value
+        if number != int(number) or number < 0:
+            raise InvalidArgument(f"{field}[{i}] must be a non-negative integer token id, got {number}")
+        ids.append(int(number))
+    return ids
+
+
+def stop_from_value(value: struct_pb2.Value | None) -> list[str]:
+    """``stop``: unset, null, a string or a list of strings."""
+    if value is None or value.WhichOneof("kind") in (None, "null_value"):
+        return []
+    kind = value.WhichOneof("kind")
+    if kind == "string_value":
+        return [value.string_value] if value.string_value else []
+    if kind == "list_value":
+        stops = []
+        for i, item in enumerate(value.list_value.values):
+            if item.WhichOneof("kind") != "string_value" or not item.string_value:
+                raise InvalidArgument(f"stop[{i}] must be a non-empty string")
+            stops.append(item.string_value)
+        return stops
+    raise InvalidArgument(f"stop must be a string or a list of strings, got a {kind}")
+
+
+def check_text_length(num_chars: int, max_model_len: int, field: str) -> None:
+    if num_chars > max_model_len * MAX_CHARS_PER_TOKEN:
+        raise InvalidArgument(
+            f"{field} is {num_chars} characters long, far more than fits this model's context "
+            f"of {max_model_len} tokens; shorten it")
+
+
+def check_echo(echo: bool) -> None:
+    if echo:
+        raise InvalidArgument("echo=true is not supported; leave echo unset or false")

@@ -1,0 +1,135 @@
+"""Real replica processes for tests: ``python -m services.replica`` on loopback.
+
+``start_replicas`` launches one or more replicas at once (their start-ups overlap, which is
+most of the cost), waits until each answers health SERVING and returns ``ReplicaProcess``
+handles; ``ReplicaProcess.stop`` ends one gracefully (SIGTERM, then SIGKILL), ``kill`` at
+once. A replica's stderr goes to
+a log file whose tail is shown when it fails to start.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+STARTUP_TIMEOUT_S = 240.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ReplicaProcess:
+    process: subprocess.Popen[bytes]
+    port: int
+    metrics_port: int
+    log_path: Path
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def health(self, service: str = "", timeout: float = 2.0) -> int:
+        """The health status (a ``HealthCheckResponse.ServingStatus``); raises grpc.RpcError
+        when the server does not answer."""
+        with grpc.insecure_channel(self.target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            request = health_pb2.HealthCheckRequest(service=service)
+            return int(stub.Check(request, timeout=timeout).status)
+
+    def engine_core_pid(self) -> int:
+        """The pid of this replica's engine-core child process."""
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            # Fields after the parenthesised command name: state, ppid, ...
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+            if ppid == self.process.pid and b"multiprocessing.spawn" in cmdline \
+                    and b"resource_tracker" not in cmdline:
+                return int(entry.name)
+        raise LookupError(f"no engine-core child of pid {self.process.pid}")
+
+    def kill(self) -> None:
+        """SIGKILL (the engine core exits on its own when its pipe closes)."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Graceful: SIGTERM, then SIGKILL after ``timeout``."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def _launch(model_dir: Path, log_dir: Path, name: str, args: list[str]) -> ReplicaProcess:
+    port, metrics_port = free_port(), free_port()
+    log_path = log_dir / f"{name}.log"
+    command = [
+        sys.executable, "-m", "services.replica", "--model", str(model_dir),
+        "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port),
+        "--engine-id", name, *args,
+    ]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return ReplicaProcess(process, port, metrics_port, log_path)
+
+
+def _wait_serving(replica: ReplicaProcess, deadline: float) -> None:
+    while True:
+        if replica.process.poll() is not None:
+            raise RuntimeError(
+                f"replica exited with code {replica.process.returncode}:\n{replica.log()[-3000:]}")
+        try:
+            if replica.health(timeout=1.0) == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"replica not SERVING in time:\n{replica.log()[-3000:]}")
+        time.sleep(0.2)
+
+
+def start_replicas(model_dir: Path, log_dir: Path,
+                   configs: dict[str, list[str]]) -> dict[str, ReplicaProcess]:
+    """Start one replica per ``{name: extra_args}``, concurrently; wait until all serve."""
+    replicas = {name: _launch(model_dir, log_dir, name, args) for name, args in configs.items()}
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    try:
+        for replica in replicas.values():
+            _wait_serving(replica, deadline)
+    except BaseException:
+        for replica in replicas.values():
+            replica.kill()
+        raise
+    return replicas

@@ -1,0 +1,127 @@
+"""A replica's behaviour at its limits and at its end, on real processes: a full waiting
+queue answers RESOURCE_EXHAUSTED; SIGTERM drains an in-flight stream to completion while
+refusing new work; SIGKILL ends a client's stream with UNAVAILABLE promptly; a dead engine
+core turns health NOT_SERVING and requests UNAVAILABLE. The three replicas start together.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from protos.tandem.v1 import engine_pb2 as epb
+from protos.tandem.v1 import engine_pb2_grpc as epb_grpc
+from tandem.client import Client
+from tandem.errors import OverloadedError, UnavailableError
+from tests.replica_process import ReplicaProcess, start_replicas
+
+COMMON = ["--dtype", "float32", "--kv-cache-memory", "16MiB"]
+LONG = dict(max_tokens=480, temperature=0, ignore_eos=True)
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    started = start_replicas(tiny_llama_dir, tmp_path_factory.mktemp("lifecycle-logs"), {
+        # A grace period no loaded test machine runs out of: the drain test checks that the
+        # stream completes, not how fast.
+        "small-queue": [*COMMON, "--max-num-seqs", "1", "--max-waiting", "1",
+                        "--shutdown-grace", "300"],
+        "to-kill": COMMON,
+        "core-dies": COMMON,
+    })
+    yield started
+    for replica in started.values():
+        replica.kill()
+
+
+def _poll(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_full_queue_answers_resource_exhausted(replicas: dict[str, ReplicaProcess]):
+    replica = replicas["small-queue"]
+    with Client(replica.target, timeout=60) as client, \
+            grpc.insecure_channel(replica.target) as channel:
+        engine = epb_grpc.EngineStub(channel)
+        running = client.complete_stream("first", **LONG)
+        next(running)
+        waiting = client.complete_stream("second", **LONG)  # queued behind the first
+        _poll(lambda: engine.GetLoad(epb.GetLoadRequest()).num_requests_waiting == 1, 20,
+              "the second request to wait")
+        with pytest.raises(OverloadedError, match="queue is full"):
+            client.complete("third", max_tokens=2)
+        running.cancel()
+        waiting.cancel()
+
+        def admitted() -> bool:
+            try:
+                return client.complete("fourth", max_tokens=2).finish_reason == "length"
+            except OverloadedError:
+                return False  # the cancelled requests have not left yet
+
+        _poll(admitted, 20, "a slot to free up")
+
+
+def test_sigterm_drains_the_stream_in_flight(replicas: dict[str, ReplicaProcess]):
+    replica = replicas["small-queue"]
+    with Client(replica.target, timeout=300) as client:
+        stream = client.complete_stream("draining", max_tokens=240, temperature=0,
+                                        ignore_eos=True)
+        chunks = [next(stream)]
+        replica.process.send_signal(signal.SIGTERM)
+        _poll(lambda: replica.health() == NOT_SERVING, 10, "health NOT_SERVING")
+        with pytest.raises(UnavailableError, match="shutting down"):
+            client.complete("too late", max_tokens=2)
+        chunks += list(stream)
+    assert chunks[-2].finish_reason == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 240
+    assert replica.process.wait(timeout=120) == 0
+
+
+def test_sigkill_ends_a_client_stream_with_unavailable(replicas: dict[str, ReplicaProcess]):
+    replica = replicas["to-kill"]
+    with Client(replica.target, timeout=120) as client:
+        stream = client.complete_stream("doomed", **LONG)
+        next(stream)
+        core_pid = replica.engine_core_pid()
+        replica.process.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        with pytest.raises(UnavailableError):
+            for _ in stream:
+                pass
+        assert time.monotonic() - killed_at < 10
+    replica.process.wait(timeout=10)
+    # The engine core notices that its parent is gone and exits too: no orphan is left.
+    _poll(lambda: not _alive(core_pid), 20, "the orphaned engine core to exit")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_dead_engine_core_marks_the_replica_unavailable(replicas: dict[str, ReplicaProcess]):
+    replica = replicas["core-dies"]
+    with Client(replica.target, timeout=60) as client:
+        stream = client.complete_stream("orphaned", **LONG)
+        next(stream)
+        os.kill(replica.engine_core_pid(), signal.SIGKILL)
+        with pytest.raises(UnavailableError, match="engine"):
+            for _ in stream:
+                pass
+        with pytest.raises(UnavailableError, match="engine is not running"):
+            client.complete("anyone there?", max_tokens=2)
+        _poll(lambda: replica.health() == NOT_SERVING, 10, "health NOT_SERVING")
+        assert replica.health("tandem.v1.Generation") == NOT_SERVING
