@@ -71,10 +71,61 @@ def run_tandem(model: Path, prompts: list[list[int]], out_len: int) -> tuple[flo
     start = time.perf_counter()
     results = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
-    settings = {"max_num_batched_tokens": 8192, "max_num_seqs": 256, "block_size": 16,
-                "attention_backend": type(llm.core.model_runner.model.layers[0].self_attn.attn).__name__
-                if hasattr(llm.core.model_runner.model, "layers") else "?"}
+    profile = profile_decode_step(llm, prompts)
+    settings = {"profile_one_decode_step": profile, "max_num_batched_tokens": 8192, "max_num_seqs": 256, "block_size": 16,
+                "attention_backend": config.attention_backend, "dtype": "bfloat16"}
     return elapsed, [r.token_ids for r in results], settings
+
+
+def profile_decode_step(llm: LLM, prompts: list[list[int]]) -> dict[str, object]:
+    """Where one decode step's time goes at the benchmark's batch size: the engine's phases
+    timed by hand, and the top operators from torch.profiler."""
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    ids = [llm.add_request(p, params)[0] for p in prompts]
+    for _ in range(3):  # the prefill (one step at this budget), then two decode steps
+        llm.step()
+    core = llm.core
+    phases: dict[str, float] = {}
+    start = time.perf_counter()
+    out = core.scheduler.schedule()
+    phases["schedule"] = time.perf_counter() - start
+    start = time.perf_counter()
+    sampled = core.model_runner.execute(out)
+    phases["model_runner (inputs + forward + sampling)"] = time.perf_counter() - start
+    start = time.perf_counter()
+    outputs = core.scheduler.update_from_output(out, sampled)
+    phases["scheduler update"] = time.perf_counter() - start
+    start = time.perf_counter()
+    from engine_common.outputs import EngineCoreOutputs
+
+    llm.outputs.process(EngineCoreOutputs(outputs=outputs))
+    phases["detokenize + metrics"] = time.perf_counter() - start
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        llm.step()
+    llm.abort(ids)
+    total = sum(phases.values())
+    return {
+        "batch": len(prompts),
+        "step_ms": total * 1000,
+        "phases_percent": {k: round(100 * v / total, 1) for k, v in phases.items()},
+        "top_ops": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12),
+    }
+
+
+def fp32_exactness(model: Path, prompts: list[list[int]], out_len: int) -> dict[str, object]:
+    """Tandem in float32 vs HF in float32: greedy tokens must be identical."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(EngineConfig(model=str(model), dtype="float32"))
+    ours = [r.token_ids for r in llm.generate(prompts, SamplingParams(
+        temperature=0.0, max_tokens=out_len, ignore_eos=True))]
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ids = torch.tensor(prompts)
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
+                          min_new_tokens=out_len, do_sample=False, pad_token_id=0)
+    theirs = out[:, ids.shape[1]:].tolist()
+    return {"num_prompts": len(prompts), "output_len": out_len, **agreement(ours, theirs)}
 
 
 def run_hf(model: Path, prompts: list[list[int]], out_len: int, batch: int) -> tuple[float, list[list[int]]]:
@@ -102,9 +153,10 @@ llm = LLM(model=cfg["model"], dtype="bfloat16", enforce_eager=cfg["eager"], seed
           max_num_seqs=256, max_num_batched_tokens=8192)
 prompts = [TokensPrompt(prompt_token_ids=p) for p in cfg["prompts"]]
 params = SamplingParams(temperature=0.0, max_tokens=cfg["out_len"], ignore_eos=True)
-llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))
+llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+llm.reset_prefix_cache()  # as for Tandem: the timed run must not reuse the warm-up's blocks
 start = time.perf_counter()
-outs = llm.generate(prompts, params)
+outs = llm.generate(prompts, params, use_tqdm=False)
 elapsed = time.perf_counter() - start
 print("PEER_RESULT " + json.dumps({"elapsed": elapsed, "tokens": [list(o.outputs[0].token_ids) for o in outs]}))
 """
@@ -150,6 +202,9 @@ def main() -> None:
     elapsed, tandem_tokens, settings = run_tandem(model, prompts, args.output_len)
     results["tandem"] = {"seconds": elapsed, "output_tokens_per_s": total_out / elapsed, **settings}
     print(f"tandem:        {total_out / elapsed:8.1f} output tok/s ({elapsed:.1f} s)", flush=True)
+    profile = settings["profile_one_decode_step"]
+    print(f"one decode step at batch {profile['batch']}: {profile['step_ms']:.1f} ms, "
+          f"{profile['phases_percent']}\n{profile['top_ops']}", flush=True)
 
     hf_tokens = None
     if not args.skip_hf:
@@ -159,6 +214,10 @@ def main() -> None:
         results["tandem"]["vs_hf"] = agreement(tandem_tokens, hf_tokens)  # type: ignore[index]
         print(f"hf generate:   {total_out / elapsed:8.1f} output tok/s ({elapsed:.1f} s)", flush=True)
 
+    exact = fp32_exactness(model, prompts[:8], 32)
+    results["tandem_fp32_vs_hf_fp32"] = exact
+    print(f"tandem fp32 vs HF fp32 (8 prompts x 32 tokens): {exact}", flush=True)
+
     for eager in (True, False):
         name = "vllm_cpu_eager" if eager else "vllm_cpu_compiled"
         peer = run_peer(model, prompts, args.output_len, eager)
@@ -166,7 +225,9 @@ def main() -> None:
             results[name] = "not run (make bench-peer-setup builds .venv-peer)"
             continue
         elapsed, tokens = peer
-        entry: dict[str, object] = {"seconds": elapsed, "output_tokens_per_s": total_out / elapsed}
+        entry: dict[str, object] = {
+            "seconds": elapsed, "output_tokens_per_s": total_out / elapsed,
+            "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")}
         if hf_tokens is not None:
             entry["vs_hf"] = agreement(tokens, hf_tokens)
         results[name] = entry

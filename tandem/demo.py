@@ -74,6 +74,35 @@ def print_replica_loads(replicas: list[str]) -> None:
               f"({hit_rate:.0%}) preemptions={load.num_preemptions}")
 
 
+def show_pd_transfer(client: Client, replicas: list[str]) -> None:
+    """One request sent straight to a decode replica naming a prefill replica, to show the
+    KV transfer it reports (the gateway does the same for every request it routes P/D)."""
+    roles: dict[str, list[str]] = {}
+    for target in replicas:
+        with grpc.insecure_channel(target) as channel:
+            role = engine_pb2_grpc.EngineStub(channel).GetInfo(engine_pb2.GetInfoRequest(), timeout=5).role
+        roles.setdefault(role, []).append(target)
+    if not roles.get("prefill") or not roles.get("decode"):
+        return
+    prompt = SHARED_PREFIX * 3 + "Question: is there a night train? Answer:"
+    request = engine_pb2.GenerateRequest(
+        request_id=f"demo-pd-{time.time_ns()}", prompt_token_ids=client.tokenize(prompt),
+        sampling_params=engine_pb2.SamplingParams(max_tokens=24, temperature=0.0),
+        prefill_peer=roles["prefill"][0])
+    print(f"\n[P/D] {len(request.prompt_token_ids)}-token prompt: prefill on {roles['prefill'][0]}, "
+          f"decode on {roles['decode'][0]} ->", flush=True)
+    with grpc.insecure_channel(roles["decode"][0]) as channel:
+        for response in engine_pb2_grpc.EngineStub(channel).Generate(request, timeout=300):
+            print(response.delta_text, end="", flush=True)
+            if response.HasField("kv_transfer"):
+                info = response.kv_transfer
+                note = (f"fallback: {info.fallback_reason}" if info.fallback_reason else
+                        f"{info.blocks_pulled} blocks ({info.bytes / 2**20:.2f} MiB) pulled over UCX "
+                        f"in {info.seconds * 1000:.1f} ms, {info.blocks_local} already on the decode replica")
+                print(f" <KV transfer: {note}> ", end="", flush=True)
+    print()
+
+
 def run_demo(target: str, replicas: list[str]) -> None:
     timings: list[Timing] = []
     with Client(target, timeout=300) as client:
@@ -92,7 +121,8 @@ def run_demo(target: str, replicas: list[str]) -> None:
             batch = list(pool.map(lambda p: stream_completion(client, p, p, False), prompts))
         wall = time.perf_counter() - started
         timings.extend(batch)
-    print("\n\nsummary:")
+        show_pd_transfer(client, replicas)
+    print("\nsummary:")
     for t in timings[:3]:
         print(f"  {t.label:30s} TTFT {t.ttft * 1000:7.1f} ms, {t.tokens} tokens in {t.seconds:.2f} s")
     batch_tokens = sum(t.tokens for t in batch)

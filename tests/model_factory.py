@@ -93,8 +93,9 @@ def build_tiny_model(
     """Writes a tiny random ``architecture`` ("llama", "qwen2", "mistral") model to ``out_dir``.
 
     llama: untied head, llama3 rope scaling (original context 64, so positions past 64
-    exercise the scaled frequencies). qwen2: q/k/v bias, tied embeddings. mistral: a
-    head_dim (32) that is not hidden_size / num_heads (16).
+    exercise the scaled frequencies), biases on every projection (attention_bias, mlp_bias).
+    qwen2: q/k/v bias, tied embeddings. mistral: a head_dim (32) that is not
+    hidden_size / num_heads (16).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -107,6 +108,8 @@ def build_tiny_model(
             **_COMMON,
             **ids,
             tie_word_embeddings=False,
+            attention_bias=True,
+            mlp_bias=True,
             rope_parameters={
                 "rope_type": "llama3",
                 "rope_theta": 10000.0,
@@ -120,11 +123,6 @@ def build_tiny_model(
     elif architecture == "qwen2":
         config = Qwen2Config(**_COMMON, **ids, tie_word_embeddings=True)
         model = Qwen2ForCausalLM(config)
-        # HF initialises biases to zero; make them matter.
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0.0, 0.2)
     elif architecture == "mistral":
         config = MistralConfig(
             **_COMMON, **ids, head_dim=32, sliding_window=None, tie_word_embeddings=False
@@ -132,6 +130,11 @@ def build_tiny_model(
         model = MistralForCausalLM(config)
     else:
         raise ValueError(f"unknown tiny architecture {architecture!r}")
+    # HF initialises biases to zero; make them matter.
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(0.0, 0.2)
     model = model.to(dtype)
     model.config.dtype = dtype
     model.save_pretrained(out_dir)

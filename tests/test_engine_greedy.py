@@ -48,7 +48,8 @@ def engine(model_dir: Path, *, budget: int = 512, num_blocks: int | None = None,
     ))
 
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# min_tokens suppresses EOS as HF's min_new_tokens does (ignore_eos alone would not).
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])

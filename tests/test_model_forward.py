@@ -234,7 +234,8 @@ def test_config_reading(tiny_llama_dir, tiny_qwen2_dir, tiny_mistral_dir):
     assert (llama.architecture, llama.num_layers, llama.hidden_size) == ("LlamaForCausalLM", 2, 64)
     assert (llama.num_heads, llama.num_kv_heads, llama.head_size) == (4, 2, 16)
     assert llama.rope_type == "llama3" and llama.rope_scaling["factor"] == 8.0
-    assert not llama.tie_word_embeddings and not llama.qkv_bias
+    assert not llama.tie_word_embeddings
+    assert llama.qkv_bias and llama.o_proj_bias and llama.mlp_bias
     assert llama.dtype == torch.float32
     qwen2 = ModelArchConfig.from_model_dir(tiny_qwen2_dir)
     assert qwen2.qkv_bias and not qwen2.o_proj_bias and qwen2.tie_word_embeddings
@@ -452,3 +453,21 @@ def test_default_model_conversion(smollm2_dir):
         ref = hf(torch.tensor([prompt])).logits[0, -1].float()
     assert int(ours.argmax()) == int(ref.argmax())
     assert (ours - ref).abs().max() < 0.5
+
+    # A few greedy decode steps (the batched decode path, in bf16) give HF's tokens.
+    new_tokens = 8
+    generated = []
+    for _ in range(new_tokens):
+        token = int(seq.logits[seq.num_computed - 1].argmax())
+        generated.append(token)
+        seq.tokens.append(token)
+        _run_step(model, kv_cache, [seq], [1])
+    with torch.inference_mode():
+        expected = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+        )[0, len(prompt) :].tolist()
+    assert generated == expected, tokenizer.decode(generated) + " != " + tokenizer.decode(expected)

@@ -52,9 +52,11 @@ def stub(target: str) -> epb_grpc.EngineStub:
 
 
 def generate(target: str, request_id: str, prompt: list[int], max_tokens: int, peer: str | None):
+    # min_tokens = max_tokens suppresses EOS as HF's min_new_tokens does.
     request = epb.GenerateRequest(
         request_id=request_id, prompt_token_ids=prompt,
-        sampling_params=epb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+        sampling_params=epb.SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens,
+                                           temperature=0),
         output_options=epb.OutputOptions(return_token_ids=True))
     if peer:
         request.prefill_peer = peer
@@ -88,7 +90,7 @@ def test_pd_greedy_output_equals_aggregated_and_hf(pd, offline, tiny_llama_dir):
     vocab = offline.core.arch.vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (3, 16, 17, 40, 63)]
     want = [r.token_ids for r in offline.generate(prompts, SamplingParams(
-        temperature=0, max_tokens=10, ignore_eos=True))]
+        temperature=0, max_tokens=10, min_tokens=10))]
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
     for prompt, expected in zip(prompts, want, strict=True):
         ids = torch.tensor([prompt])
@@ -113,7 +115,7 @@ def test_decode_side_prefix_hits_reduce_the_blocks_pulled(pd, offline):
     first = shared + [rng.randrange(3, vocab) for _ in range(5)]
     second = shared + [rng.randrange(3, vocab) for _ in range(9)]
     want = [r.token_ids for r in offline.generate([first, second], SamplingParams(
-        temperature=0, max_tokens=6, ignore_eos=True))]
+        temperature=0, max_tokens=6, min_tokens=6))]
     tokens1, transfer1 = generate(decode.target, "shared-1", first, 6, prefill.target)
     tokens2, transfer2 = generate(decode.target, "shared-2", second, 6, prefill.target)
     assert [tokens1, tokens2] == want
@@ -192,3 +194,23 @@ def test_killing_the_prefill_replica_mid_flight_falls_back(tiny_llama_dir, tmp_p
     assert got == want
     assert metric(decode.metrics_url, "tandem:kv_transfer_fallbacks_total") > fallbacks_before
     wait_all_free(decode.target)
+
+
+@pytest.mark.parametrize(("message", "code", "words"), [
+    (epb.PrefillRequest(prompt_token_ids=[5, 6]), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
+    (epb.PrefillRequest(request_id="x"), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    (epb.PrefillRequest(request_id="x", prompt_token_ids=[5],
+                        sampling_params=epb.SamplingParams(temperature=-1)),
+     grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    (epb.PrefillRequest(request_id="x", prompt_token_ids=[10**9]),
+     grpc.StatusCode.INVALID_ARGUMENT, "token ids"),
+])
+def test_bad_prefill_requests_get_clear_errors(pd, message, code, words):
+    prefill, decode = pd
+    with pytest.raises(grpc.RpcError) as error:
+        stub(prefill.target).Prefill(message, timeout=30)
+    assert error.value.code() == code and words in error.value.details()
+    with pytest.raises(grpc.RpcError) as error:  # a decode replica pins nothing
+        stub(decode.target).Prefill(epb.PrefillRequest(request_id="y", prompt_token_ids=[5]), timeout=30)
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    wait_all_free(prefill.target)

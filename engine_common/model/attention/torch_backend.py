@@ -72,7 +72,8 @@ class TorchAttentionBackend(AttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_size, scale)
         self.num_queries_per_kv = num_heads // num_kv_heads
         self.dense_decode = num_kv_heads <= _MAX_KV_HEADS_FOR_DENSE_DECODE
-        # Every layer of a step shares the same plan; it is rebuilt when the metadata changes.
+        # Every layer of a step shares one plan, rebuilt when a new metadata object arrives
+        # (a step's metadata is never mutated once the forward pass starts).
         self._planned_for: AttentionMetadata | None = None
         self._plan: _StepPlan | None = None
         # Reused buffers for gathered K and V (layers run one after another).
