@@ -236,7 +236,7 @@ def main() -> None:
     base = results["tandem"]["output_tokens_per_s"]  # type: ignore[index]
     ratios = {}
     for name, entry in results.items():
-        if name != "tandem" and isinstance(entry, dict):
+        if name != "tandem" and isinstance(entry, dict) and "output_tokens_per_s" in entry:
             ratios[f"tandem_over_{name}"] = base / entry["output_tokens_per_s"]
     report = {
         "benchmark": "offline_throughput",

@@ -10,7 +10,6 @@ own serving (``server``).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from dataclasses import replace
@@ -19,6 +18,7 @@ from gateway.picker import PickerConfig
 from gateway.proxy import RetryPolicy
 from gateway.registry import DnsTarget
 from gateway.server import GatewayOptions, serve
+from services.entrypoint import run_service
 
 logger = logging.getLogger("gateway")
 
@@ -102,15 +102,7 @@ def options_from_args(args: argparse.Namespace) -> GatewayOptions:
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``), serve until stopped; the exit code."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        options = options_from_args(args)
-        asyncio.run(serve(options))
-    except (OSError, RuntimeError, ValueError) as error:
-        logger.error("gateway failed: %s", error, exc_info=args.log_level == "DEBUG")
-        return 1
-    return 0
+    return run_service("gateway", args.log_level, lambda: options_from_args(args), serve)
 
 
 if __name__ == "__main__":

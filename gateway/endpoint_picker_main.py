@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 from dataclasses import dataclass, field, replace
 from wsgiref.simple_server import WSGIServer
@@ -41,6 +40,7 @@ from gateway.prefix_index import PrefixIndex
 from gateway.registry import DnsTarget, ReplicaRegistry
 from gateway.server import load_inputs
 from protos.third_party.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from services.entrypoint import run_service, wait_for_stop_signal
 
 logger = logging.getLogger("gateway.endpoint_picker")
 
@@ -143,16 +143,8 @@ class EndpointPickerServer:
 async def serve(options: PickerOptions) -> None:
     """Run the picker until SIGTERM or SIGINT."""
     picker = await EndpointPickerServer.start(options)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-        await picker.stop()
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+    await wait_for_stop_signal()
+    await picker.stop()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -205,15 +197,9 @@ def options_from_args(args: argparse.Namespace) -> PickerOptions:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default: ``sys.argv[1:]``), serve until stopped; the exit code."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        asyncio.run(serve(options_from_args(args)))
-    except (OSError, RuntimeError, ValueError) as error:
-        logger.error("endpoint picker failed: %s", error)
-        return 1
-    return 0
+    return run_service("endpoint picker", args.log_level, lambda: options_from_args(args), serve)
 
 
 if __name__ == "__main__":

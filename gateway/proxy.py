@@ -139,11 +139,18 @@ class EngineProxy:
         failed: set[str] = set()
         attempts = resumptions = 0
         first_token_seen = False
+        last_code: grpc.StatusCode | None = None
         while True:
             try:
                 route = self.route(prompt + sent, request.cache_salt, frozenset(failed))
             except NoReplicaError as e:
                 self.metrics.no_replica.inc()
+                if not sent and last_code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    # Every replica that could serve it is full: that is overload (429 over
+                    # HTTP), not an outage.
+                    raise ProxyError(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                        f"every eligible replica is at capacity ({len(failed)} tried); "
+                        "retry later")) from e
                 if sent:
                     self.metrics.resumptions.labels("no_replica").inc()
                     raise ProxyError(grpc.StatusCode.UNAVAILABLE, (
@@ -214,6 +221,7 @@ class EngineProxy:
                 code, details = error.code(), error.details() or ""
             else:
                 code, details = grpc.StatusCode.UNAVAILABLE, "the stream ended without a finish"
+            last_code = code
             if resuming and len(sent) == sent_before and code in REFUSAL_CODES:
                 # The replica refused the continuation itself (e.g. it does not support
                 # resume_output_token_ids): say so rather than pass on a confusing status.

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from gateway.proxy import EngineProxy, RemoteEngine, RetryPolicy, call_timeout
 from gateway.registry import DnsTarget, ReplicaRegistry
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
+from services.entrypoint import wait_for_stop_signal
 from services.replica.generation_servicer import GenerationServicer
 from services.replica.served_model import ServedModel
 from services.replica.validation import MAX_MESSAGE_BYTES
@@ -221,14 +221,6 @@ class GatewayServer:
 async def serve(options: GatewayOptions) -> None:
     """Run a gateway until SIGTERM or SIGINT."""
     gateway = await GatewayServer.start(options)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-        logger.info("gateway stopping")
-        await gateway.stop()
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+    await wait_for_stop_signal()
+    logger.info("gateway stopping")
+    await gateway.stop()

@@ -8,14 +8,13 @@ exit code. It does not own serving (``server``).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import re
 import socket
-import sys
 from dataclasses import replace
 
 from engine_common.config import CacheConfig, EngineConfig, KvTransferConfig, SchedulerConfig
+from services.entrypoint import run_service
 from services.replica.server import ROLES, ReplicaOptions, serve
 
 logger = logging.getLogger("services.replica")
@@ -155,12 +154,4 @@ def options_from_args(args: argparse.Namespace) -> ReplicaOptions:
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``), serve until stopped; the exit code."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        options = options_from_args(args)
-        asyncio.run(serve(options))
-    except (OSError, RuntimeError, ValueError) as error:
-        logger.error("replica failed: %s", error, exc_info=args.log_level == "DEBUG")
-        return 1
-    return 0
+    return run_service("replica", args.log_level, lambda: options_from_args(args), serve)
