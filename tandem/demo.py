@@ -48,13 +48,14 @@ def stream_completion(client: Client, label: str, prompt: str, echo: bool) -> Ti
     return Timing(label, ttft, time.perf_counter() - start, tokens)
 
 
-def stream_chat(client: Client, label: str, content: str) -> Timing:
+def stream_chat(client: Client, label: str, content: str, system: str | None = None) -> Timing:
     start = time.perf_counter()
     ttft = 0.0
     tokens = 0
     print(f"\n[{label}] user: {content}\nassistant: ", end="", flush=True)
-    for chunk in client.chat_stream([{"role": "user", "content": content}], max_tokens=60,
-                                    temperature=0.0):
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": content}]
+    for chunk in client.chat_stream(messages, max_tokens=60, temperature=0.0):
         if not ttft:
             ttft = time.perf_counter() - start
         if chunk.usage is not None:
@@ -89,7 +90,7 @@ def show_pd_transfer(client: Client, replicas: list[str]) -> None:
         request_id=f"demo-pd-{time.time_ns()}", prompt_token_ids=client.tokenize(prompt),
         sampling_params=engine_pb2.SamplingParams(max_tokens=24, temperature=0.0),
         prefill_peer=roles["prefill"][0])
-    print(f"\n[P/D] {len(request.prompt_token_ids)}-token prompt: prefill on {roles['prefill'][0]}, "
+    print(f"\n\n[P/D] {len(request.prompt_token_ids)}-token prompt: prefill on {roles['prefill'][0]}, "
           f"decode on {roles['decode'][0]} ->", flush=True)
     with grpc.insecure_channel(roles["decode"][0]) as channel:
         for response in engine_pb2_grpc.EngineStub(channel).Generate(request, timeout=300):
@@ -109,11 +110,11 @@ def run_demo(target: str, replicas: list[str]) -> None:
         model = client.models()[0].id
         print(f"\nserving {model} through {target}")
         timings.append(stream_chat(client, "chat", "What is the capital of France?"))
-        timings.append(stream_completion(
-            client, "prefix 1", SHARED_PREFIX + "Question: where do airport trains leave from? Answer:", True))
-        timings.append(stream_completion(
-            client, "prefix 2 (shares the prefix)",
-            SHARED_PREFIX + "Question: how often do airport trains run? Answer:", True))
+        timings.append(stream_chat(
+            client, "shared system prompt 1", "Where do airport trains leave from?", SHARED_PREFIX))
+        timings.append(stream_chat(
+            client, "shared system prompt 2 (prefix-cache hit)", "How often do airport trains run?",
+            SHARED_PREFIX))
         print("\n\n[8 concurrent completions]", flush=True)
         prompts = [f"Write one sentence about the number {n}:" for n in range(8)]
         started = time.perf_counter()
@@ -124,7 +125,7 @@ def run_demo(target: str, replicas: list[str]) -> None:
         show_pd_transfer(client, replicas)
     print("\nsummary:")
     for t in timings[:3]:
-        print(f"  {t.label:30s} TTFT {t.ttft * 1000:7.1f} ms, {t.tokens} tokens in {t.seconds:.2f} s")
+        print(f"  {t.label:42s} TTFT {t.ttft * 1000:7.1f} ms, {t.tokens} tokens in {t.seconds:.2f} s")
     batch_tokens = sum(t.tokens for t in batch)
     ttfts = sorted(t.ttft for t in batch)
     print(f"  8 concurrent: {batch_tokens} tokens in {wall:.2f} s = {batch_tokens / wall:.1f} tok/s, "
