@@ -89,6 +89,7 @@ class AsyncLLM:
         cache_salt: str | None = None,
         hold_kv: bool = False,
         remote_prefill: RemotePrefill | None = None,
+        num_resumed_tokens: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs; closing the iterator early aborts the request.
 
@@ -104,7 +105,7 @@ class AsyncLLM:
         self.inputs.validate_prompt(prompt_token_ids, params.max_tokens)
         stream: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         arrival = time.monotonic()
-        self.outputs.add_request(request_id, prompt_token_ids, params, arrival)
+        self.outputs.add_request(request_id, prompt_token_ids, params, arrival, num_resumed_tokens)
         finished = False
         if remote_prefill is not None:
             first = self._first_remote_token(request_id, prompt_token_ids, params, remote_prefill)

@@ -9,7 +9,7 @@ scheduling or the model (the engine core) nor transport (``llm`` / ``async_llm``
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine_common.detokenizer import IncrementalDetokenizer
 from engine_common.metrics import EngineMetrics
@@ -53,10 +53,25 @@ class OutputProcessor:
         self._states: dict[str, _RequestState] = {}
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        arrival_time: float, num_resumed_tokens: int = 0,
     ) -> None:
+        """``num_resumed_tokens``: the prompt ends with that many output tokens of a stream
+        that another replica began. They are detokenized as output and their text counted
+        as sent, so text that replica was still holding back (a possible stop string, an
+        unfinished character) comes out here instead of being lost."""
+        num_prompt = len(prompt_token_ids) - num_resumed_tokens
+        if num_resumed_tokens:
+            # The caller's params count only the tokens still to come; the detokenizer counts
+            # the resumed ones as output too (min_tokens gates the stop-string check).
+            params = replace(params, min_tokens=params.min_tokens + num_resumed_tokens,
+                             max_tokens=None)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids[:num_prompt], params)
+        if num_resumed_tokens:
+            detokenizer.update(prompt_token_ids[num_prompt:])
+            detokenizer.get_delta_text(False)  # what the first replica already streamed
         self._states[request_id] = _RequestState(
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+            detokenizer=detokenizer,
             num_prompt_tokens=len(prompt_token_ids),
             arrival_time=arrival_time,
         )

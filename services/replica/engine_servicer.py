@@ -85,7 +85,8 @@ class EngineServicer(epb_grpc.EngineServicer):
         cache_salt = request.cache_salt or None
         # A resumed stream recomputes here: the prefill replica never saw its output tokens.
         peer = request.prefill_peer if request.HasField("prefill_peer") and not resumed else None
-        return EngineRequest(prompt, params, request.priority, cache_salt, peer), len(resumed)
+        return EngineRequest(prompt, params, request.priority, cache_salt, peer,
+                             num_resumed_tokens=len(resumed)), len(resumed)
 
     @rpc_handler
     async def Prefill(self, request: epb.PrefillRequest,  # noqa: N802

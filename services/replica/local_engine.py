@@ -52,7 +52,8 @@ class LocalEngine:
             # aborts the request) as soon as this one is.
             outputs = cast(AsyncGenerator[RequestOutput, None], self.llm.generate(
                 request_id, request.prompt_token_ids, request.params,
-                priority=request.priority, cache_salt=request.cache_salt, remote_prefill=remote))
+                priority=request.priority, cache_salt=request.cache_salt, remote_prefill=remote,
+                num_resumed_tokens=request.num_resumed_tokens))
             released = remote is None
             try:
                 async with aclosing(outputs):

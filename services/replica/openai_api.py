@@ -58,6 +58,8 @@ class EngineRequest:
     cache_salt: str | None = None
     # P/D: the prefill replica (host:port) a decode replica asks for the prompt's KV.
     prefill_peer: str | None = None
+    # A resumed stream: the prompt ends with this many output tokens already streamed.
+    num_resumed_tokens: int = 0
 
 
 @dataclass(frozen=True)
