@@ -78,12 +78,7 @@ class KVCacheManager:
             if block is None:
                 break
             computed.append(block)
-        num_computed_tokens = len(computed) * self.block_size
-        stats = self.prefix_cache_stats
-        stats.requests += 1
-        stats.queries += request.num_tokens
-        stats.hits += num_computed_tokens
-        return computed, num_computed_tokens
+        return computed, len(computed) * self.block_size
 
     def allocate_slots(
         self,
@@ -135,6 +130,13 @@ class KVCacheManager:
             req_blocks = self.req_to_blocks[request_id] = []
             self.req_to_block_ids[request_id] = []
             self.num_cached_blocks[request_id] = 0
+            if self.enable_caching:
+                # Counted on admission only, so a request that waits for room and is looked
+                # up again every step counts once.
+                stats = self.prefix_cache_stats
+                stats.requests += 1
+                stats.queries += request.num_tokens
+                stats.hits += num_new_computed_tokens
         block_ids = self.req_to_block_ids[request_id]
         if new_computed_blocks:
             pool.touch(new_computed_blocks)

@@ -90,6 +90,14 @@ def test_prefix_cache_stats_count_tokens_and_reset() -> None:
     stats = kv.take_prefix_cache_stats()
     assert (stats.requests, stats.queries, stats.hits) == (2, 20, 8)
     assert kv.take_prefix_cache_stats().queries == 0
+    # A request that cannot be admitted yet (no room) is looked up again every step: it
+    # counts once, when it is admitted.
+    tight = KVCacheManager(num_blocks=3, block_size=BS, max_model_len=128)
+    waiting = make_request("w", list(range(20)))
+    for _ in range(3):
+        blocks, hits = tight.get_computed_blocks(waiting)
+        assert tight.allocate_slots(waiting, 20 - hits, blocks, hits) is None
+    assert tight.take_prefix_cache_stats().requests == 0
     off = KVCacheManager(num_blocks=16, block_size=BS, max_model_len=128, enable_caching=False)
     run_prefill(off, make_request("a", list(range(10))))
     assert off.get_computed_blocks(make_request("b", list(range(10)))) == ([], 0)
