@@ -70,29 +70,25 @@ class LLM:
             self.core.abort_requests(to_abort)
         return results
 
-    def stream(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams]
-               ) -> Iterator[RequestOutput]:
-        """Submit all prompts, then yield every request's deltas as the engine steps."""
+    def _submit(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams]
+                ) -> list[tuple[str, list[int]]]:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
-        for prompt, p in zip(prompts, per_prompt, strict=True):
-            self.add_request(prompt, p)
+        return [self.add_request(prompt, p) for prompt, p in zip(prompts, per_prompt, strict=True)]
+
+    def stream(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams]
+               ) -> Iterator[RequestOutput]:
+        """Submit all prompts, then yield every request's deltas as the engine steps."""
+        self._submit(prompts, params)
         while self.outputs.num_unfinished:
             yield from self.step()
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams]
                  ) -> list[GenerationResult]:
         """Generate for every prompt; results come back in the order of the prompts."""
-        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(per_prompt) != len(prompts):
-            raise ValueError("give one SamplingParams, or one per prompt")
-        results: dict[str, GenerationResult] = {}
-        order = []
-        for prompt, p in zip(prompts, per_prompt, strict=True):
-            request_id, token_ids = self.add_request(prompt, p)
-            results[request_id] = GenerationResult(request_id, token_ids)
-            order.append(request_id)
+        results = {request_id: GenerationResult(request_id, token_ids)
+                   for request_id, token_ids in self._submit(prompts, params)}
         while self.outputs.num_unfinished:
             for out in self.step():
                 result = results[out.request_id]
@@ -103,4 +99,4 @@ class LLM:
                     result.finish_reason = out.finish_reason
                     result.stop_reason = out.stop_reason
                     result.num_cached_tokens = out.num_cached_tokens
-        return [results[i] for i in order]
+        return list(results.values())

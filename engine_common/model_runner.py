@@ -45,7 +45,6 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
-        self._batch_generator = torch.Generator(device=self.device).manual_seed(config.seed)
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache

@@ -27,17 +27,16 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from gateway.cluster import ClusterView
 from gateway.endpoint_picker import (
     EXT_PROC_SERVICE,
     EndpointChooser,
     EndpointPickerServicer,
     SheddingPolicy,
 )
-from gateway.load import LoadTracker
 from gateway.metrics import GatewayMetrics
 from gateway.picker import DECODE_ROLES, PickerConfig
-from gateway.prefix_index import PrefixIndex
-from gateway.registry import DnsTarget, ReplicaRegistry
+from gateway.registry import DnsTarget
 from gateway.server import load_inputs
 from protos.third_party.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from services.entrypoint import run_service, wait_for_stop_signal
@@ -68,8 +67,10 @@ class PickerOptions:
 
 
 class EndpointPickerServer:
-    def __init__(self, options: PickerOptions, chooser: EndpointChooser) -> None:
+    def __init__(self, options: PickerOptions, cluster: ClusterView,
+                 chooser: EndpointChooser) -> None:
         self.options = options
+        self.cluster = cluster
         self.chooser = chooser
         self.health = health_aio.HealthServicer()
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -89,19 +90,16 @@ class EndpointPickerServer:
         inputs = await asyncio.get_running_loop().run_in_executor(
             None, load_inputs, options.model)
         metrics = GatewayMetrics()
-        registry = ReplicaRegistry(options.replicas, options.dns,
-                                   dns_interval_s=options.dns_interval_s)
-        loads = LoadTracker(interval_s=options.load_interval_s)
-        index = PrefixIndex()
-        registry.add_listener(loads)
-        registry.add_listener(index)
-        chooser = EndpointChooser(registry, loads, index, inputs, options.picker,
-                                  options.shedding, metrics)
-        picker = cls(options, chooser)
+        cluster = ClusterView.create(
+            options.replicas, options.dns, dns_interval_s=options.dns_interval_s,
+            load_interval_s=options.load_interval_s)
+        chooser = EndpointChooser(cluster.registry, cluster.loads, cluster.index, inputs,
+                                  options.picker, options.shedding, metrics)
+        picker = cls(options, cluster, chooser)
         if options.metrics_port:
             picker._metrics_http, _ = start_http_server(
                 options.metrics_port, addr=options.host, registry=metrics.registry)
-        await registry.start()
+        await cluster.start()
         await picker.server.start()
         await picker.health.set("liveness", _SERVING)
         await picker._update_state()
@@ -111,16 +109,15 @@ class EndpointPickerServer:
         return picker
 
     async def _update_state(self) -> None:
-        replicas = self.chooser.registry.replicas()
+        replicas = self.cluster.registry.replicas()
         ready = any(r.routable and r.role in DECODE_ROLES for r in replicas)
         if ready != self._ready:
             self._ready = ready
             for service in ("", "readiness", EXT_PROC_SERVICE):
                 await self.health.set(service, _SERVING if ready else _NOT_SERVING)
-        # The replicas may serve a shorter context than the model's; validate as they do.
-        lengths = [r.max_model_len for r in replicas if r.max_model_len > 0]
-        if lengths:
-            self.chooser.inputs.max_model_len = min(lengths)
+        max_model_len = self.cluster.max_model_len()
+        if max_model_len is not None:
+            self.chooser.inputs.max_model_len = max_model_len
 
     async def _follow(self) -> None:
         while True:
@@ -132,9 +129,7 @@ class EndpointPickerServer:
         if self._follower is not None:
             self._follower.cancel()
         await self.server.stop(grace_s)
-        await self.chooser.loads.stop()
-        await self.chooser.index.stop()
-        await self.chooser.registry.stop()
+        await self.cluster.stop()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()

@@ -29,12 +29,11 @@ from prometheus_client import start_http_server
 from engine_common.input_processor import InputProcessor
 from engine_common.model.arch_config import ModelArchConfig
 from engine_common.tokenizer import load_tokenizer
-from gateway.load import LoadTracker
+from gateway.cluster import ClusterView
 from gateway.metrics import GatewayMetrics
 from gateway.picker import DECODE_ROLES, PickerConfig
-from gateway.prefix_index import PrefixIndex
 from gateway.proxy import EngineProxy, RemoteEngine, RetryPolicy, call_timeout
-from gateway.registry import DnsTarget, ReplicaRegistry
+from gateway.registry import DnsTarget
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 from services.entrypoint import wait_for_stop_signal
@@ -128,14 +127,11 @@ class GatewayServer:
     def __init__(self, options: GatewayOptions, inputs: InputProcessor) -> None:
         self.options = options
         self.metrics = GatewayMetrics()
-        self.registry = ReplicaRegistry(
-            options.replicas, options.dns, dns_interval_s=options.dns_interval_s)
-        self.loads = LoadTracker(interval_s=options.load_interval_s)
-        self.index = PrefixIndex()
-        self.registry.add_listener(self.loads)
-        self.registry.add_listener(self.index)
-        self.proxy = EngineProxy(self.registry, self.loads, self.index, self.metrics,
-                                 options.picker, options.retry)
+        self.cluster = ClusterView.create(
+            options.replicas, options.dns, dns_interval_s=options.dns_interval_s,
+            load_interval_s=options.load_interval_s)
+        self.proxy = EngineProxy(self.cluster.registry, self.cluster.loads, self.cluster.index,
+                                 self.metrics, options.picker, options.retry)
         self.inputs = inputs
         self.model = ServedModel.for_directory(options.model, self.inputs.max_model_len,
                                                options.served_model_name)
@@ -171,7 +167,7 @@ class GatewayServer:
             self._metrics_http, _ = start_http_server(
                 self.options.metrics_port, addr=self.options.host, registry=self.metrics.registry)
             self.metrics_port = self._metrics_http.server_port
-        await self.registry.start()
+        await self.cluster.start()
         await self.server.start()
         await self._update_state()
         self._follower = asyncio.create_task(self._follow_replicas(), name="gateway-state")
@@ -182,7 +178,7 @@ class GatewayServer:
                     f", metrics on :{self.metrics_port}/metrics" if self.metrics_port else "")
 
     async def _update_state(self) -> None:
-        replicas = self.registry.replicas()
+        replicas = self.cluster.registry.replicas()
         serving = any(r.routable and r.role in DECODE_ROLES for r in replicas)
         if serving != self._serving:
             self._serving = serving
@@ -193,9 +189,9 @@ class GatewayServer:
         self.metrics.replicas.clear()
         for r in replicas:
             self.metrics.replicas.labels(r.role or "unknown", str(r.healthy).lower()).inc()
-        lengths = [r.max_model_len for r in replicas if r.max_model_len > 0]
-        if lengths and min(lengths) != self.inputs.max_model_len:
-            self.inputs.max_model_len = min(lengths)
+        max_model_len = self.cluster.max_model_len()
+        if max_model_len is not None and max_model_len != self.inputs.max_model_len:
+            self.inputs.max_model_len = max_model_len
             self.servicer.model = ServedModel(
                 self.model.name, self.inputs.max_model_len, self.model.aliases,
                 self.model.created, self.model.owned_by)
@@ -210,9 +206,7 @@ class GatewayServer:
         if self._follower is not None:
             self._follower.cancel()
         await self.server.stop(grace_s)
-        await self.loads.stop()
-        await self.index.stop()
-        await self.registry.stop()
+        await self.cluster.stop()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
