@@ -54,7 +54,7 @@ bench-peer-setup:
 	$(PYTHON) bench/peer_setup.py
 
 bench-gpu: setup
-	$(PY) bench/attention_kernels.py
+	$(PY) bench/gpu_benchmark.py
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache

@@ -2,8 +2,9 @@
 
 ``AsyncLLM`` owns the frontend side of one engine: tokenization and validation
 (``InputProcessor``), one output stream per request, detokenization and metrics
-(``OutputProcessor``), the latest scheduler statistics, and the KV-event log that subscribers
-replay from. The engine core itself runs in its own process (``core_process``), so nothing
+(``OutputProcessor``), the latest scheduler statistics, the KV-event log that subscribers
+replay from, and the snapshots of the prefix cache that replace the log for a subscriber it
+no longer covers. The engine core itself runs in its own process (``core_process``), so nothing
 here can stall the step loop. Cancelling a stream (client gone, deadline) aborts the request
 in the core and frees its blocks.
 """
@@ -16,9 +17,14 @@ import time
 from collections.abc import AsyncGenerator
 
 from engine_common.config import EngineConfig
-from engine_common.core_process import EngineCoreClient
+from engine_common.core_process import EngineCoreClient, KvCacheSnapshotReply
 from engine_common.input_processor import InputProcessor
-from engine_common.kv_events import KVEventBatch, KVEventBuffer
+from engine_common.kv_events import (
+    KVCacheSnapshot,
+    KVCacheSnapshotChunk,
+    KVEventBatch,
+    KVEventBuffer,
+)
 from engine_common.metrics import EngineMetrics
 from engine_common.output_processor import OutputProcessor, RequestOutput
 from engine_common.outputs import (
@@ -42,7 +48,7 @@ class EngineDeadError(RuntimeError):
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop,
-                 kv_event_capacity: int = 65536):
+                 kv_event_capacity: int = 65536, kv_snapshot_chunk_blocks: int = 4096):
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
@@ -51,11 +57,23 @@ class AsyncLLM:
         self.dead_reason: str | None = None
         self.stats = SchedulerStats()
         self.kv_events = KVEventBuffer(kv_event_capacity)
+        if kv_snapshot_chunk_blocks <= 0:
+            raise ValueError(
+                f"kv_snapshot_chunk_blocks must be positive, got {kv_snapshot_chunk_blocks}")
+        # Bounds each snapshot piece on the wire (32-byte hashes: 4096 is ~140 KB).
+        self.kv_snapshot_chunk_blocks = kv_snapshot_chunk_blocks
         self._kv_event_waiters: set[asyncio.Event] = set()
+        # The snapshot asked of the core and not answered yet; every watcher that needs one
+        # meanwhile shares it, so the core answers one request at a time, in order.
+        self._kv_snapshot: asyncio.Future[KVCacheSnapshot] | None = None
+        # All three callbacks hop onto the loop from the client's one receiver thread, so
+        # they run in the order the core sent their messages.
         self.core = EngineCoreClient(
             config,
             on_outputs=lambda outs: self._loop.call_soon_threadsafe(self._on_outputs, outs),
             on_dead=lambda why: self._loop.call_soon_threadsafe(self._on_dead, why),
+            on_kv_snapshot=lambda snap: self._loop.call_soon_threadsafe(
+                self._on_kv_snapshot, snap),
         )
         self.info = self.core.info
         self.stats.num_total_blocks = self.stats.num_free_blocks = self.info.num_blocks
@@ -203,27 +221,61 @@ class AsyncLLM:
         for stream in self._streams.values():
             stream.put_nowait(error)
         self._streams.clear()
+        snapshot, self._kv_snapshot = self._kv_snapshot, None
+        if snapshot is not None and not snapshot.done():
+            snapshot.set_exception(error)
 
     # ----------------------------------------------------------------- KV events
-    async def watch_kv_events(self, since_seq: int) -> AsyncGenerator[list[KVEventBatch] | None, None]:
-        """Yield batches after ``since_seq`` as they arrive; ``None`` once when the log no
-        longer holds everything after ``since_seq`` (the watcher must resync)."""
+    async def watch_kv_events(
+        self, since_seq: int,
+    ) -> AsyncGenerator[list[KVEventBatch] | KVCacheSnapshotChunk, None]:
+        """Yield the batches after ``since_seq``, then new ones as they arrive.
+
+        When the log no longer holds everything after ``since_seq`` (the watcher fell too far
+        behind, or ``since_seq`` belongs to an earlier incarnation of the engine), yield a
+        snapshot of the whole prefix cache instead, in pieces of at most
+        ``kv_snapshot_chunk_blocks`` hashes, then the batches after the snapshot's seq.
+        """
         wake = asyncio.Event()
         self._kv_event_waiters.add(wake)
         try:
             seq = since_seq
             while True:
+                # Cleared before looking, so a batch appended while this generator is
+                # suspended in a yield below still wakes it.
+                wake.clear()
                 batches = self.kv_events.since(seq)
                 if batches is None:
-                    yield None
-                    return
-                if batches:
+                    snapshot = await self.snapshot_kv_cache()
+                    for chunk in snapshot.chunks(self.kv_snapshot_chunk_blocks):
+                        yield chunk
+                    seq = snapshot.seq
+                elif batches:
                     seq = batches[-1].seq
                     yield batches
-                wake.clear()
-                await wake.wait()
+                else:
+                    await wake.wait()
         finally:
             self._kv_event_waiters.discard(wake)
+
+    async def snapshot_kv_cache(self) -> KVCacheSnapshot:
+        """Every block hash in the engine's prefix cache, with the KV-event seq it matches:
+        the core takes it between two steps, and the seq is the log's newest when the answer
+        arrives, every batch the core sent before it being in the log by then."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if self._kv_snapshot is None:
+            self._kv_snapshot = self._loop.create_future()
+            self.core.snapshot_kv_cache()
+        # Shielded: a watcher that goes away must not cancel the answer the others wait for.
+        return await asyncio.shield(self._kv_snapshot)
+
+    def _on_kv_snapshot(self, answer: KvCacheSnapshotReply) -> None:
+        snapshot, self._kv_snapshot = self._kv_snapshot, None
+        if snapshot is not None and not snapshot.done():
+            snapshot.set_result(KVCacheSnapshot(
+                seq=self.kv_events.last_seq, timestamp=time.time(),
+                block_hashes=answer.block_hashes))
 
     def shutdown(self) -> None:
         self.core.shutdown()

@@ -144,6 +144,11 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
 
+    def get_cached_block_hashes(self) -> list[BlockHash]:
+        """Every hash in the prefix cache, each once (a snapshot for KV-event watchers): the
+        state that the events recorded so far, taken or not, lead to."""
+        return list(self.cached_block_hash_to_block)
+
     def cache_full_blocks(
         self,
         request_blocks: Sequence[KVCacheBlock],

@@ -55,6 +55,10 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     attention_backend: str = "auto"  # "auto", "torch", "triton"
+    # On CUDA, decode steps replay CUDA graphs captured for padded batch sizes up to
+    # ``cuda_graph_max_batch_size``; ``enforce_eager`` turns that off (as in vLLM).
+    enforce_eager: bool = False
+    cuda_graph_max_batch_size: int = 256
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KvTransferConfig = field(default_factory=KvTransferConfig)

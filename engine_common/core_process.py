@@ -3,9 +3,11 @@
 The replica's gRPC frontend (asyncio, tokenization, detokenization, streaming) must never
 stall the step loop, so, as vLLM does, the core runs in a separate process and the two talk
 over a pair of pipes: requests and aborts go in, one ``EngineCoreOutputs`` per step comes
-out. ``run_engine_core`` is the child's main loop; ``EngineCoreClient`` is the parent's side,
-with a sender thread (so a busy child never blocks the event loop on a full pipe) and a
-receiver thread that hands outputs to a callback.
+out, and a ``KvCacheSnapshotReply`` for each ``SnapshotKvCache``, in line with the steps'
+outputs (that order is what ties a snapshot to a KV-event seq). ``run_engine_core`` is the
+child's main loop; ``EngineCoreClient`` is the parent's side, with a sender thread (so a busy
+child never blocks the event loop on a full pipe) and a receiver thread that hands outputs
+to callbacks.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import multiprocessing as mp
 import queue
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from engine_common.block_hash import BlockHash
 from engine_common.config import EngineConfig
 from engine_common.engine_core import EngineCore, EngineInfo
 from engine_common.outputs import EngineCoreOutputs, EngineCoreRequest
@@ -43,8 +47,21 @@ class ReleaseKv:
 
 
 @dataclass
+class SnapshotKvCache:
+    """Ask for every block hash in the prefix cache (a KV-event watcher must resync)."""
+
+
+@dataclass
 class Shutdown:
     pass
+
+
+@dataclass
+class KvCacheSnapshotReply:
+    """The child's answer to ``SnapshotKvCache``: the prefix cache as it stands after every
+    ``EngineCoreOutputs`` sent before this message, and before any sent after it."""
+
+    block_hashes: list[BlockHash]
 
 
 @dataclass
@@ -54,7 +71,7 @@ class CoreFailed:
     message: str
 
 
-CoreMessage = AddRequest | AbortRequests | ReleaseKv | Shutdown
+CoreMessage = AddRequest | AbortRequests | ReleaseKv | SnapshotKvCache | Shutdown
 
 
 def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection) -> None:
@@ -85,6 +102,11 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection)
                 outbox.send(EngineCoreOutputs(outputs=aborted))
         elif isinstance(message, ReleaseKv):
             core.release_kv(message.request_ids)
+        elif isinstance(message, SnapshotKvCache):
+            pending_events, block_hashes = core.snapshot_kv_cache()
+            if pending_events:
+                outbox.send(EngineCoreOutputs(kv_events=pending_events, timestamp=time.time()))
+            outbox.send(KvCacheSnapshotReply(block_hashes))
         elif isinstance(message, Shutdown):
             return False
         return True
@@ -112,7 +134,10 @@ class EngineCoreClient:
     """Starts the core process and moves messages to and from it."""
 
     def __init__(self, config: EngineConfig, on_outputs: Callable[[EngineCoreOutputs], object],
-                 on_dead: Callable[[str], object]):
+                 on_dead: Callable[[str], object],
+                 on_kv_snapshot: Callable[[KvCacheSnapshotReply], object] | None = None):
+        """``on_outputs`` and ``on_kv_snapshot`` are called from one receiver thread, in the
+        order the core sent the messages."""
         ctx = mp.get_context("spawn")
         child_inbox, self._inbox = ctx.Pipe(duplex=False)
         self._outbox, child_outbox = ctx.Pipe(duplex=False)
@@ -133,6 +158,7 @@ class EngineCoreClient:
         self.info: EngineInfo = first
         self._on_outputs = on_outputs
         self._on_dead = on_dead
+        self._on_kv_snapshot = on_kv_snapshot
         self._send_queue: queue.Queue[CoreMessage | None] = queue.Queue()
         self._closed = False
         self._sender = threading.Thread(target=self._send_loop, daemon=True, name="core-sender")
@@ -150,6 +176,11 @@ class EngineCoreClient:
     def release_kv(self, request_ids: list[str]) -> None:
         self._send_queue.put(ReleaseKv(request_ids))
 
+    def snapshot_kv_cache(self) -> None:
+        """Ask for a ``KvCacheSnapshotReply``; it comes to ``on_kv_snapshot``, between the
+        outputs of two steps."""
+        self._send_queue.put(SnapshotKvCache())
+
     def _send_loop(self) -> None:
         while (message := self._send_queue.get()) is not None:
             try:
@@ -160,7 +191,12 @@ class EngineCoreClient:
     def _recv_loop(self) -> None:
         try:
             while True:
-                self._on_outputs(self._outbox.recv())
+                message = self._outbox.recv()
+                if isinstance(message, KvCacheSnapshotReply):
+                    if self._on_kv_snapshot is not None:
+                        self._on_kv_snapshot(message)
+                else:
+                    self._on_outputs(message)
         except (EOFError, OSError):
             if not self._closed:
                 self._on_dead(f"engine core process exited (code {self.process.exitcode})")

@@ -2,7 +2,8 @@
 
 Owns the scheduler, the KV cache manager and the model runner, and nothing that deals with
 text or clients: it takes tokenized ``EngineCoreRequest`` records and emits token ids,
-finish states, scheduler statistics and KV events (``EngineCoreOutputs``). The frontend
+finish states, scheduler statistics and KV events (``EngineCoreOutputs``), and on request
+the prefix cache's block hashes (a KV-event watcher's resync snapshot). The frontend
 (``output_processor``) turns those into text. It runs in the replica's engine process
 (``core_process``) or in-process for offline use (``llm``).
 """
@@ -14,8 +15,10 @@ import os
 import time
 from dataclasses import dataclass
 
+from engine_common.block_hash import BlockHash
 from engine_common.config import EngineConfig
 from engine_common.kv_cache_manager import KVCacheManager
+from engine_common.kv_events import KVEvent
 from engine_common.model.arch_config import ModelArchConfig
 from engine_common.model_runner import ModelRunner
 from engine_common.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
@@ -56,7 +59,7 @@ class EngineCore:
             self.arch.max_position_embeddings,
         )
         self.eos_token_ids = eos_token_ids(config.model, load_tokenizer(config.model))
-        self.model_runner = ModelRunner(config, self.arch, self.eos_token_ids)
+        self.model_runner = ModelRunner(config, self.arch, self.eos_token_ids, self.max_model_len)
         self.kv_cache_manager = KVCacheManager(
             num_blocks=self.model_runner.num_blocks,
             block_size=config.cache.block_size,
@@ -163,6 +166,12 @@ class EngineCore:
                 outputs.append(EngineCoreOutput(request.request_id, [], kv_transfer=report,
                                                 num_cached_tokens=max(request.num_cached_tokens, 0)))
         return outputs
+
+    def snapshot_kv_cache(self) -> tuple[list[KVEvent], list[BlockHash]]:
+        """Every block hash in the prefix cache, with the KV events recorded but not emitted
+        yet (normally none between steps). The hashes are the state those events lead to, so
+        the caller must deliver the events first, on the same ordered channel as the steps'."""
+        return self.kv_cache_manager.take_events(), self.kv_cache_manager.get_cached_block_hashes()
 
     def step(self) -> EngineCoreOutputs:
         outputs: list[EngineCoreOutput] = []

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine_common.block_hash import BlockHash
 from engine_common.block_pool import BlockPool, KVCacheBlock
 from engine_common.kv_events import KVEvent
 from engine_common.request import Request
@@ -199,6 +200,10 @@ class KVCacheManager:
 
     def take_events(self) -> list[KVEvent]:
         return self.block_pool.take_events()
+
+    def get_cached_block_hashes(self) -> list[BlockHash]:
+        """Every hash in the prefix cache; see ``BlockPool.get_cached_block_hashes``."""
+        return self.block_pool.get_cached_block_hashes()
 
     def reset_prefix_cache(self) -> bool:
         """Drop the whole prefix cache; False (nothing done) while any request holds blocks."""

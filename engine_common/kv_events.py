@@ -1,14 +1,19 @@
-"""KV-cache events and the ring buffer that lets watchers catch up on them.
+"""KV-cache events, the ring buffer that lets watchers catch up on them, and the snapshot
+that replaces them when a watcher cannot catch up.
 
 Owns the event records (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``), their
-batching into sequence-numbered ``KVEventBatch``es, and ``KVEventBuffer``, a bounded ring that
-answers "everything after seq N" or says the watcher fell too far behind and must resync.
-It does not own producing events (``block_pool``) or streaming them (the service's
+batching into sequence-numbered ``KVEventBatch``es, ``KVEventBuffer``, a bounded ring that
+answers "everything after seq N" or says the watcher fell too far behind, and
+``KVCacheSnapshot``, every block hash in the prefix cache at one seq, cut into bounded
+``KVCacheSnapshotChunk``s for the wire. It does not own producing events (``block_pool``),
+taking a snapshot (the engine core, through ``async_llm``) or streaming either (the service's
 WatchKvEvents); it starts no threads and takes no locks, so the caller serialises access.
 
 A watcher's contract: keep the last seq it applied; ask ``since(seq)``; ``None`` means the
-events in between are gone (or the engine restarted and its seq went back), so drop the
-replica's index and rebuild it from a full snapshot or from an ``AllBlocksCleared`` point.
+events in between are gone (or the engine restarted and its seq went back). Then the watcher
+gets a snapshot taken at some seq S instead: it replaces what it knew about the replica with
+the snapshot's hashes, sets its seq to S and applies the batches from S + 1 on, which neither
+repeat nor miss anything the snapshot holds.
 """
 
 from __future__ import annotations
@@ -95,3 +100,40 @@ class KVEventBuffer:
         if oldest > seq + 1:
             return None
         return list(islice(self._ring, seq + 1 - oldest, None))
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSnapshotChunk:
+    """One bounded piece of a ``KVCacheSnapshot``; all pieces of one snapshot share its seq."""
+
+    seq: int
+    timestamp: float
+    block_hashes: list[BlockHash]
+    index: int  # 0-based
+    count: int  # pieces in the snapshot, at least 1 (an empty cache is one empty piece)
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.count - 1
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSnapshot:
+    """Every block hash in an engine's prefix cache, in no particular order, as it stands
+    after the batches up to ``seq`` and before batch ``seq + 1`` (``seq`` 0: before any)."""
+
+    seq: int
+    timestamp: float  # wall clock when the engine core answered
+    block_hashes: list[BlockHash]
+
+    def chunks(self, max_blocks: int) -> list[KVCacheSnapshotChunk]:
+        """The snapshot in pieces of at most ``max_blocks`` hashes each, in order."""
+        if max_blocks <= 0:
+            raise ValueError(f"max_blocks must be positive, got {max_blocks}")
+        hashes = self.block_hashes
+        count = max(1, -(-len(hashes) // max_blocks))
+        return [
+            KVCacheSnapshotChunk(self.seq, self.timestamp,
+                                 hashes[i * max_blocks:(i + 1) * max_blocks], i, count)
+            for i in range(count)
+        ]

@@ -1,8 +1,9 @@
 """The model runner: turns a scheduled step into tensors, runs the model, samples.
 
 Owns the device, the loaded model, the paged KV cache tensor and the per-request sampling
-generators. It sizes the KV cache from the memory budget. It does not decide what runs
-(``Scheduler``) or which blocks a request holds (``KVCacheManager``): it receives block ids.
+generators. It sizes the KV cache from the memory budget, and on CUDA replays decode steps
+from CUDA graphs (``DecodeGraphRunner``). It does not decide what runs (``Scheduler``) or
+which blocks a request holds (``KVCacheManager``): it receives block ids.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from engine_common.config import EngineConfig
+from engine_common.decode_graphs import DecodeGraphRunner, DecodeInputs
 from engine_common.model.arch_config import ModelArchConfig
 from engine_common.model.attention.backend import AttentionMetadata
 from engine_common.model.loader import load_model, resolve_dtype
@@ -28,7 +30,8 @@ def kv_cache_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torc
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, arch: ModelArchConfig, eos_token_ids: frozenset[int]):
+    def __init__(self, config: EngineConfig, arch: ModelArchConfig, eos_token_ids: frozenset[int],
+                 max_model_len: int):
         self.config = config
         self.arch = arch
         self.device = torch.device(config.device)
@@ -45,6 +48,20 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+        self.decode_graphs: DecodeGraphRunner | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            if self.model.attention_backend.supports_cuda_graphs:
+                self.decode_graphs = self.static_decode_runner(max_model_len, capture=True)
+            else:
+                logger.info("CUDA graphs off: the %s attention backend cannot be captured",
+                            self.model.attention_backend.name)
+
+    def static_decode_runner(self, max_model_len: int, capture: bool) -> DecodeGraphRunner:
+        """Decode steps through static, padded inputs; captured as CUDA graphs if ``capture``."""
+        max_batch_size = min(self.config.cuda_graph_max_batch_size,
+                             self.config.scheduler.max_num_seqs)
+        return DecodeGraphRunner(self.model, self.kv_cache, max_batch_size, max_model_len,
+                                 self.block_size, capture)
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
@@ -110,30 +127,38 @@ class ModelRunner:
         slot_mapping = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
 
         dev = self.device
-        metadata = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            query_start_loc=torch.from_numpy(query_start_loc).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-        )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            torch.from_numpy(positions).to(dev),
-            self.kv_cache,
-            metadata,
-        )
+        graphs = self.decode_graphs
+        if graphs is not None and len(input_ids) == num_seqs and graphs.can_run(num_seqs, max_blocks):
+            hidden = graphs.run(DecodeInputs(
+                np.asarray(input_ids, dtype=np.int64), positions, slot_mapping, seq_lens,
+                block_tables))
+        else:
+            metadata = AttentionMetadata(
+                slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+                query_start_loc=torch.from_numpy(query_start_loc).to(dev),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+                block_tables=torch.from_numpy(block_tables).to(dev),
+                max_query_len=max(query_lens),
+                max_seq_len=max(seq_lens),
+                query_lens_cpu=query_lens,
+                seq_lens_cpu=seq_lens,
+            )
+            hidden = self.model(
+                torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                torch.from_numpy(positions).to(dev),
+                self.kv_cache,
+                metadata,
+            )
 
         sample_items = [i for i, s in enumerate(scheduled) if s.completes_sequence]
         if not sample_items:
             return {}
-        logits_indices = torch.tensor(
-            [int(query_start_loc[i + 1]) - 1 for i in sample_items], dtype=torch.int64, device=dev
-        )
-        logits = self.model.compute_logits(hidden[logits_indices])
+        if len(sample_items) < len(input_ids):
+            logits_indices = torch.tensor(
+                [int(query_start_loc[i + 1]) - 1 for i in sample_items], dtype=torch.int64,
+                device=dev)
+            hidden = hidden[logits_indices]
+        logits = self.model.compute_logits(hidden)
         rows = []
         for i in sample_items:
             request = scheduled[i].request

@@ -3,8 +3,11 @@
 Owns one ``Engine.WatchKvEvents`` subscription per registered replica and the index it feeds:
 block hash -> the replicas that hold it. Batches carry consecutive sequence numbers; the
 watcher remembers the last one it applied and reconnects from there, so a dropped connection
-loses nothing. A gap, a ``resync`` snapshot, ``AllBlocksCleared`` or a new engine id behind
-the same address (a restart) drops everything known about that replica first.
+loses nothing. When the replica no longer holds the batches after that seq (the watcher fell
+behind, or a new engine id behind the same address restarted from seq 0) it sends a
+``resync`` snapshot of its whole cache instead, in pieces: they are kept aside until the last
+one, which then replaces everything known about that replica. A gap, ``AllBlocksCleared`` or
+a new engine id drops everything known about that replica.
 
 Events arrive only once a replica has computed a prompt's blocks, seconds later for a long
 prompt on a busy replica; requests sharing that prefix in the meantime would scatter. So the
@@ -42,6 +45,11 @@ class _ReplicaBlocks:
     # True while a subscription is open.
     connected: bool = False
     resyncs: int = 0
+    # A resync snapshot whose pieces are still arriving: its seq, the hashes so far and the
+    # next piece's index. None outside one.
+    snapshot_seq: int = 0
+    snapshot_blocks: set[BlockHash] | None = None
+    snapshot_next_chunk: int = 0
     # Blocks routed here but not confirmed by events yet -> time.monotonic() they expire at.
     expected: dict[BlockHash, float] = field(default_factory=dict)
     task: asyncio.Task[None] | None = None
@@ -144,16 +152,46 @@ class PrefixIndex:
 
     # ----------------------------------------------------------------- applying events
     def apply(self, address: str, batch: engine_pb2.KvEventBatch) -> bool:
-        """Apply one batch; False (and nothing applied) when it does not follow the last one,
-        in which case the caller must resubscribe from seq 0."""
+        """Apply one batch, or keep one snapshot piece aside; False (and nothing applied)
+        when it does not follow the last one (a gap, or a snapshot piece missing), in which
+        case the caller must resubscribe from seq 0."""
         state = self._state.setdefault(address, _ReplicaBlocks())
         if batch.resync:
-            self._drop(address)
-            state.resyncs += 1
-        elif batch.seq <= state.last_seq:
+            return self._apply_snapshot_piece(address, state, batch)
+        if state.snapshot_blocks is not None:
+            return False  # the snapshot's pieces are back to back: one is missing
+        if batch.seq <= state.last_seq:
             return True  # a replayed batch we already applied
         elif batch.seq != state.last_seq + 1:
             return False
+        self._apply_events(address, state, batch)
+        state.last_seq = batch.seq
+        return True
+
+    def _apply_snapshot_piece(self, address: str, state: _ReplicaBlocks,
+                              batch: engine_pb2.KvEventBatch) -> bool:
+        piece = batch.snapshot
+        if piece.chunk_index == 0:
+            state.snapshot_seq, state.snapshot_blocks = batch.seq, set()
+        elif (state.snapshot_blocks is None or piece.chunk_index != state.snapshot_next_chunk
+              or batch.seq != state.snapshot_seq):
+            state.snapshot_blocks = None
+            return False
+        assert state.snapshot_blocks is not None
+        state.snapshot_blocks.update(piece.block_hashes)
+        state.snapshot_next_chunk = piece.chunk_index + 1
+        if state.snapshot_next_chunk < piece.num_chunks:
+            return True
+        # The last piece (or a replica that sent none: num_chunks 0 reads as an empty cache).
+        self._replace(address, state, state.snapshot_blocks)
+        state.snapshot_blocks = None
+        state.resyncs += 1
+        self._apply_events(address, state, batch)  # none are sent with a snapshot
+        state.last_seq = batch.seq
+        return True
+
+    def _apply_events(self, address: str, state: _ReplicaBlocks,
+                      batch: engine_pb2.KvEventBatch) -> None:
         for event in batch.events:
             kind = event.WhichOneof("event")
             if kind == "block_stored":
@@ -164,8 +202,6 @@ class PrefixIndex:
                     self._remove_block(address, state, block_hash)
             elif kind == "all_blocks_cleared":
                 self._drop(address)
-        state.last_seq = batch.seq
-        return True
 
     def _add_block(self, address: str, state: _ReplicaBlocks, block_hash: BlockHash) -> None:
         state.blocks.add(block_hash)
@@ -181,6 +217,14 @@ class PrefixIndex:
             if not holders:
                 del self._replicas_by_block[block_hash]
 
+    def _replace(self, address: str, state: _ReplicaBlocks, blocks: set[BlockHash]) -> None:
+        """Make ``blocks`` all that ``address`` holds. Routed blocks not confirmed yet stay
+        expected: the requests that will compute them may still be queued there."""
+        for block_hash in state.blocks - blocks:
+            self._remove_block(address, state, block_hash)
+        for block_hash in blocks - state.blocks:
+            self._add_block(address, state, block_hash)
+
     def _drop(self, address: str) -> None:
         """Forget every block of ``address`` (keeps its seq and engine id)."""
         state = self._state.get(address)
@@ -194,6 +238,7 @@ class PrefixIndex:
                 if not holders:
                     del self._replicas_by_block[block_hash]
         state.blocks = set()
+        state.snapshot_blocks = None
 
     # ----------------------------------------------------------------- subscription
     async def _watch(self, replica: Replica, state: _ReplicaBlocks) -> None:
@@ -230,3 +275,6 @@ class PrefixIndex:
                     return
         finally:
             call.cancel()
+            # A snapshot cut off midway is of no use: the next subscription, from the last
+            # applied seq, gets a whole one again.
+            state.snapshot_blocks = None

@@ -8,35 +8,16 @@ enough to force preemptions (asserted). Every run must equal HF's greedy ``gener
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from engine_common.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_common.llm import LLM
 from engine_common.sampling_params import SamplingParams
+from tests.hf_reference import hf_greedy, random_prompts
 
 MAX_TOKENS = 12
-
-
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    outs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                 min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
-            outs.append(out[0, len(prompt):].tolist())
-    return outs
-
-
-def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
 def engine(model_dir: Path, *, budget: int = 512, num_blocks: int | None = None,

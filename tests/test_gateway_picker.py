@@ -104,8 +104,8 @@ def test_pd_decider() -> None:
     assert decision.filtered == {"p1": "unhealthy"}
 
 
-def _stored(seq: int, hashes: list[bytes], resync: bool = False) -> engine_pb2.KvEventBatch:
-    batch = engine_pb2.KvEventBatch(seq=seq, resync=resync)
+def _stored(seq: int, hashes: list[bytes]) -> engine_pb2.KvEventBatch:
+    batch = engine_pb2.KvEventBatch(seq=seq)
     batch.events.add().block_stored.block_hashes.extend(hashes)
     return batch
 
@@ -131,7 +131,8 @@ def test_prefix_index_applies_events_in_order() -> None:
     assert not index.apply("a", _stored(4, chain))  # seq 3 is missing: caller must rebuild
     assert index.last_seq("a") == 2
 
-    snapshot = _stored(9, chain[:2], resync=True)
+    snapshot = engine_pb2.KvEventBatch(seq=9, resync=True, snapshot=engine_pb2.KvCacheSnapshot(
+        block_hashes=chain[:2], chunk_index=0, num_chunks=1))
     assert index.apply("a", snapshot)
     assert index.longest_prefix("a", chain) == 2 and index.num_blocks("a") == 2
     cleared = engine_pb2.KvEventBatch(seq=10)

@@ -401,7 +401,7 @@ def test_get_info_and_load(engine):
     assert load.prefix_cache_queries > 0 and abs(load.timestamp - time.time()) < 60
 
 
-def test_watch_kv_events_replays_then_resyncs(engine, client):
+def test_watch_kv_events_replays_then_resyncs_with_a_snapshot(engine, client):
     client.complete("Events come from blocks that fill up: " * 4, max_tokens=2)
     last_seq = engine.GetLoad(epb.GetLoadRequest()).kv_events_last_seq
     assert last_seq > 0
@@ -412,10 +412,24 @@ def test_watch_kv_events_replays_then_resyncs(engine, client):
     assert stored and all(len(h) == 32 for s in stored for h in s.block_hashes)
     replay.cancel()
 
-    # A watcher that knew a later seq (a previous incarnation) is told to resync.
+    # A watcher that knew a later seq (a previous incarnation) gets a snapshot of the cache.
     ahead = engine.WatchKvEvents(epb.WatchKvEventsRequest(since_seq=last_seq + 1000), timeout=30)
     resync = next(ahead)
     assert resync.resync and resync.seq >= last_seq and not resync.events
+    assert (resync.snapshot.chunk_index, resync.snapshot.num_chunks) == (0, 1)
+    # It is exactly the cache that the batches up to its seq leave.
+    held: set[bytes] = set()
+    replay = engine.WatchKvEvents(epb.WatchKvEventsRequest(since_seq=0), timeout=30)
+    for batch in replay:
+        for event in batch.events:
+            held.update(event.block_stored.block_hashes)
+            held.difference_update(event.block_removed.block_hashes)
+            if event.HasField("all_blocks_cleared"):
+                held.clear()
+        if batch.seq == resync.seq:
+            break
+    replay.cancel()
+    assert held and set(resync.snapshot.block_hashes) == held
     # ... and then gets live events.
     client.complete("Fresh new blocks for the live watcher, " * 4, max_tokens=2)
     live = next(ahead)

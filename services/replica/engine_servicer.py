@@ -10,12 +10,11 @@ here and says so in ``kv_transfer.fallback_reason``.
 
 WatchKvEvents replays the batches after ``since_seq`` and then streams new ones live. When
 the replica's event log no longer covers ``since_seq`` (the watcher fell too far behind, or
-it watched an earlier incarnation of this engine whose seq was higher), it sends one batch
-with ``resync=true``, ``seq`` = the newest seq and *no* events, then continues live from
-there. No snapshot of the cache exists to send, so a watcher must drop what it knew about
-this replica and rebuild from the events that follow: blocks cached before the resync stay
-unknown to it until they are stored again, which costs routing some prefix hits, never
-correctness.
+it watched an earlier incarnation of this engine whose seq was higher), it sends a snapshot
+of every block hash in the prefix cache instead, taken by the engine core between two steps:
+one or more batches with ``resync=true``, the snapshot's ``seq`` and a ``snapshot`` piece
+each (no events), then the live batches from ``seq + 1``. The watcher replaces what it knew
+about this replica with the snapshot and applies the rest on top (see engine.proto).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from typing import cast
 
 import grpc.aio
 
-from engine_common.kv_events import KVEventBatch
+from engine_common.kv_events import KVCacheSnapshotChunk, KVEventBatch
 from protos.tandem.v1 import engine_pb2 as epb
 from protos.tandem.v1 import engine_pb2_grpc as epb_grpc
 from services.replica.engine_messages import (
@@ -155,19 +154,15 @@ class EngineServicer(epb_grpc.EngineServicer):
                             context: grpc.aio.ServicerContext) -> None:
         if request.since_seq < 0:
             raise InvalidArgument(f"since_seq must be 0 or more, got {request.since_seq}")
-        since = request.since_seq
-        while True:
-            watch = cast(AsyncGenerator[list[KVEventBatch] | None, None],
-                         self.llm.watch_kv_events(since))
-            async with aclosing(watch):
-                async for batches in watch:
-                    if batches is None:
-                        break  # the log no longer covers `since`
-                    for batch in batches:
-                        await context.write(kv_event_batch_to_pb(batch))
-                    since = batches[-1].seq
-            since = self.llm.kv_events.last_seq
-            await context.write(epb.KvEventBatch(seq=since, timestamp=time.time(), resync=True))
+        watch = cast(AsyncGenerator[list[KVEventBatch] | KVCacheSnapshotChunk, None],
+                     self.llm.watch_kv_events(request.since_seq))
+        async with aclosing(watch):
+            async for item in watch:
+                if isinstance(item, KVCacheSnapshotChunk):
+                    await context.write(_snapshot_chunk_to_pb(item))
+                    continue
+                for batch in item:
+                    await context.write(kv_event_batch_to_pb(batch))
 
     @rpc_handler
     async def GetInfo(self, request: epb.GetInfoRequest,  # noqa: N802
@@ -184,3 +179,10 @@ class EngineServicer(epb_grpc.EngineServicer):
                 num_kv_heads=layout.num_kv_heads, head_size=layout.head_size,
                 block_size=layout.block_size, fingerprint=layout.fingerprint()),
         )
+
+
+def _snapshot_chunk_to_pb(chunk: KVCacheSnapshotChunk) -> epb.KvEventBatch:
+    return epb.KvEventBatch(
+        seq=chunk.seq, timestamp=chunk.timestamp, resync=True,
+        snapshot=epb.KvCacheSnapshot(block_hashes=chunk.block_hashes,
+                                     chunk_index=chunk.index, num_chunks=chunk.count))

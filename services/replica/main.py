@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: cuda when available, else cpu (default: %(default)s)")
     p.add_argument("--attention-backend", default=engine.attention_backend,
                    choices=("auto", "torch", "triton"), help="(default: %(default)s)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="on CUDA, run decode steps eagerly instead of replaying CUDA graphs")
+    p.add_argument("--cuda-graph-max-batch-size", type=int,
+                   default=engine.cuda_graph_max_batch_size,
+                   help="largest decode batch captured in a CUDA graph (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's)")
     p.add_argument("--seed", type=int, default=engine.seed, help="(default: %(default)s)")
@@ -129,6 +134,8 @@ def options_from_args(args: argparse.Namespace) -> ReplicaOptions:
         max_model_len=args.max_model_len,
         seed=args.seed,
         attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
         engine_id=args.engine_id or f"{args.role}-{socket.gethostname()}-{args.port}",
         cache=replace(
             CacheConfig(), block_size=args.block_size,

@@ -61,6 +61,9 @@ class AttentionBackend(ABC):
     """
 
     name: str = "abstract"
+    # Whether a decode step's forward can be captured in a CUDA graph: no host syncs, no
+    # host-side planning from per-step values (see engine_common/decode_graphs.py).
+    supports_cuda_graphs: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float):
         self.num_heads = num_heads

@@ -18,6 +18,7 @@ from engine_common.model.attention.triton_kernels.prefill_attention import prefi
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    supports_cuda_graphs = True
 
     def forward(
         self,

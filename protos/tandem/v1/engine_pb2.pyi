@@ -296,17 +296,29 @@ class KvEvent(_message.Message):
     all_blocks_cleared: AllBlocksCleared
     def __init__(self, block_stored: _Optional[_Union[BlockStored, _Mapping]] = ..., block_removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_blocks_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
+class KvCacheSnapshot(_message.Message):
+    __slots__ = ("block_hashes", "chunk_index", "num_chunks")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    chunk_index: int
+    num_chunks: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ...) -> None: ...
+
 class KvEventBatch(_message.Message):
-    __slots__ = ("seq", "timestamp", "events", "resync")
+    __slots__ = ("seq", "timestamp", "events", "resync", "snapshot")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     seq: int
     timestamp: float
     events: _containers.RepeatedCompositeFieldContainer[KvEvent]
     resync: bool
-    def __init__(self, seq: _Optional[int] = ..., timestamp: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., resync: _Optional[bool] = ...) -> None: ...
+    snapshot: KvCacheSnapshot
+    def __init__(self, seq: _Optional[int] = ..., timestamp: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., resync: _Optional[bool] = ..., snapshot: _Optional[_Union[KvCacheSnapshot, _Mapping]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()

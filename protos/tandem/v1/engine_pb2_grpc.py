@@ -112,6 +112,8 @@ class EngineServicer:
 
     def WatchKvEvents(self, request, context):
         """KV-cache events for the gateway's prefix index, batch by batch, until the caller cancels.
+        Replays the batches after since_seq first or, when the replica no longer has them all, a
+        snapshot of its whole prefix cache (see KvEventBatch.resync).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
