@@ -134,7 +134,7 @@ class AsyncLLM:
         self._streams[request_id] = stream
         self.core.add_request(EngineCoreRequest(
             request_id, prompt_token_ids, params, arrival, priority, cache_salt,
-            hold_kv=hold_kv, remote_prefill=remote_prefill))
+            hold_kv=hold_kv, remote_prefill=remote_prefill, num_resumed_tokens=num_resumed_tokens))
         try:
             while True:
                 item = await stream.get()

@@ -119,6 +119,7 @@ class EngineCore:
                 block_size=self.config.cache.block_size,
                 hold_kv=request.hold_kv,
                 remote_prefill=request.remote_prefill,
+                num_resumed_tokens=request.num_resumed_tokens,
             )
         )
 

@@ -18,7 +18,8 @@ from engine_common.decode_graphs import DecodeGraphRunner, DecodeInputs
 from engine_common.model.arch_config import ModelArchConfig
 from engine_common.model.attention.backend import AttentionMetadata
 from engine_common.model.loader import load_model, resolve_dtype
-from engine_common.sampler import Sampler, SamplingBatch, SamplingRow, TokenLogprobs
+from engine_common.request import Request
+from engine_common.sampler import Sampler, SamplingBatch, SamplingRow, TokenLogprobs, is_greedy
 from engine_common.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -87,13 +88,25 @@ class ModelRunner:
         for request_id in request_ids:
             self._generators.pop(request_id, None)
 
-    def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
+    def _generator_for(self, request: Request) -> torch.Generator | None:
+        """The request's seeded generator, created on its first sample.
+
+        The sampler draws one Exp(1) variate per vocabulary entry for every token it samples
+        with a generator. Tokens sampled on another replica (a P/D first token, a resumed
+        stream) consumed draws of the same seed there, so a new generator skips as many,
+        and the output equals what one replica would have sampled.
+        """
+        seed = request.sampling_params.seed
         if seed is None:
             return None
-        gen = self._generators.get(request_id)
+        gen = self._generators.get(request.request_id)
         if gen is None:
             gen = torch.Generator(device=self.device).manual_seed(seed)
-            self._generators[request_id] = gen
+            if not is_greedy(request.sampling_params):
+                skipped = torch.empty(self.arch.vocab_size, device=self.device)
+                for _ in range(request.num_sampled_elsewhere):
+                    skipped.exponential_(generator=gen)
+            self._generators[request.request_id] = gen
         return gen
 
     @torch.inference_mode()
@@ -172,7 +185,7 @@ class ModelRunner:
                     params=params,
                     prompt_token_ids=request.prompt_token_ids,
                     output_token_ids=request.output_token_ids,
-                    generator=self._generator_for(request.request_id, params.seed),
+                    generator=self._generator_for(request),
                     suppress_token_ids=suppress,
                 )
             )

@@ -47,6 +47,9 @@ class EngineCoreRequest:
     cache_salt: str | None = None
     hold_kv: bool = False
     remote_prefill: RemotePrefill | None = None
+    # The prompt ends with this many output tokens another replica sampled (a stream resumed
+    # after that replica failed).
+    num_resumed_tokens: int = 0
 
 
 @dataclass

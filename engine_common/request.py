@@ -58,6 +58,8 @@ class Request:
     # first token; on a decode replica, the prompt's KV comes from ``remote_prefill``.
     hold_kv: bool = False
     remote_prefill: RemotePrefill | None = None
+    # Output tokens at the end of the prompt that another replica sampled.
+    num_resumed_tokens: int = 0
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -88,6 +90,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_sampled_elsewhere(self) -> int:
+        """Tokens of this request's output that another replica sampled: a seeded sampler
+        here continues that replica's random stream after as many draws."""
+        return self.num_resumed_tokens + (1 if self.remote_prefill is not None else 0)
 
     @property
     def extra_keys(self) -> tuple[str, ...] | None:

@@ -29,6 +29,11 @@ from engine_common.sampling_params import SamplingParams
 _GREEDY_TEMPERATURE = 1e-5
 
 
+def is_greedy(params: SamplingParams) -> bool:
+    """Whether the request samples by argmax (and so draws nothing from its generator)."""
+    return params.temperature < _GREEDY_TEMPERATURE
+
+
 @dataclass
 class SamplingRow:
     """What the sampler needs to know about one request this step."""
@@ -109,7 +114,7 @@ class SamplingBatch:
         cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str
     ) -> SamplingBatch:
         n = len(rows)
-        greedy = [r.params.temperature < _GREEDY_TEMPERATURE for r in rows]
+        greedy = [is_greedy(r.params) for r in rows]
         all_greedy = all(greedy)
         all_random = not any(greedy)
         temperatures = [

@@ -256,10 +256,12 @@ class Scheduler:
                         # Not even an empty pool holds it: end it instead of waiting forever.
                         self.waiting.pop()
                         request.status = RequestStatus.FINISHED_LENGTH
+                        request.stop_reason = "kv_cache_capacity"
                         self._free(request)
                         self._finished_unscheduled.append(EngineCoreOutput(
                             request.request_id, [], finish_reason="length",
-                            stop_reason="kv_cache_capacity", num_preemptions=request.num_preemptions))
+                            stop_reason=request.stop_reason,
+                            num_preemptions=request.num_preemptions))
                         continue
                     break
                 self.waiting.pop()

@@ -42,8 +42,9 @@ def run_until(core: EngineCore, done, timeout: float = 30.0) -> list:
     return outputs
 
 
-def prefill(core: EngineCore, request_id: str, prompt: list[int]):
-    one = replace(GREEDY, max_tokens=1)
+def prefill(core: EngineCore, request_id: str, prompt: list[int],
+            params: SamplingParams = GREEDY):
+    one = replace(params, max_tokens=1)
     core.add_request(EngineCoreRequest(request_id, prompt, one, time.monotonic(), hold_kv=True))
     outs = run_until(core, lambda o: any(x.finished for x in o))
     final = [o for o in outs if o.finished][0]
@@ -51,9 +52,10 @@ def prefill(core: EngineCore, request_id: str, prompt: list[int]):
     return final.new_token_ids[0], final.kv_handle
 
 
-def decode(core: EngineCore, request_id: str, prompt: list[int], first: int, handle) -> tuple[list[int], object]:
+def decode(core: EngineCore, request_id: str, prompt: list[int], first: int, handle,
+           params: SamplingParams = GREEDY) -> tuple[list[int], object]:
     core.add_request(EngineCoreRequest(
-        request_id, prompt, GREEDY, time.monotonic(),
+        request_id, prompt, params, time.monotonic(),
         remote_prefill=RemotePrefill(handle=handle, first_token_id=first)))
     outs = run_until(core, lambda o: any(x.finished for x in o))
     report = next(o.kv_transfer for o in outs if o.kv_transfer is not None)
@@ -70,8 +72,10 @@ def cores(tiny_llama_dir):
     d.remote_kv.close()
 
 
-def reference(core: EngineCore, request_id: str, prompt: list[int]) -> list[int]:
-    core.add_request(EngineCoreRequest(request_id, prompt, GREEDY, time.monotonic()))
+def reference(core: EngineCore, request_id: str, prompt: list[int],
+              params: SamplingParams = GREEDY, num_resumed_tokens: int = 0) -> list[int]:
+    core.add_request(EngineCoreRequest(request_id, prompt, params, time.monotonic(),
+                                       num_resumed_tokens=num_resumed_tokens))
     outs = run_until(core, lambda o: any(x.finished for x in o))
     return [t for o in outs for t in o.new_token_ids]
 
@@ -99,6 +103,35 @@ def test_pd_output_equals_aggregated_and_frees_everything(cores):
         wait_released(p)
     assert p.kv_cache_manager.num_free_blocks == p.kv_cache_manager.num_blocks
     assert d.kv_cache_manager.num_free_blocks == d.kv_cache_manager.num_blocks
+
+
+SEEDED = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+
+
+def test_seeded_sampling_continues_across_replicas(cores):
+    """A seeded request samples the same tokens whether one replica runs it, P and D share
+    it (P samples the first token), or a second replica resumes its stream."""
+    p, d, both = cores
+    prompt = [random.Random(5).randrange(3, 300) for _ in range(11)]
+    expected = reference(both, "seeded-both", prompt, SEEDED)
+    assert len(set(expected)) > 3  # really sampled, not one repeated token
+
+    first, handle = prefill(p, "seeded-pd", prompt, SEEDED)
+    tokens, report = decode(d, "seeded-pd", prompt, first, handle, SEEDED)
+    assert report.fallback_reason is None
+    assert tokens == expected
+    p.release_kv(["seeded-pd"])
+    wait_released(p)
+
+    for k in (1, 5):
+        resumed = replace(SEEDED, max_tokens=SEEDED.max_tokens - k)
+        rest = reference(both, f"seeded-resumed-{k}", prompt + expected[:k], resumed,
+                         num_resumed_tokens=k)
+        assert expected[:k] + rest == expected
+    # Without the skip, the continuation repeats the first draws: a different stream.
+    fresh = reference(both, "seeded-fresh", prompt + expected[:5],
+                      replace(SEEDED, max_tokens=SEEDED.max_tokens - 5))
+    assert expected[:5] + fresh != expected
 
 
 def test_decode_side_prefix_hits_reduce_pulled_blocks(cores):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from engine_common.config import SchedulerConfig
@@ -32,6 +32,9 @@ def check_pool(kv: KVCacheManager) -> None:
 
 
 @settings(max_examples=60, deadline=None)
+# A request that outgrows the pool while running alone: preempted, then ended for capacity.
+@example(lengths=[1, 1, 1, 1, 1, 1, 39], max_tokens=[1, 1, 1, 1, 1, 1, 11, 1, 1, 1, 1, 1],
+         budget=1, max_seqs=1, num_blocks=12, policy="fcfs", threshold=0, seed=0)
 @given(
     lengths=st.lists(st.integers(1, 40), min_size=1, max_size=12),
     max_tokens=st.lists(st.integers(1, 12), min_size=12, max_size=12),
