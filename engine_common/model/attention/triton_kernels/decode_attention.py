@@ -38,7 +38,11 @@ PROGRAMS_PER_SM = 4
 _CPU_NUM_SMS = 1
 
 
-@triton.jit
+# Arguments that change from step to step are not specialised on (Triton compiles a variant
+# per value of 1 and per divisibility by 16 otherwise): one compiled kernel serves all steps.
+@triton.jit(do_not_specialize=["num_splits", "stride_block_table", "stride_part_seq",
+                               "stride_part_head", "stride_part_split", "stride_lse_seq",
+                               "stride_lse_head"])
 def _decode_split_kernel(
     query_ptr,
     key_cache_ptr,
@@ -160,7 +164,8 @@ def _decode_split_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_part_seq", "stride_part_head",
+                               "stride_part_split", "stride_lse_seq", "stride_lse_head"])
 def _decode_merge_kernel(
     partial_out_ptr,
     partial_lse_ptr,

@@ -50,7 +50,9 @@ def _find_seq(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# The batch size and the block table's width change from step to step: not specialised on,
+# so that one compiled kernel serves every step.
+@triton.jit(do_not_specialize=["num_seqs", "stride_block_table"])
 def _prefill_kernel(
     query_ptr,
     key_cache_ptr,
