@@ -52,7 +52,12 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             if self.model.attention_backend.supports_cuda_graphs:
-                self.decode_graphs = self.static_decode_runner(max_model_len, capture=True)
+                try:
+                    self.decode_graphs = self.static_decode_runner(max_model_len, capture=True)
+                except RuntimeError:
+                    # Serving eagerly beats not serving; the log says why graphs are off.
+                    logger.exception("CUDA graph capture failed: decode runs eagerly")
+                    torch.cuda.synchronize(self.device)
             else:
                 logger.info("CUDA graphs off: the %s attention backend cannot be captured",
                             self.model.attention_backend.name)
