@@ -20,7 +20,8 @@ from engine_common.model.attention.backend import AttentionMetadata
 from engine_common.model.loader import load_model, resolve_dtype
 from engine_common.request import Request
 from engine_common.sampler import Sampler, SamplingBatch, SamplingRow, TokenLogprobs, is_greedy
-from engine_common.scheduler import SchedulerOutput
+from engine_common.sampling_params import SamplingParams
+from engine_common.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         self.decode_graphs: DecodeGraphRunner | None = None
+        if self.device.type == "cuda":
+            self.warm_up()
         if self.device.type == "cuda" and not config.enforce_eager:
             if self.model.attention_backend.supports_cuda_graphs:
                 try:
@@ -61,6 +64,26 @@ class ModelRunner:
             else:
                 logger.info("CUDA graphs off: the %s attention backend cannot be captured",
                             self.model.attention_backend.name)
+
+    def warm_up(self) -> None:
+        """Runs the steps whose kernels a first request would otherwise wait for (Triton
+        compiles on first use, cuBLAS creates its handles): one prefill step with long
+        queries and one with short ones (the prefill kernel's two tilings), each sampling.
+        Writes the first blocks of the cache, and zeroes it afterwards."""
+        long_prompt = max(1, min(64, self.config.scheduler.max_num_batched_tokens - 1))
+        greedy = SamplingParams(temperature=0.0, max_tokens=1)
+        for prompt_lens in ((long_prompt, 1), (2, 1)):
+            scheduled, next_block = [], 0
+            for i, n in enumerate(prompt_lens):
+                num_blocks = -(-n // self.block_size)
+                if next_block + num_blocks > self.num_blocks:
+                    return
+                request = Request(f"warm-up-{i}", [0] * n, greedy, block_size=self.block_size)
+                scheduled.append(ScheduledRequest(
+                    request, n, list(range(next_block, next_block + num_blocks))))
+                next_block += num_blocks
+            self.execute(SchedulerOutput(scheduled=scheduled))
+        self.kv_cache.zero_()
 
     def static_decode_runner(self, max_model_len: int, capture: bool) -> DecodeGraphRunner:
         """Decode steps through static, padded inputs; captured as CUDA graphs if ``capture``."""

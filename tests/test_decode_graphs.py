@@ -113,3 +113,17 @@ def test_padding_rows_write_no_kv(tiny_llama_dir):
     flat = (cache != before).view(cache.shape[0], 2, -1, cache.shape[-2] * cache.shape[-1])
     written = flat.any(dim=-1).any(dim=(0, 1)).nonzero().flatten().tolist()
     assert written == sorted(slots.tolist())
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_warm_up_runs_both_prefill_tilings_and_leaves_the_cache_zeroed(tiny_llama_dir, backend):
+    llm = LLM(EngineConfig(model=str(tiny_llama_dir), dtype="float32", attention_backend=backend,
+                           cache=CacheConfig(block_size=4, num_gpu_blocks_override=64)))
+    runner = llm.core.model_runner
+    steps = []
+    execute = runner.execute
+    runner.execute = lambda out: steps.append([s.num_new_tokens for s in out.scheduled]) or execute(out)
+    runner.kv_cache.normal_()
+    runner.warm_up()
+    assert steps == [[64, 1], [2, 1]]
+    assert not runner.kv_cache.any()
