@@ -34,6 +34,14 @@ def is_greedy(params: SamplingParams) -> bool:
     return params.temperature < _GREEDY_TEMPERATURE
 
 
+def takes_argmax(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether the next token is the plain argmax of the logits: greedy, no penalties, no
+    logprobs, no tokens suppressed by ``min_tokens``. A batch of only such rows skips
+    building a ``SamplingBatch`` (the common greedy case, kept cheap on the host)."""
+    return (is_greedy(params) and not params.needs_penalties and params.logprobs is None
+            and num_output_tokens >= params.min_tokens)
+
+
 @dataclass
 class SamplingRow:
     """What the sampler needs to know about one request this step."""
