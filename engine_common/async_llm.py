@@ -3,10 +3,11 @@
 ``AsyncLLM`` owns the frontend side of one engine: tokenization and validation
 (``InputProcessor``), one output stream per request, detokenization and metrics
 (``OutputProcessor``), the latest scheduler statistics, the KV-event log that subscribers
-replay from, and the snapshots of the prefix cache that replace the log for a subscriber it
-no longer covers. The engine core itself runs in its own process (``core_process``), so nothing
-here can stall the step loop. Cancelling a stream (client gone, deadline) aborts the request
-in the core and frees its blocks.
+replay from (one per ``AsyncLLM``, so its incarnation is drawn once per engine start), and
+the snapshots of the prefix cache that replace the log for a subscriber it no longer covers.
+The engine core itself runs in its own process (``core_process``), so nothing here can stall
+the step loop. Cancelling a stream (client gone, deadline) aborts the request in the core and
+frees its blocks.
 """
 
 from __future__ import annotations
@@ -227,12 +228,14 @@ class AsyncLLM:
 
     # ----------------------------------------------------------------- KV events
     async def watch_kv_events(
-        self, since_seq: int,
+        self, since_seq: int, incarnation: str = "",
     ) -> AsyncGenerator[list[KVEventBatch] | KVCacheSnapshotChunk, None]:
-        """Yield the batches after ``since_seq``, then new ones as they arrive.
+        """Yield the batches after ``since_seq``, then new ones as they arrive. ``incarnation``
+        is the one ``since_seq`` belongs to (``kv_events.incarnation`` of the engine the
+        watcher followed); empty when unknown, taken as this engine's.
 
         When the log no longer holds everything after ``since_seq`` (the watcher fell too far
-        behind, or ``since_seq`` belongs to an earlier incarnation of the engine), yield a
+        behind, or ``since_seq`` belongs to another incarnation of the engine), yield a
         snapshot of the whole prefix cache instead, in pieces of at most
         ``kv_snapshot_chunk_blocks`` hashes, then the batches after the snapshot's seq.
         """
@@ -244,12 +247,12 @@ class AsyncLLM:
                 # Cleared before looking, so a batch appended while this generator is
                 # suspended in a yield below still wakes it.
                 wake.clear()
-                batches = self.kv_events.since(seq)
+                batches = self.kv_events.since(seq, incarnation)
                 if batches is None:
                     snapshot = await self.snapshot_kv_cache()
                     for chunk in snapshot.chunks(self.kv_snapshot_chunk_blocks):
                         yield chunk
-                    seq = snapshot.seq
+                    seq, incarnation = snapshot.seq, self.kv_events.incarnation
                 elif batches:
                     seq = batches[-1].seq
                     yield batches

@@ -3,22 +3,27 @@ that replaces them when a watcher cannot catch up.
 
 Owns the event records (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``), their
 batching into sequence-numbered ``KVEventBatch``es, ``KVEventBuffer``, a bounded ring that
-answers "everything after seq N" or says the watcher fell too far behind, and
-``KVCacheSnapshot``, every block hash in the prefix cache at one seq, cut into bounded
-``KVCacheSnapshotChunk``s for the wire. It does not own producing events (``block_pool``),
-taking a snapshot (the engine core, through ``async_llm``) or streaming either (the service's
-WatchKvEvents); it starts no threads and takes no locks, so the caller serialises access.
+answers "everything after seq N" or says the watcher fell too far behind, with its
+incarnation (a random id drawn once per buffer, so once per engine start, that the seqs count
+within), and ``KVCacheSnapshot``, every block hash in the prefix cache at one seq, cut into
+bounded ``KVCacheSnapshotChunk``s for the wire. It does not own producing events
+(``block_pool``), taking a snapshot (the engine core, through ``async_llm``) or streaming
+either (the service's WatchKvEvents); it starts no threads and takes no locks, so the caller
+serialises access.
 
-A watcher's contract: keep the last seq it applied; ask ``since(seq)``; ``None`` means the
-events in between are gone (or the engine restarted and its seq went back). Then the watcher
-gets a snapshot taken at some seq S instead: it replaces what it knew about the replica with
-the snapshot's hashes, sets its seq to S and applies the batches from S + 1 on, which neither
-repeat nor miss anything the snapshot holds.
+A watcher's contract: keep the last seq it applied and the incarnation it came from; ask
+``since(seq, incarnation)``; ``None`` means the events in between are gone, or belong to
+another incarnation (the engine restarted, perhaps under the same engine id, and counts from
+1 again: its seq N is not the seq N the watcher applied). Then the watcher gets a snapshot
+taken at some seq S instead: it replaces what it knew about the replica with the snapshot's
+hashes, sets its seq to S and applies the batches from S + 1 on, which neither repeat nor
+miss anything the snapshot holds.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from itertools import islice
@@ -53,18 +58,22 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 @dataclass(frozen=True, slots=True)
 class KVEventBatch:
-    seq: int  # 1, 2, 3, ... per engine instance, no gaps
+    seq: int  # 1, 2, 3, ... per incarnation (KVEventBuffer.incarnation), no gaps
     timestamp: float  # wall clock (time.time()), for display and lag metrics only
     events: list[KVEvent]
 
 
 class KVEventBuffer:
-    """The last ``capacity`` event batches, each with its sequence number."""
+    """The last ``capacity`` event batches, each with its sequence number, and the
+    incarnation those numbers count within."""
 
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
+        # Random, not derived from the engine id: a replica restarted on the same host and port
+        # keeps its engine id, and only this tells a watcher that its seqs started over.
+        self.incarnation = uuid.uuid4().hex
         self._ring: deque[KVEventBatch] = deque(maxlen=capacity)
         self._last_seq = 0
 
@@ -86,12 +95,16 @@ class KVEventBuffer:
         self._ring.append(batch)
         return batch
 
-    def since(self, seq: int) -> list[KVEventBatch] | None:
-        """Batches with a seq greater than ``seq``, oldest first.
+    def since(self, seq: int, incarnation: str = "") -> list[KVEventBatch] | None:
+        """Batches with a seq greater than ``seq``, oldest first; ``incarnation`` is the one
+        ``seq`` belongs to, empty when the watcher does not know it (taken as this one).
 
-        None when the ring no longer holds all of them (the watcher must resync), or when
-        ``seq`` is ahead of this buffer (the watcher saw another incarnation of the engine).
+        None when the ring no longer holds all of them (the watcher must resync), or when the
+        watcher saw another incarnation of the engine: ``incarnation`` names another one, or
+        ``seq`` is ahead of this buffer.
         """
+        if incarnation and incarnation != self.incarnation:
+            return None
         if seq > self._last_seq or seq < 0:
             return None
         if seq == self._last_seq:

@@ -1,13 +1,25 @@
 """Which replica holds which cached KV blocks, from the KV events every replica publishes.
 
 Owns one ``Engine.WatchKvEvents`` subscription per registered replica and the index it feeds:
-block hash -> the replicas that hold it. Batches carry consecutive sequence numbers; the
-watcher remembers the last one it applied and reconnects from there, so a dropped connection
-loses nothing. When the replica no longer holds the batches after that seq (the watcher fell
-behind, or a new engine id behind the same address restarted from seq 0) it sends a
-``resync`` snapshot of its whole cache instead, in pieces: they are kept aside until the last
-one, which then replaces everything known about that replica. A gap, ``AllBlocksCleared`` or
-a new engine id drops everything known about that replica.
+block hash -> the replicas that hold it. Batches carry consecutive sequence numbers within
+an incarnation (a random id the replica's engine draws at every start); the watcher remembers
+the last seq it applied and the incarnation its state came from, and reconnects naming both,
+so a dropped connection loses nothing. When the replica no longer holds the batches after that
+seq (the watcher fell behind), or the named incarnation is not its own (the process behind the
+address restarted, even under the same engine id and port, and counts from seq 1 again), it
+sends a ``resync`` snapshot of its whole cache instead, in pieces: they are kept aside until
+the last one, which then replaces everything known about that replica and sets its seq and
+incarnation. A gap, ``AllBlocksCleared`` or a new engine id drops everything known about that
+replica.
+
+A live batch of another incarnation than the state's is treated as a gap. A replica that
+honours the request never sends one (it answers with a snapshot first); the check is what
+keeps the index right should one replay another process's seqs anyway. The state then came
+from a process that is gone, so it is dropped at once, and the watcher resubscribes from seq 0
+with no incarnation, which the replica answers with its log from seq 1 or a snapshot.
+Dropping rather than waiting for a snapshot over the old state keeps the index from routing to
+blocks of a dead process; the cost is a moment with no prefix hits there, which a restarted
+replica has few of anyway.
 
 Events arrive only once a replica has computed a prompt's blocks, seconds later for a long
 prompt on a busy replica; requests sharing that prefix in the meantime would scatter. So the
@@ -39,6 +51,8 @@ logger = logging.getLogger(__name__)
 class _ReplicaBlocks:
     blocks: set[BlockHash] = field(default_factory=set)
     last_seq: int = 0
+    # The incarnation of the batches (or snapshot) this state was built from; "" before any.
+    incarnation: str = ""
     engine_id: str = ""
     # The registry's Replica.epoch when this state was built (see there).
     epoch: int = 0
@@ -48,6 +62,7 @@ class _ReplicaBlocks:
     # A resync snapshot whose pieces are still arriving: its seq, the hashes so far and the
     # next piece's index. None outside one.
     snapshot_seq: int = 0
+    snapshot_incarnation: str = ""
     snapshot_blocks: set[BlockHash] | None = None
     snapshot_next_chunk: int = 0
     # Blocks routed here but not confirmed by events yet -> time.monotonic() they expire at.
@@ -130,6 +145,11 @@ class PrefixIndex:
         state = self._state.get(address)
         return 0 if state is None else state.resyncs
 
+    def incarnation(self, address: str) -> str:
+        """The incarnation of the replica's engine that its known blocks come from."""
+        state = self._state.get(address)
+        return "" if state is None else state.incarnation
+
     # ----------------------------------------------------------------- listener
     def replica_added(self, replica: Replica) -> None:
         state = self._state.setdefault(replica.address, _ReplicaBlocks())
@@ -153,19 +173,23 @@ class PrefixIndex:
     # ----------------------------------------------------------------- applying events
     def apply(self, address: str, batch: engine_pb2.KvEventBatch) -> bool:
         """Apply one batch, or keep one snapshot piece aside; False (and nothing applied)
-        when it does not follow the last one (a gap, or a snapshot piece missing), in which
-        case the caller must resubscribe from seq 0."""
+        when it does not follow the last one (a gap, a snapshot piece missing, or a batch of
+        another incarnation than the state's), in which case the caller must drop the
+        replica's state and resubscribe from seq 0."""
         state = self._state.setdefault(address, _ReplicaBlocks())
         if batch.resync:
             return self._apply_snapshot_piece(address, state, batch)
         if state.snapshot_blocks is not None:
             return False  # the snapshot's pieces are back to back: one is missing
+        if batch.incarnation != state.incarnation and (state.incarnation or state.last_seq):
+            return False  # another process's seqs: they say nothing about what we applied
         if batch.seq <= state.last_seq:
             return True  # a replayed batch we already applied
         elif batch.seq != state.last_seq + 1:
             return False
         self._apply_events(address, state, batch)
         state.last_seq = batch.seq
+        state.incarnation = batch.incarnation  # the first batch of a fresh state sets it
         return True
 
     def _apply_snapshot_piece(self, address: str, state: _ReplicaBlocks,
@@ -173,8 +197,10 @@ class PrefixIndex:
         piece = batch.snapshot
         if piece.chunk_index == 0:
             state.snapshot_seq, state.snapshot_blocks = batch.seq, set()
+            state.snapshot_incarnation = batch.incarnation
         elif (state.snapshot_blocks is None or piece.chunk_index != state.snapshot_next_chunk
-              or batch.seq != state.snapshot_seq):
+              or batch.seq != state.snapshot_seq
+              or batch.incarnation != state.snapshot_incarnation):
             state.snapshot_blocks = None
             return False
         assert state.snapshot_blocks is not None
@@ -187,7 +213,8 @@ class PrefixIndex:
         state.snapshot_blocks = None
         state.resyncs += 1
         self._apply_events(address, state, batch)  # none are sent with a snapshot
-        state.last_seq = batch.seq
+        # Whatever incarnation the old state came from, the snapshot replaced all of it.
+        state.last_seq, state.incarnation = batch.seq, state.snapshot_incarnation
         return True
 
     def _apply_events(self, address: str, state: _ReplicaBlocks,
@@ -226,7 +253,7 @@ class PrefixIndex:
             self._add_block(address, state, block_hash)
 
     def _drop(self, address: str) -> None:
-        """Forget every block of ``address`` (keeps its seq and engine id)."""
+        """Forget every block of ``address`` (keeps its seq, incarnation and engine id)."""
         state = self._state.get(address)
         if state is None:
             return
@@ -260,17 +287,21 @@ class PrefixIndex:
             self._drop(replica.address)
             state.engine_id = info.engine_id
             state.epoch = replica.epoch
-            state.last_seq = 0
-        call = replica.engine.WatchKvEvents(
-            engine_pb2.WatchKvEventsRequest(since_seq=state.last_seq))
+            state.last_seq, state.incarnation = 0, ""
+        # The replica answers an incarnation other than its own with a snapshot: a process
+        # restarted behind the same engine id counts from seq 1 again.
+        call = replica.engine.WatchKvEvents(engine_pb2.WatchKvEventsRequest(
+            since_seq=state.last_seq, incarnation=state.incarnation))
         try:
             state.connected = True
             async for batch in call:
                 if not self.apply(replica.address, batch):
-                    logger.info("KV events of %s: gap after seq %d (got %d); rebuilding",
-                                replica.address, state.last_seq, batch.seq)
+                    logger.info("KV events of %s: seq %d of incarnation %s does not follow "
+                                "seq %d of incarnation %s; rebuilding", replica.address,
+                                batch.seq, batch.incarnation or "?", state.last_seq,
+                                state.incarnation or "?")
                     self._drop(replica.address)
-                    state.last_seq = 0
+                    state.last_seq, state.incarnation = 0, ""
                     state.resyncs += 1
                     return
         finally:

@@ -1,12 +1,15 @@
 """KV-event resync with a snapshot: a watcher the replica's event ring no longer covers gets
 every block hash in the engine's prefix cache, in bounded pieces, at a seq after which the
 live batches apply without loss or duplication; the gateway's prefix index replaces its view
-of the replica with it and keeps routing to blocks cached before the resync.
+of the replica with it and keeps routing to blocks cached before the resync. The same holds
+for a watcher whose seq belongs to an earlier incarnation of a replica that restarted under
+the same engine id and port.
 
 One real replica (an in-process gRPC server with every service, around a real engine-core
-process on a tiny Llama) serves the module; its event ring holds only ``RING`` batches and a
-snapshot piece only ``PIECE`` hashes, so a handful of prompts wrap the ring and make a
-snapshot of several pieces. The tests run in file order on the replica's growing cache.
+process on a tiny Llama) serves most of the module; its event ring holds only ``RING``
+batches and a snapshot piece only ``PIECE`` hashes, so a handful of prompts wrap the ring and
+make a snapshot of several pieces. The tests run in file order on the replica's growing
+cache. The restart tests share a second replica that is stopped and started again.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import asyncio
 import random
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,12 +26,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+import grpc.aio
 import pytest
 
 from engine_common.async_llm import AsyncLLM
 from engine_common.block_hash import BlockHash, hash_prompt_blocks
 from engine_common.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine_common.kv_events import KVCacheSnapshot
+from engine_common.kv_events import AllBlocksCleared, KVCacheSnapshot, KVEventBuffer
+from engine_common.sampling_params import SamplingParams
+from gateway import registry
 from gateway.cluster import ClusterView
 from gateway.picker import pick
 from gateway.prefix_index import PrefixIndex
@@ -48,13 +55,15 @@ T = TypeVar("T")
 # --------------------------------------------------------------------------- pure logic
 
 
-def _piece(seq: int, hashes: list[bytes], index: int, count: int) -> epb.KvEventBatch:
-    return epb.KvEventBatch(seq=seq, resync=True, snapshot=epb.KvCacheSnapshot(
-        block_hashes=hashes, chunk_index=index, num_chunks=count))
+def _piece(seq: int, hashes: list[bytes], index: int, count: int,
+           incarnation: str = "") -> epb.KvEventBatch:
+    return epb.KvEventBatch(seq=seq, resync=True, incarnation=incarnation,
+                            snapshot=epb.KvCacheSnapshot(block_hashes=hashes,
+                                                         chunk_index=index, num_chunks=count))
 
 
-def _stored(seq: int, hashes: list[bytes]) -> epb.KvEventBatch:
-    batch = epb.KvEventBatch(seq=seq)
+def _stored(seq: int, hashes: list[bytes], incarnation: str = "") -> epb.KvEventBatch:
+    batch = epb.KvEventBatch(seq=seq, incarnation=incarnation)
     batch.events.add().block_stored.block_hashes.extend(hashes)
     return batch
 
@@ -104,6 +113,40 @@ def test_index_replaces_a_replica_with_the_whole_snapshot() -> None:
     assert index.num_blocks("a") == 4  # neither half snapshot was applied
 
 
+def test_event_log_answers_only_the_seqs_of_its_own_incarnation() -> None:
+    log, other = KVEventBuffer(4), KVEventBuffer(4)
+    assert log.incarnation != other.incarnation and len(log.incarnation) == 32
+    first = log.append([AllBlocksCleared()])
+    assert log.since(0) == [first] and log.since(0, log.incarnation) == [first]
+    assert log.since(0, other.incarnation) is None  # seq 0 of another process means nothing
+    assert log.since(1, other.incarnation) is None
+
+
+def test_index_takes_a_batch_of_another_incarnation_as_a_gap() -> None:
+    old = hash_prompt_blocks(list(range(64)), BS)
+    new = hash_prompt_blocks(list(range(100, 164)), BS)
+    index = PrefixIndex()
+    assert index.apply("a", _stored(1, old[:2], "A")) and index.incarnation("a") == "A"
+    assert index.apply("a", _stored(2, old[2:], "A"))
+    # Seq 3 of B follows seq 2 of A in number only; an "already applied" seq 1 is no replay.
+    assert not index.apply("a", _stored(3, new, "B"))
+    assert not index.apply("a", _stored(1, new, "B"))
+    assert index.longest_prefix("a", new, now=0.0) == 0 and index.last_seq("a") == 2
+
+    # A snapshot replaces the state whatever incarnation it came from, and adopts its own;
+    # its pieces must all be of one incarnation.
+    assert index.apply("a", _piece(5, new[:2], 0, 2, "B"))
+    assert not index.apply("a", _piece(5, new[2:], 1, 2, "A"))
+    assert index.apply("a", _piece(5, new[:2], 0, 2, "B"))
+    assert index.apply("a", _piece(5, new[2:], 1, 2, "B"))
+    assert (index.incarnation("a"), index.last_seq("a"), index.resyncs("a")) == ("B", 5, 1)
+    assert index.longest_prefix("a", old, now=0.0) == 0
+    assert index.longest_prefix("a", new, now=0.0) == 4
+    assert index.apply("a", _stored(6, old[:1], "B")) and index.last_seq("a") == 6
+    # A fresh state takes the incarnation of its first batch.
+    assert index.apply("b", _stored(1, old[:1], "C")) and index.incarnation("b") == "C"
+
+
 # --------------------------------------------------------------------------- a real replica
 
 
@@ -123,25 +166,41 @@ class Replica:
         return asyncio.run_coroutine_threadsafe(call(), self.loop).result(timeout)
 
 
-@pytest.fixture(scope="module")
-def replica(tiny_llama_dir: Path) -> Iterator[Replica]:
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    config = EngineConfig(
-        model=str(tiny_llama_dir), dtype="float32", max_model_len=512, engine_id="resync",
+def engine_config(model_dir: Path, engine_id: str) -> EngineConfig:
+    return EngineConfig(
+        model=str(model_dir), dtype="float32", max_model_len=512, engine_id=engine_id,
         cache=CacheConfig(num_gpu_blocks_override=NUM_BLOCKS),
         # Two blocks a step: a prompt's blocks are stored over several steps and batches.
         scheduler=SchedulerConfig(max_num_batched_tokens=2 * BS))
 
+
+async def start_engine(config: EngineConfig, ring: int = 65536) -> AsyncLLM:
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(None, lambda: AsyncLLM(
+        config, loop, kv_event_capacity=ring, kv_snapshot_chunk_blocks=PIECE))
+
+
+async def serve(llm: AsyncLLM, port: int = 0) -> ReplicaServer:
+    # ReplicaServer.start builds its own AsyncLLM (with the default ring): serve this one.
+    server = ReplicaServer(ReplicaOptions(engine=llm.config, host="127.0.0.1", port=port,
+                                          metrics_port=0), llm)
+    await server._start()
+    return server
+
+
+def start_loop() -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    return loop, thread
+
+
+@pytest.fixture(scope="module")
+def replica(tiny_llama_dir: Path) -> Iterator[Replica]:
+    loop, thread = start_loop()
+
     async def start() -> ReplicaServer:
-        llm = await loop.run_in_executor(None, lambda: AsyncLLM(
-            config, loop, kv_event_capacity=RING, kv_snapshot_chunk_blocks=PIECE))
-        # ReplicaServer.start builds its own AsyncLLM (with the default ring): start this one.
-        server = ReplicaServer(ReplicaOptions(engine=config, host="127.0.0.1", port=0,
-                                              metrics_port=0), llm)
-        await server._start()
-        return server
+        return await serve(await start_engine(engine_config(tiny_llama_dir, "resync"), RING))
 
     server = asyncio.run_coroutine_threadsafe(start(), loop).result(120)
     try:
@@ -360,3 +419,162 @@ def test_events_after_the_snapshot_apply_on_top(replica: Replica, engine) -> Non
     finally:
         strict.stream.cancel()
         asyncio.run_coroutine_threadsafe(view.stop(), replica.loop).result(30)
+
+
+# --------------------------------------------------------------------------- a restart
+
+
+@dataclass
+class Restarted:
+    """Incarnation A of engine "restart" stored ``blocks_a`` over batches 1..``seq_a`` and
+    stopped; incarnation B, the same engine id on the same port, then stored ``blocks_b`` over
+    more than ``seq_a`` batches before it listened again. ``index`` watched throughout."""
+
+    loop: asyncio.AbstractEventLoop
+    address: str
+    llm_b: AsyncLLM
+    incarnation_a: str
+    seq_a: int
+    blocks_a: set[BlockHash]
+    blocks_b: set[BlockHash]
+    index: PrefixIndex
+
+    def run(self, coro: Any, timeout: float = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def on_loop(self, fn: Callable[[], T]) -> T:
+        return self.run(_call(fn))
+
+
+async def _call(fn: Callable[[], T]) -> T:
+    return fn()
+
+
+async def prefill(llm: AsyncLLM, prompt: list[int]) -> None:
+    """Compute ``prompt`` (one token out) on ``llm`` directly: its full blocks get cached."""
+    async for _ in llm.generate(uuid.uuid4().hex, prompt, SamplingParams(max_tokens=1)):
+        pass
+
+
+@pytest.fixture(scope="module")
+def restarted(tiny_llama_dir: Path) -> Iterator[Restarted]:
+    loop, thread = start_loop()
+
+    def run(coro: Any, timeout: float = 120.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+    config = engine_config(tiny_llama_dir, "restart")
+    server = run(serve(run(start_engine(config))))
+    port = server.port
+    address = f"127.0.0.1:{port}"
+
+    async def watch() -> tuple[PrefixIndex, registry.Replica]:
+        # Its own channel, not a registry's: nothing but the KV events can tell it of the
+        # restart (no health stream to bump the replica's epoch), as when the process comes
+        # back faster than anything notices.
+        channel = grpc.aio.insecure_channel(address, options=registry.CHANNEL_OPTIONS)
+        watched = registry.Replica(address, channel, epb_grpc.EngineStub(channel))
+        index = PrefixIndex(reconnect_interval_s=0.05)
+        index.replica_added(watched)
+        return index, watched
+
+    index, watched = run(watch())
+    rng = random.Random(11)
+    vocab = server.llm.info.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(3 * BS + 1)] for _ in range(5)]
+    server_b = None
+    try:
+        for prompt in prompts[:2]:
+            run(prefill(server.llm, prompt))
+        seq_a = server.llm.kv_events.last_seq
+        # A watcher that applied every batch of incarnation A, each stamped with it.
+        with grpc.insecure_channel(address) as channel:
+            stream = epb_grpc.EngineStub(channel).WatchKvEvents(
+                epb.WatchKvEventsRequest(since_seq=0), timeout=30)
+            applied = [next(stream) for _ in range(seq_a)]
+            stream.cancel()
+        incarnation_a = applied[0].incarnation
+        assert incarnation_a == server.llm.kv_events.incarnation
+        assert [(b.seq, b.incarnation) for b in applied] == [
+            (s, incarnation_a) for s in range(1, seq_a + 1)]
+        blocks_a = {h for p in prompts[:2] for h in hash_prompt_blocks(p, BS)}
+        wait_for(lambda: run(_call(lambda: index.last_seq(address))) == seq_a)
+        assert run(_call(lambda: index.num_blocks(address))) == len(blocks_a)
+
+        server.force_stop()
+        run(server.shutdown(0.0))
+        llm_b = run(start_engine(config))
+        for prompt in prompts[2:]:
+            run(prefill(llm_b, prompt))
+        assert llm_b.kv_events.last_seq > seq_a  # the replay after seq_a would skip some
+        server_b = run(serve(llm_b, port))
+        yield Restarted(loop, address, llm_b, incarnation_a, seq_a, blocks_a,
+                        {h for p in prompts[2:] for h in hash_prompt_blocks(p, BS)}, index)
+    finally:
+        run(index.stop())
+        run(watched.channel.close())
+        (server_b or server).force_stop()
+        run((server_b or server).shutdown(0.0), 30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def test_watcher_of_the_previous_incarnation_gets_a_snapshot(restarted: Restarted) -> None:
+    r = restarted
+    incarnation_b = r.llm_b.kv_events.incarnation
+    assert incarnation_b != r.incarnation_a
+    with grpc.insecure_channel(r.address) as channel:
+        engine = epb_grpc.EngineStub(channel)
+        newest = last_seq(engine)
+        assert newest > r.seq_a
+        stream = engine.WatchKvEvents(epb.WatchKvEventsRequest(
+            since_seq=r.seq_a, incarnation=r.incarnation_a), timeout=30)
+        try:
+            seq, pieces = read_snapshot(stream)
+            hashes = set(snapshot_hashes(pieces))
+            assert {p.incarnation for p in pieces} == {incarnation_b}
+            assert seq == newest and hashes == r.blocks_b and not hashes & r.blocks_a
+            # Then the live batches of B, from seq + 1.
+            follow_up = [7 + i for i in range(2 * BS + 1)]
+            r.run(prefill(r.llm_b, follow_up))
+            live = next(stream)
+            assert (live.seq, live.resync, live.incarnation) == (seq + 1, False, incarnation_b)
+            stored = {bytes(h) for e in live.events for h in e.block_stored.block_hashes}
+            assert stored and stored <= set(hash_prompt_blocks(follow_up, BS))
+        finally:
+            stream.cancel()
+
+
+def test_watcher_naming_this_incarnation_gets_a_plain_replay(restarted: Restarted) -> None:
+    r = restarted
+    incarnation_b = r.llm_b.kv_events.incarnation
+    with grpc.insecure_channel(r.address) as channel:
+        engine = epb_grpc.EngineStub(channel)
+        newest = last_seq(engine)
+        # Empty: a watcher that does not know the incarnation keeps the old behaviour.
+        for incarnation in (incarnation_b, ""):
+            stream = engine.WatchKvEvents(epb.WatchKvEventsRequest(
+                since_seq=r.seq_a, incarnation=incarnation), timeout=30)
+            try:
+                replay = [next(stream) for _ in range(newest - r.seq_a)]
+            finally:
+                stream.cancel()
+            assert [(b.seq, b.resync, b.incarnation) for b in replay] == [
+                (s, False, incarnation_b) for s in range(r.seq_a + 1, newest + 1)]
+
+
+def test_gateway_index_holds_exactly_the_new_incarnations_blocks(
+        restarted: Restarted) -> None:
+    r = restarted
+    with grpc.insecure_channel(r.address) as channel:
+        end_seq, cached = fresh_snapshot(epb_grpc.EngineStub(channel))
+    assert r.blocks_b <= cached and not cached & r.blocks_a
+    index, address = r.index, r.address
+    wait_for(lambda: r.on_loop(lambda: index.last_seq(address)) >= end_seq, timeout=10)
+
+    def index_view() -> tuple[int, int, int, str]:
+        held = sum(index.longest_prefix(address, [h]) for h in cached)
+        stale = sum(index.longest_prefix(address, [h]) for h in r.blocks_a)
+        return held, stale, index.num_blocks(address), index.incarnation(address)
+    assert r.on_loop(index_view) == (len(cached), 0, len(cached), r.llm_b.kv_events.incarnation)
+    assert r.on_loop(lambda: index.resyncs(address)) == 1

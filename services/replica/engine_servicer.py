@@ -8,10 +8,12 @@ sample the first token, pin the blocks under a lease, answer with a KV handle) a
 from that replica when this one decodes (``LocalEngine``); any other role computes the prefill
 here and says so in ``kv_transfer.fallback_reason``.
 
-WatchKvEvents replays the batches after ``since_seq`` and then streams new ones live. When
-the replica's event log no longer covers ``since_seq`` (the watcher fell too far behind, or
-it watched an earlier incarnation of this engine whose seq was higher), it sends a snapshot
-of every block hash in the prefix cache instead, taken by the engine core between two steps:
+WatchKvEvents replays the batches after ``since_seq`` and then streams new ones live. Every
+message carries the engine's incarnation, a random id drawn once per engine start, and a
+watcher names the one its ``since_seq`` belongs to. When the replica's event log no longer
+covers ``since_seq`` (the watcher fell too far behind, or it watched another incarnation of
+this engine: the request names one, or its seq was higher), it sends a snapshot of every
+block hash in the prefix cache instead, taken by the engine core between two steps:
 one or more batches with ``resync=true``, the snapshot's ``seq`` and a ``snapshot`` piece
 each (no events), then the live batches from ``seq + 1``. The watcher replaces what it knew
 about this replica with the snapshot and applies the rest on top (see engine.proto).
@@ -154,15 +156,18 @@ class EngineServicer(epb_grpc.EngineServicer):
                             context: grpc.aio.ServicerContext) -> None:
         if request.since_seq < 0:
             raise InvalidArgument(f"since_seq must be 0 or more, got {request.since_seq}")
+        incarnation = self.llm.kv_events.incarnation
         watch = cast(AsyncGenerator[list[KVEventBatch] | KVCacheSnapshotChunk, None],
-                     self.llm.watch_kv_events(request.since_seq))
+                     self.llm.watch_kv_events(request.since_seq, request.incarnation))
         async with aclosing(watch):
             async for item in watch:
                 if isinstance(item, KVCacheSnapshotChunk):
-                    await context.write(_snapshot_chunk_to_pb(item))
+                    await context.write(_snapshot_chunk_to_pb(item, incarnation))
                     continue
                 for batch in item:
-                    await context.write(kv_event_batch_to_pb(batch))
+                    message = kv_event_batch_to_pb(batch)
+                    message.incarnation = incarnation
+                    await context.write(message)
 
     @rpc_handler
     async def GetInfo(self, request: epb.GetInfoRequest,  # noqa: N802
@@ -181,8 +186,8 @@ class EngineServicer(epb_grpc.EngineServicer):
         )
 
 
-def _snapshot_chunk_to_pb(chunk: KVCacheSnapshotChunk) -> epb.KvEventBatch:
+def _snapshot_chunk_to_pb(chunk: KVCacheSnapshotChunk, incarnation: str) -> epb.KvEventBatch:
     return epb.KvEventBatch(
-        seq=chunk.seq, timestamp=chunk.timestamp, resync=True,
+        seq=chunk.seq, timestamp=chunk.timestamp, resync=True, incarnation=incarnation,
         snapshot=epb.KvCacheSnapshot(block_hashes=chunk.block_hashes,
                                      chunk_index=chunk.index, num_chunks=chunk.count))

@@ -259,10 +259,12 @@ class LoadReport(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_cache_usage_perc: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_events_last_seq: _Optional[int] = ..., timestamp: _Optional[float] = ...) -> None: ...
 
 class WatchKvEventsRequest(_message.Message):
-    __slots__ = ("since_seq",)
+    __slots__ = ("since_seq", "incarnation")
     SINCE_SEQ_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     since_seq: int
-    def __init__(self, since_seq: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, since_seq: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class BlockStored(_message.Message):
     __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size")
@@ -307,18 +309,20 @@ class KvCacheSnapshot(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ...) -> None: ...
 
 class KvEventBatch(_message.Message):
-    __slots__ = ("seq", "timestamp", "events", "resync", "snapshot")
+    __slots__ = ("seq", "timestamp", "events", "resync", "snapshot", "incarnation")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     seq: int
     timestamp: float
     events: _containers.RepeatedCompositeFieldContainer[KvEvent]
     resync: bool
     snapshot: KvCacheSnapshot
-    def __init__(self, seq: _Optional[int] = ..., timestamp: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., resync: _Optional[bool] = ..., snapshot: _Optional[_Union[KvCacheSnapshot, _Mapping]] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, seq: _Optional[int] = ..., timestamp: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., resync: _Optional[bool] = ..., snapshot: _Optional[_Union[KvCacheSnapshot, _Mapping]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()

@@ -112,8 +112,9 @@ class EngineServicer:
 
     def WatchKvEvents(self, request, context):
         """KV-cache events for the gateway's prefix index, batch by batch, until the caller cancels.
-        Replays the batches after since_seq first or, when the replica no longer has them all, a
-        snapshot of its whole prefix cache (see KvEventBatch.resync).
+        Replays the batches after since_seq first or, when the replica no longer has them all or
+        since_seq belongs to another incarnation of the engine, a snapshot of its whole prefix
+        cache (see KvEventBatch.resync and KvEventBatch.incarnation).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
