@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# OpenAI's (and vLLM's) ceiling on the choices one request may ask for.
+MAX_CHOICES = 128
+
 
 class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; the message says which and why."""
@@ -32,7 +35,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token; 0 = sampled only
     skip_special_tokens: bool = True
-    n: int = 1
+    n: int = 1  # choices per request; the public API fans them out, an engine runs one
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,8 +82,8 @@ class SamplingParams:
             fail(f"repetition_penalty must be positive, got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             fail(f"logprobs must be between 0 and 20, got {self.logprobs}")
-        if self.n != 1:
-            fail(f"n must be 1 (one completion per request), got {self.n}")
+        if not 1 <= self.n <= MAX_CHOICES:
+            fail(f"n (choices per request) must be between 1 and {MAX_CHOICES}, got {self.n}")
         if any(not s for s in self.stop):
             fail("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):

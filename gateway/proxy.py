@@ -5,7 +5,9 @@ chosen decode (or ``both``) replica naming the chosen prefill peer, and streamin
 responses back. A replica that fails before the first token is replaced by another (a
 retry); one that fails after it is replaced by another that continues from the prompt plus
 the tokens already sent (``resume_output_token_ids``, a resumption), so the client sees every
-token once. The client's cancellation and deadline travel upstream. It does not own the
+token once. The choices of one ``n`` > 1 request share a ``RouteAffinity``: the first is
+routed, the others follow it to the same replicas (one prompt, one prefix cache) unless those
+failed them. The client's cancellation and deadline travel upstream. It does not own the
 OpenAI-shaped messages (``services.replica.openai_api``) or the choice itself (``picker``).
 """
 
@@ -82,6 +84,14 @@ class Route:
     block_hashes: list[BlockHash]
 
 
+@dataclass
+class RouteAffinity:
+    """Streams that should land together (the choices of one request): the first one's route,
+    which the others take while its replicas are still routable and have not failed them."""
+
+    route: Route | None = None
+
+
 class EngineProxy:
     def __init__(
         self,
@@ -121,6 +131,23 @@ class EngineProxy:
         self.metrics.routing_latency.observe(time.perf_counter() - started)
         return Route(decision, snapshot.block_hashes)
 
+    def _follow(self, affinity: RouteAffinity | None, failed: set[str]) -> Route | None:
+        """The route a sibling stream took, when its replicas can still take this one."""
+        if affinity is None or affinity.route is None:
+            return None
+        decision = affinity.route.decision
+        addresses = [decision.decode.address]
+        if decision.prefill is not None:
+            addresses.append(decision.prefill.address)
+        for address in addresses:
+            replica = self.registry.get(address)
+            if address in failed or replica is None or not replica.routable:
+                return None
+        self.metrics.picks.labels(decision.decode.address, "decode").inc()
+        if decision.prefill is not None:
+            self.metrics.picks.labels(decision.prefill.address, "prefill").inc()
+        return affinity.route
+
     async def generate(
         self, request: engine_pb2.GenerateRequest, timeout: float | None = None
     ) -> AsyncGenerator[engine_pb2.GenerateResponse, None]:
@@ -131,6 +158,7 @@ class EngineProxy:
         ``ProxyError`` when the request cannot be completed.
         """
         policy = self.retry_policy
+        affinity = route_affinity.get()
         deadline = None if timeout is None else time.monotonic() + timeout
         started = time.monotonic()
         client_wants_ids = request.output_options.return_token_ids
@@ -141,8 +169,12 @@ class EngineProxy:
         first_token_seen = False
         last_code: grpc.StatusCode | None = None
         while True:
+            # A retry or a resumption picks afresh: the shared replicas may be the trouble.
+            followed = (self._follow(affinity, failed) if attempts + resumptions == 0
+                        else None)
             try:
-                route = self.route(prompt + sent, request.cache_salt, frozenset(failed))
+                route = followed or self.route(prompt + sent, request.cache_salt,
+                                               frozenset(failed))
             except NoReplicaError as e:
                 self.metrics.no_replica.inc()
                 if not sent and last_code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -157,6 +189,8 @@ class EngineProxy:
                         f"the replica serving this stream failed after {len(sent)} tokens and "
                         f"no other replica can continue it: {e}")) from e
                 raise ProxyError(grpc.StatusCode.UNAVAILABLE, str(e)) from e
+            if affinity is not None and affinity.route is None:
+                affinity.route = route
             decision = route.decision
             upstream = engine_pb2.GenerateRequest()
             upstream.CopyFrom(request)
@@ -215,7 +249,9 @@ class EngineProxy:
                 if prefill is not None:
                     self.loads.stream_finished(prefill)
             failed.add(decode)
-            if not got_response:
+            if affinity is not None and affinity.route is route:
+                affinity.route = None  # the siblings still to start pick afresh
+            if not got_response and followed is None:  # the blocks the pick expected
                 self.index.retract(decode, route.block_hashes)
             if error is not None:
                 code, details = error.code(), error.details() or ""
@@ -264,6 +300,10 @@ class ProxiedServiceError(ServiceError):
 # RPC runs in its own task, so each sees its own value).
 call_timeout: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "call_timeout", default=None)
+# The public call's affinity, set by the servicer likewise: the streams of its choices (tasks
+# that inherit the call's context) all see the same one.
+route_affinity: contextvars.ContextVar[RouteAffinity | None] = contextvars.ContextVar(
+    "route_affinity", default=None)
 
 
 class RemoteEngine:

@@ -32,7 +32,14 @@ from engine_common.tokenizer import load_tokenizer
 from gateway.cluster import ClusterView
 from gateway.metrics import GatewayMetrics
 from gateway.picker import DECODE_ROLES, PickerConfig
-from gateway.proxy import EngineProxy, RemoteEngine, RetryPolicy, call_timeout
+from gateway.proxy import (
+    EngineProxy,
+    RemoteEngine,
+    RetryPolicy,
+    RouteAffinity,
+    call_timeout,
+    route_affinity,
+)
 from gateway.registry import DnsTarget
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
@@ -70,8 +77,9 @@ class GatewayOptions:
 
 
 class GatewayGenerationServicer(GenerationServicer):
-    """The replica's public servicer, plus the client's deadline for the proxy and the
-    gateway's per-method request metrics."""
+    """The replica's public servicer, plus what the proxy needs to know of the call (the
+    client's deadline; one route affinity, so that the ``n`` choices of a request go to the
+    same replicas) and the gateway's per-method request metrics."""
 
     def __init__(self, model: ServedModel, inputs: InputProcessor, engine: RemoteEngine,
                  metrics: GatewayMetrics) -> None:
@@ -81,6 +89,7 @@ class GatewayGenerationServicer(GenerationServicer):
     async def _observed(self, method: str, context: grpc.aio.ServicerContext,
                         call: Awaitable[R]) -> R:
         call_timeout.set(context.time_remaining())
+        route_affinity.set(RouteAffinity())
         started = time.monotonic()
         code = "OK"
         try:

@@ -12,9 +12,11 @@ from tandem.errors import (
 )
 from tandem.request_builders import GenerationOptions
 from tandem.results import (
+    ChatChoice,
     ChatCompletion,
     ChatCompletionChunk,
     Completion,
+    CompletionChoice,
     CompletionChunk,
     ModelInfo,
     TokenLogprob,
@@ -24,10 +26,12 @@ from tandem.results import (
 __all__ = [
     "AsyncClient",
     "CancelledError",
+    "ChatChoice",
     "ChatCompletion",
     "ChatCompletionChunk",
     "Client",
     "Completion",
+    "CompletionChoice",
     "CompletionChunk",
     "DeadlineExceededError",
     "GenerationOptions",

@@ -3,8 +3,9 @@
 
 Owns the channel, the per-call timeout and metadata, and the translation of failed calls into
 ``tandem.errors``. Requests are built by ``request_builders`` and responses turned into the
-records of ``results``; every generation call returns the request's single choice. It does not
-own the HTTP/OpenAI path (use the ``openai`` SDK against Envoy for that).
+records of ``results``: a generation call returns its first choice, and all ``n`` of them in
+``choices`` (streams: each chunk names its choice's ``index``). It does not own the
+HTTP/OpenAI path (use the ``openai`` SDK against Envoy for that).
 
     with Client("localhost:50051") as client:
         print(client.complete("Once upon a time", max_tokens=16, temperature=0).text)

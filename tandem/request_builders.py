@@ -17,6 +17,7 @@ from protos.tandem.v1 import generation_pb2 as pb
 
 
 class GenerationOptions(TypedDict, total=False):
+    n: int  # choices to generate (1 to 128); each applies max_tokens, stop, logprobs alone
     max_tokens: int
     temperature: float
     top_p: float

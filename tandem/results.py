@@ -1,9 +1,10 @@
 """The plain records the Tandem SDK returns, and their conversion from the wire messages.
 
-Owns ``Completion``, ``CompletionChunk``, ``ChatCompletion``, ``ChatCompletionChunk``,
-``Usage``, ``TokenLogprob`` and ``ModelInfo``. A request asks for one completion, so each
-record holds the first choice of its response. It does not own the requests (``request_builders``)
-nor the transport (``client``).
+Owns ``Completion``, ``CompletionChunk``, ``ChatCompletion``, ``ChatCompletionChunk``, their
+choices (``CompletionChoice``, ``ChatChoice``), ``Usage``, ``TokenLogprob`` and ``ModelInfo``.
+A response's fields are its first choice's (the only one unless the request set ``n``), and
+``choices`` holds them all, ordered by index; a streamed chunk carries one choice, named by
+``index``. It does not own the requests (``request_builders``) nor the transport (``client``).
 """
 
 from __future__ import annotations
@@ -31,29 +32,54 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class CompletionChoice:
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class Completion:
+    """The usage covers every choice; ``text``, ``finish_reason`` and ``logprobs`` are
+    ``choices[0]``'s."""
+
     id: str
     model: str
     text: str
     finish_reason: str | None
     usage: Usage | None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    choices: list[CompletionChoice] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class CompletionChunk:
-    """A piece of a streamed completion; the last one may carry only ``usage``."""
+    """A piece of a streamed completion, of choice ``index``; the last one may carry only
+    ``usage``."""
 
     id: str
     model: str
     text: str
     finish_reason: str | None
     usage: Usage | None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    index: int = 0
+
+
+@dataclass(frozen=True)
+class ChatChoice:
+    index: int
+    role: str
+    content: str
+    finish_reason: str | None
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class ChatCompletion:
+    """The usage covers every choice; the other fields but ``choices`` are ``choices[0]``'s."""
+
     id: str
     model: str
     role: str
@@ -61,11 +87,13 @@ class ChatCompletion:
     finish_reason: str | None
     usage: Usage | None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    choices: list[ChatChoice] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class ChatCompletionChunk:
-    """A piece of a streamed chat completion; ``role`` is set on the first one only."""
+    """A piece of a streamed chat completion, of choice ``index``; ``role`` is set on each
+    choice's first one only."""
 
     id: str
     model: str
@@ -74,6 +102,7 @@ class ChatCompletionChunk:
     finish_reason: str | None
     usage: Usage | None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    index: int = 0
 
 
 @dataclass(frozen=True)
@@ -122,41 +151,65 @@ def _finish_reason(choice: pb.CompletionChoice | pb.ChatChoice | pb.ChatChunkCho
     return choice.finish_reason if choice.HasField("finish_reason") else None
 
 
+def _completion_choice(choice: pb.CompletionChoice) -> CompletionChoice:
+    return CompletionChoice(
+        index=choice.index,
+        text=choice.text,
+        finish_reason=_finish_reason(choice),
+        logprobs=_completion_logprobs(choice.logprobs),
+    )
+
+
 def completion_from_pb(response: pb.CompletionResponse) -> Completion:
     if not response.choices:
         raise ValueError(f"completion {response.id!r} has no choices")
-    chunk = completion_chunk_from_pb(response)
+    choices = sorted((_completion_choice(c) for c in response.choices), key=lambda c: c.index)
+    first = choices[0]
     return Completion(
-        chunk.id, chunk.model, chunk.text, chunk.finish_reason, chunk.usage, chunk.logprobs
+        response.id, response.model, first.text, first.finish_reason, usage_from_pb(response),
+        first.logprobs, choices,
     )
 
 
 def completion_chunk_from_pb(response: pb.CompletionResponse) -> CompletionChunk:
     if not response.choices:  # the usage-only last chunk of a stream
         return CompletionChunk(response.id, response.model, "", None, usage_from_pb(response))
-    choice = response.choices[0]
+    choice = _completion_choice(response.choices[0])
     return CompletionChunk(
         id=response.id,
         model=response.model,
         text=choice.text,
-        finish_reason=_finish_reason(choice),
+        finish_reason=choice.finish_reason,
         usage=usage_from_pb(response),
-        logprobs=_completion_logprobs(choice.logprobs),
+        logprobs=choice.logprobs,
+        index=choice.index,
+    )
+
+
+def _chat_choice(choice: pb.ChatChoice) -> ChatChoice:
+    return ChatChoice(
+        index=choice.index,
+        role=choice.message.role,
+        content=choice.message.content,
+        finish_reason=_finish_reason(choice),
+        logprobs=_chat_logprobs(choice.logprobs),
     )
 
 
 def chat_completion_from_pb(response: pb.ChatCompletionResponse) -> ChatCompletion:
     if not response.choices:
         raise ValueError(f"chat completion {response.id!r} has no choices")
-    choice = response.choices[0]
+    choices = sorted((_chat_choice(c) for c in response.choices), key=lambda c: c.index)
+    first = choices[0]
     return ChatCompletion(
         id=response.id,
         model=response.model,
-        role=choice.message.role,
-        content=choice.message.content,
-        finish_reason=_finish_reason(choice),
+        role=first.role,
+        content=first.content,
+        finish_reason=first.finish_reason,
         usage=usage_from_pb(response),
-        logprobs=_chat_logprobs(choice.logprobs),
+        logprobs=first.logprobs,
+        choices=choices,
     )
 
 
@@ -173,6 +226,7 @@ def chat_chunk_from_pb(chunk: pb.ChatCompletionChunk) -> ChatCompletionChunk:
         finish_reason=_finish_reason(choice),
         usage=usage_from_pb(chunk),
         logprobs=_chat_logprobs(choice.logprobs),
+        index=choice.index,
     )
 
 

@@ -31,6 +31,7 @@ from typing import cast
 import grpc.aio
 
 from engine_common.kv_events import KVCacheSnapshotChunk, KVEventBatch
+from engine_common.sampling_params import SamplingParams
 from protos.tandem.v1 import engine_pb2 as epb
 from protos.tandem.v1 import engine_pb2_grpc as epb_grpc
 from services.replica.engine_messages import (
@@ -67,7 +68,7 @@ class EngineServicer(epb_grpc.EngineServicer):
                 await context.write(response)
 
     def _engine_request(self, request: epb.GenerateRequest) -> tuple[EngineRequest, int]:
-        params = sampling_params_from_pb(request.sampling_params)
+        params = _one_choice(sampling_params_from_pb(request.sampling_params))
         prompt = list(request.prompt_token_ids)
         resumed = list(request.resume_output_token_ids)
         if resumed:
@@ -98,7 +99,7 @@ class EngineServicer(epb_grpc.EngineServicer):
         if not request.request_id:
             raise InvalidArgument("request_id is required: the decode replica releases the "
                                   "blocks under it")
-        params = sampling_params_from_pb(request.sampling_params)
+        params = _one_choice(sampling_params_from_pb(request.sampling_params))
         prompt = list(request.prompt_token_ids)
         self.llm.inputs.validate_prompt(prompt, None)
         with self.engine.admission.admit(request.request_id):
@@ -191,3 +192,13 @@ def _snapshot_chunk_to_pb(chunk: KVCacheSnapshotChunk, incarnation: str) -> epb.
         seq=chunk.seq, timestamp=chunk.timestamp, resync=True, incarnation=incarnation,
         snapshot=epb.KvCacheSnapshot(block_hashes=chunk.block_hashes,
                                      chunk_index=chunk.index, num_chunks=chunk.count))
+
+
+def _one_choice(params: SamplingParams) -> SamplingParams:
+    """The internal API computes one sequence per call: the public Generation API (replica
+    or gateway) fans a request for n choices out into n calls."""
+    if params.n != 1:
+        raise InvalidArgument(
+            f"sampling_params.n must be 1 on the Engine API (got {params.n}); ask the "
+            "Generation API for several choices, or make one call per choice")
+    return params

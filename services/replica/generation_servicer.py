@@ -1,9 +1,10 @@
 """The public ``tandem.v1.Generation`` service over any ``GenerateFn``.
 
-Owns the RPC handlers: check the model name, resolve the request (``openai_api``), run it
-through the ``GenerateFn`` and write OpenAI-shaped responses; every failure becomes a status
-(``errors.rpc_handler``). Streams are closed explicitly, so a client that cancels or runs out
-of deadline aborts its request in the engine at once. The replica builds it over its local
+Owns the RPC handlers: check the model name, resolve the request (``openai_api``), run its
+``n`` choices through the ``GenerateFn`` (``openai_api.generate_choices``) and write
+OpenAI-shaped responses; every failure becomes a status (``errors.rpc_handler``). Streams are
+closed explicitly, so a client that cancels or runs out of deadline aborts every choice of its
+request in the engine at once. The replica builds it over its local
 engine; the gateway can build it over a remote replica's ``Engine.Generate``, with the same
 tokenizer (``InputProcessor``) and served model. It does not own tokenization rules
 (``InputProcessor``), admission or the engine.
@@ -35,10 +36,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.model.check(request.model)
         engine_request = api.completion_to_engine_request(request, self.inputs)
         response_id = api.new_completion_id()
-        async with aclosing(self.generate(response_id, engine_request)) as deltas:
+        choices = api.generate_choices(self.generate, response_id, engine_request)
+        async with aclosing(choices):
             return await api.completion_response(
-                deltas, response_id=response_id, model=self.model.name,
-                logprobs=engine_request.params.logprobs is not None)
+                choices, response_id=response_id, model=self.model.name,
+                logprobs=engine_request.params.logprobs is not None,
+                num_choices=engine_request.params.n)
 
     @rpc_handler
     async def CompleteStream(self, request: pb.CompletionRequest,  # noqa: N802
@@ -46,10 +49,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.model.check(request.model)
         engine_request = api.completion_to_engine_request(request, self.inputs)
         response_id = api.new_completion_id()
-        deltas = self.generate(response_id, engine_request)
-        chunks = api.completion_chunks(deltas, response_id=response_id, model=self.model.name,
+        choices = api.generate_choices(self.generate, response_id, engine_request)
+        chunks = api.completion_chunks(choices, response_id=response_id, model=self.model.name,
                                        include_usage=request.stream_options.include_usage)
-        async with aclosing(deltas), aclosing(chunks):
+        async with aclosing(choices), aclosing(chunks):
             async for chunk in chunks:
                 await context.write(chunk)
 
@@ -59,10 +62,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.model.check(request.model)
         engine_request = api.chat_to_engine_request(request, self.inputs)
         response_id = api.new_chat_completion_id()
-        async with aclosing(self.generate(response_id, engine_request)) as deltas:
+        choices = api.generate_choices(self.generate, response_id, engine_request)
+        async with aclosing(choices):
             return await api.chat_response(
-                deltas, response_id=response_id, model=self.model.name,
-                logprobs=engine_request.params.logprobs is not None)
+                choices, response_id=response_id, model=self.model.name,
+                logprobs=engine_request.params.logprobs is not None,
+                num_choices=engine_request.params.n)
 
     @rpc_handler
     async def ChatCompleteStream(self, request: pb.ChatCompletionRequest,  # noqa: N802
@@ -70,10 +75,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.model.check(request.model)
         engine_request = api.chat_to_engine_request(request, self.inputs)
         response_id = api.new_chat_completion_id()
-        deltas = self.generate(response_id, engine_request)
-        chunks = api.chat_chunks(deltas, response_id=response_id, model=self.model.name,
+        choices = api.generate_choices(self.generate, response_id, engine_request)
+        chunks = api.chat_chunks(choices, response_id=response_id, model=self.model.name,
                                  include_usage=request.stream_options.include_usage)
-        async with aclosing(deltas), aclosing(chunks):
+        async with aclosing(choices), aclosing(chunks):
             async for chunk in chunks:
                 await context.write(chunk)
 

@@ -1,7 +1,7 @@
 """The mapping between the public, OpenAI-shaped ``tandem.v1.Generation`` messages and an
 engine, independent of where the engine runs.
 
-Owns three things, so that the replica and the gateway serve the public API identically:
+Owns four things, so that the replica and the gateway serve the public API identically:
 
 - requests in: ``completion_to_engine_request`` / ``chat_to_engine_request`` turn a public
   request into an ``EngineRequest`` (prompt token ids, ``SamplingParams``, priority, cache
@@ -11,20 +11,27 @@ Owns three things, so that the replica and the gateway serve the public API iden
   for an ``EngineRequest`` and aborts the request when its iterator is closed early. The
   replica plugs in its local engine (``local_engine``), the gateway a remote replica's
   ``Engine.Generate``;
+- choices: ``generate_choices`` runs a request's ``n`` choices as ``n`` engine requests of
+  one choice each (vLLM's parallel sampling: choice i samples with ``seed + i``) and merges
+  their streams as they come, each delta tagged with its choice's index; one failing or the
+  caller leaving aborts them all;
 - responses out: ``completion_chunks`` / ``completion_response`` / ``chat_chunks`` /
   ``chat_response`` fold a stream of deltas into OpenAI's chunk and response shapes
-  (ids ``cmpl-<uuid>`` / ``chatcmpl-<uuid>``, usage with cached tokens, logprobs).
+  (ids ``cmpl-<uuid>`` / ``chatcmpl-<uuid>``, usage with cached tokens, logprobs), one
+  choice per index, the usage once for the whole request.
 
 It does not own transport, status codes (``errors``) or admission (``admission``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from engine_common.input_processor import InputProcessor, InvalidRequestError
@@ -35,6 +42,7 @@ from services.replica.errors import InvalidArgument
 from services.replica.served_model import ServedModel
 from services.replica.validation import (
     check_echo,
+    check_seed_for_choices,
     check_text_length,
     prompt_from_value,
     stop_from_value,
@@ -123,9 +131,11 @@ def _sampling_params(request: pb.CompletionRequest | pb.ChatCompletionRequest,
     """Unset optional fields keep SamplingParams' defaults (OpenAI's, for these fields)."""
     chosen = {name: getattr(request, name) for name in _SAMPLING_FIELDS if request.HasField(name)}
     stop = stop_from_value(request.stop if request.HasField("stop") else None)
-    return SamplingParams(
+    params = SamplingParams(
         max_tokens=max_tokens, logprobs=logprobs, stop=stop,
         stop_token_ids=list(request.stop_token_ids), **chosen)
+    check_seed_for_choices(params.seed, params.n)
+    return params
 
 
 def completion_to_engine_request(request: pb.CompletionRequest,
@@ -177,15 +187,95 @@ def chat_to_engine_request(request: pb.ChatCompletionRequest,
     return EngineRequest(prompt_token_ids, params, request.priority, request.cache_salt or None)
 
 
+# --------------------------------------------------------------------------- choices (n)
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """A delta of one of a request's choices."""
+
+    index: int
+    delta: GenerationDelta
+
+
+def choice_requests(request: EngineRequest) -> list[EngineRequest]:
+    """The engine requests behind a request's ``n`` choices, one choice each. With a seed,
+    choice i samples with ``seed + i`` (vLLM's rule): reproducible, and the choices differ."""
+    params = request.params
+    if params.n == 1:
+        return [request]
+    return [
+        replace(request, params=replace(
+            params, n=1, seed=None if params.seed is None else params.seed + index))
+        for index in range(params.n)
+    ]
+
+
+def choice_request_id(request_id: str, index: int, num_choices: int) -> str:
+    """A lone choice keeps the request's id; the ``n`` children of a request are told apart
+    (in the engine, its logs and metrics) by their index."""
+    return request_id if num_choices == 1 else f"{request_id}-{index}"
+
+
+async def generate_choices(generate: GenerateFn, request_id: str,
+                           request: EngineRequest) -> AsyncGenerator[ChoiceDelta, None]:
+    """Every choice's deltas, interleaved as the engine produces them. A choice that fails
+    fails the whole request (its error is raised here) and closing this iterator early
+    (the client cancelled) closes every choice's stream, which aborts it in the engine."""
+    children = choice_requests(request)
+    if len(children) == 1:  # no tasks, no queue: the stream is pulled as the client reads
+        async with aclosing(generate(request_id, request)) as deltas:
+            async for delta in deltas:
+                yield ChoiceDelta(0, delta)
+        return
+    # The engine already buffers each request's outputs without bound, so an unbounded
+    # queue here holds no more than it would; None marks a choice that finished.
+    merged: asyncio.Queue[tuple[int, GenerationDelta | Exception | None]] = asyncio.Queue()
+
+    async def pump(index: int, child: EngineRequest) -> None:
+        request_id_of_child = choice_request_id(request_id, index, len(children))
+        try:
+            async with aclosing(generate(request_id_of_child, child)) as deltas:
+                async for delta in deltas:
+                    merged.put_nowait((index, delta))
+        except Exception as error:  # noqa: BLE001 - handed to the request, which fails with it
+            merged.put_nowait((index, error))
+        else:
+            merged.put_nowait((index, None))
+
+    # Started in index order: the first child is routed (or admitted) first.
+    tasks = [asyncio.create_task(pump(index, child), name=f"{request_id}-choice-{index}")
+             for index, child in enumerate(children)]
+    try:
+        unfinished = len(tasks)
+        while unfinished:
+            index, item = await merged.get()
+            if item is None:
+                unfinished -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield ChoiceDelta(index, item)
+    finally:
+        # Cancelling a child closes its stream inside the engine's GenerateFn: aborted there.
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 # --------------------------------------------------------------------------- responses out
 
 
-def _usage(delta: GenerationDelta) -> pb.Usage:
+def _usage(lasts: Mapping[int, GenerationDelta]) -> pb.Usage:
+    """The request's usage from each choice's last delta: the prompt counted once (with its
+    cached tokens as the first choice found them), completion tokens summed over choices."""
+    first = lasts[min(lasts)]
+    completion_tokens = sum(delta.completion_tokens for delta in lasts.values())
     return pb.Usage(
-        prompt_tokens=delta.prompt_tokens,
-        completion_tokens=delta.completion_tokens,
-        total_tokens=delta.prompt_tokens + delta.completion_tokens,
-        prompt_tokens_details=pb.PromptTokensDetails(cached_tokens=delta.cached_tokens),
+        prompt_tokens=first.prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=first.prompt_tokens + completion_tokens,
+        prompt_tokens_details=pb.PromptTokensDetails(cached_tokens=first.cached_tokens),
     )
 
 
@@ -222,28 +312,31 @@ def _chat_logprobs(positions: Sequence[PositionLogprobs]) -> pb.ChatLogprobs:
 
 
 async def completion_chunks(
-    deltas: AsyncIterator[GenerationDelta], *, response_id: str, model: str, include_usage: bool,
+    choices: AsyncIterator[ChoiceDelta], *, response_id: str, model: str, include_usage: bool,
 ) -> AsyncGenerator[pb.CompletionResponse, None]:
-    """CompleteStream's messages: one chunk per delta that carries anything, then (with
-    ``include_usage``) a last chunk with no choices and the usage."""
+    """CompleteStream's messages: one chunk per delta that carries anything (its one choice
+    carries the choice's index), then (with ``include_usage``) a last chunk with no choices
+    and the usage, once every choice finished."""
     created = int(time.time())
-    text_offset = 0
-    last: GenerationDelta | None = None
-    async for delta in deltas:
-        last = delta
+    text_offsets: dict[int, int] = {}
+    lasts: dict[int, GenerationDelta] = {}
+    async for choice_delta in choices:
+        index, delta = choice_delta.index, choice_delta.delta
+        lasts[index] = delta
         if not (delta.text or delta.finish_reason or delta.logprobs):
             continue  # tokens whose text is held back (a possible stop string)
-        choice = pb.CompletionChoice(index=0, text=delta.text)
+        choice = pb.CompletionChoice(index=index, text=delta.text)
         if delta.finish_reason is not None:
             choice.finish_reason = delta.finish_reason
         if delta.logprobs:
-            logprobs, text_offset = _completion_logprobs(delta.logprobs, text_offset)
+            logprobs, text_offsets[index] = _completion_logprobs(
+                delta.logprobs, text_offsets.get(index, 0))
             choice.logprobs.CopyFrom(logprobs)
         yield pb.CompletionResponse(id=response_id, object="text_completion", created=created,
                                     model=model, choices=[choice])
-    if include_usage and last is not None:
+    if include_usage and lasts:
         yield pb.CompletionResponse(id=response_id, object="text_completion", created=created,
-                                    model=model, usage=_usage(last))
+                                    model=model, usage=_usage(lasts))
 
 
 @dataclass
@@ -253,69 +346,81 @@ class _Collected:
     last: GenerationDelta = field(default_factory=lambda: GenerationDelta("", []))
 
 
-async def _collect(deltas: AsyncIterator[GenerationDelta]) -> _Collected:
-    collected = _Collected()
-    parts = []
-    async for delta in deltas:
-        parts.append(delta.text)
-        collected.logprobs.extend(delta.logprobs)
-        collected.last = delta
-    collected.text = "".join(parts)
+async def _collect(choices: AsyncIterator[ChoiceDelta], num_choices: int) -> list[_Collected]:
+    """Each choice's stream folded, by index."""
+    collected = [_Collected() for _ in range(num_choices)]
+    parts: list[list[str]] = [[] for _ in range(num_choices)]
+    async for choice_delta in choices:
+        index, delta = choice_delta.index, choice_delta.delta
+        parts[index].append(delta.text)
+        collected[index].logprobs.extend(delta.logprobs)
+        collected[index].last = delta
+    for one, texts in zip(collected, parts, strict=True):
+        one.text = "".join(texts)
     return collected
 
 
-async def completion_response(deltas: AsyncIterator[GenerationDelta], *, response_id: str,
-                              model: str, logprobs: bool) -> pb.CompletionResponse:
-    """Complete's answer: the whole stream folded into one choice."""
-    collected = await _collect(deltas)
-    choice = pb.CompletionChoice(index=0, text=collected.text)
-    if collected.last.finish_reason is not None:
-        choice.finish_reason = collected.last.finish_reason
-    if logprobs:
-        choice.logprobs.CopyFrom(_completion_logprobs(collected.logprobs, 0)[0])
-    return pb.CompletionResponse(id=response_id, object="text_completion",
-                                 created=int(time.time()), model=model, choices=[choice],
-                                 usage=_usage(collected.last))
+async def completion_response(choices: AsyncIterator[ChoiceDelta], *, response_id: str,
+                              model: str, logprobs: bool,
+                              num_choices: int = 1) -> pb.CompletionResponse:
+    """Complete's answer: each choice's stream folded into one choice, ordered by index."""
+    collected = await _collect(choices, num_choices)
+    response = pb.CompletionResponse(
+        id=response_id, object="text_completion", created=int(time.time()), model=model,
+        usage=_usage({index: one.last for index, one in enumerate(collected)}))
+    for index, one in enumerate(collected):
+        choice = response.choices.add(index=index, text=one.text)
+        if one.last.finish_reason is not None:
+            choice.finish_reason = one.last.finish_reason
+        if logprobs:
+            choice.logprobs.CopyFrom(_completion_logprobs(one.logprobs, 0)[0])
+    return response
 
 
 async def chat_chunks(
-    deltas: AsyncIterator[GenerationDelta], *, response_id: str, model: str, include_usage: bool,
+    choices: AsyncIterator[ChoiceDelta], *, response_id: str, model: str, include_usage: bool,
 ) -> AsyncGenerator[pb.ChatCompletionChunk, None]:
-    """ChatCompleteStream's messages; the first chunk carries the role "assistant"."""
+    """ChatCompleteStream's messages; each choice's first chunk carries the role
+    "assistant", and the usage (with ``include_usage``) comes last, once."""
     created = int(time.time())
-    first = True
-    last: GenerationDelta | None = None
-    async for delta in deltas:
-        last = delta
+    started: set[int] = set()
+    lasts: dict[int, GenerationDelta] = {}
+    async for choice_delta in choices:
+        index, delta = choice_delta.index, choice_delta.delta
+        lasts[index] = delta
+        first = index not in started
         if not (first or delta.text or delta.finish_reason or delta.logprobs):
             continue
-        choice = pb.ChatChunkChoice(index=0, delta=pb.ChatDelta(content=delta.text))
+        choice = pb.ChatChunkChoice(index=index, delta=pb.ChatDelta(content=delta.text))
         if first:
             choice.delta.role = "assistant"
-            first = False
+            started.add(index)
         if delta.finish_reason is not None:
             choice.finish_reason = delta.finish_reason
         if delta.logprobs:
             choice.logprobs.CopyFrom(_chat_logprobs(delta.logprobs))
         yield pb.ChatCompletionChunk(id=response_id, object="chat.completion.chunk",
                                      created=created, model=model, choices=[choice])
-    if include_usage and last is not None:
+    if include_usage and lasts:
         yield pb.ChatCompletionChunk(id=response_id, object="chat.completion.chunk",
-                                     created=created, model=model, usage=_usage(last))
+                                     created=created, model=model, usage=_usage(lasts))
 
 
-async def chat_response(deltas: AsyncIterator[GenerationDelta], *, response_id: str,
-                        model: str, logprobs: bool) -> pb.ChatCompletionResponse:
-    collected = await _collect(deltas)
-    choice = pb.ChatChoice(
-        index=0, message=pb.ChatResponseMessage(role="assistant", content=collected.text))
-    if collected.last.finish_reason is not None:
-        choice.finish_reason = collected.last.finish_reason
-    if logprobs:
-        choice.logprobs.CopyFrom(_chat_logprobs(collected.logprobs))
-    return pb.ChatCompletionResponse(id=response_id, object="chat.completion",
-                                     created=int(time.time()), model=model, choices=[choice],
-                                     usage=_usage(collected.last))
+async def chat_response(choices: AsyncIterator[ChoiceDelta], *, response_id: str,
+                        model: str, logprobs: bool,
+                        num_choices: int = 1) -> pb.ChatCompletionResponse:
+    collected = await _collect(choices, num_choices)
+    response = pb.ChatCompletionResponse(
+        id=response_id, object="chat.completion", created=int(time.time()), model=model,
+        usage=_usage({index: one.last for index, one in enumerate(collected)}))
+    for index, one in enumerate(collected):
+        choice = response.choices.add(
+            index=index, message=pb.ChatResponseMessage(role="assistant", content=one.text))
+        if one.last.finish_reason is not None:
+            choice.finish_reason = one.last.finish_reason
+        if logprobs:
+            choice.logprobs.CopyFrom(_chat_logprobs(one.logprobs))
+    return response
 
 
 # --------------------------------------------------------------------------- models, tokens

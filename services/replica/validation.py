@@ -1,8 +1,9 @@
 """Checks on the shape of incoming requests, before any tokenization or engine work.
 
-Owns the limits a request must fit (message size, prompt characters), the decoding of the
-loosely typed ``google.protobuf.Value`` fields (``prompt``, ``stop``) into what the engine
-takes, and the OpenAI features this server refuses (several prompts per request, ``echo``).
+Owns the limits a request must fit (message size, prompt characters, a seed that leaves room
+for ``n`` choices), the decoding of the loosely typed ``google.protobuf.Value`` fields
+(``prompt``, ``stop``) into what the engine takes, and the OpenAI features this server refuses
+(several prompts per request, ``echo``).
 Every failure is an ``InvalidArgument`` whose message names the field and says what to change.
 It does not own sampling-value ranges (``SamplingParams.validate``) or the checks that need
 token ids (``InputProcessor.validate_prompt``: empty, out of vocabulary, over the context).
@@ -19,6 +20,8 @@ from services.replica.errors import InvalidArgument
 # gRPC's receive limit for one request message; a bigger one fails with RESOURCE_EXHAUSTED
 # before any handler runs.
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+# The wire type of a seed (int64): choice i samples with seed + i, which must still fit.
+MAX_SEED = 2**63 - 1
 # No tokenizer's tokens average this many characters, so a text longer than
 # max_model_len * MAX_CHARS_PER_TOKEN cannot fit the context: reject it without spending
 # the event loop's time on tokenizing it.
@@ -88,3 +91,12 @@ def check_text_length(num_chars: int, max_model_len: int, field: str) -> None:
 def check_echo(echo: bool) -> None:
     if echo:
         raise InvalidArgument("echo=true is not supported; leave echo unset or false")
+
+
+def check_seed_for_choices(seed: int | None, n: int) -> None:
+    """Choice i of a seeded request samples with ``seed + i`` (vLLM's rule): the last one must
+    still be a valid seed."""
+    if seed is not None and seed + n - 1 > MAX_SEED:
+        raise InvalidArgument(
+            f"seed {seed} leaves no room for n={n} choices (choice i samples with seed + i, "
+            f"which must not exceed {MAX_SEED}); use a seed of at most {MAX_SEED - n + 1}")
