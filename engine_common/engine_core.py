@@ -50,14 +50,26 @@ class EngineInfo:
     kv_address: tuple[str, int] | None = None  # UCX listener of a prefill (producer) engine
 
 
+def context_length(requested: int | None, arch: ModelArchConfig) -> int:
+    """The engine's context length: ``requested``, at most what the model supports.
+
+    A sliding-window model supports at most its window here: attention always spans the
+    whole context, which is exactly sliding-window attention while a sequence fits the
+    window (vLLM caps the same way when it runs such a model without sliding windows).
+    """
+    limit = arch.max_position_embeddings
+    window = arch.sliding_window
+    if window is not None and window < limit:
+        logger.warning("context capped at the model's sliding window of %d tokens", window)
+        limit = window
+    return min(requested or limit, limit)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.arch = ModelArchConfig.from_model_dir(config.model)
-        self.max_model_len = min(
-            config.max_model_len or self.arch.max_position_embeddings,
-            self.arch.max_position_embeddings,
-        )
+        self.max_model_len = context_length(config.max_model_len, self.arch)
         self.eos_token_ids = eos_token_ids(config.model, load_tokenizer(config.model))
         self.model_runner = ModelRunner(config, self.arch, self.eos_token_ids, self.max_model_len)
         self.kv_cache_manager = KVCacheManager(

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine_common.default_model import ensure_default_model
+from engine_common.engine_core import context_length
 from engine_common.model.arch_config import ModelArchConfig
 from engine_common.model.attention.backend import AttentionMetadata
 from engine_common.model.attention.selector import get_attention_backend_cls
@@ -266,6 +267,23 @@ def test_legacy_rope_fields_are_read():
     assert arch.num_kv_heads == 2 and arch.head_size == 4 and arch.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="unsupported rope type 'yarn'"):
         ModelArchConfig.from_hf_config({**base, "rope_scaling": {"type": "yarn", "factor": 2.0}})
+
+
+def test_sliding_window_caps_the_context():
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                num_attention_heads=2, max_position_embeddings=32768, sliding_window=4096)
+    mistral = ModelArchConfig.from_hf_config({**base, "architectures": ["MistralForCausalLM"]})
+    assert mistral.sliding_window == 4096
+    # Full attention is sliding-window attention only while a sequence fits the window.
+    assert context_length(None, mistral) == 4096
+    assert context_length(8192, mistral) == 4096
+    assert context_length(1000, mistral) == 1000
+    qwen2 = ModelArchConfig.from_hf_config(
+        {**base, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False})
+    assert qwen2.sliding_window is None and context_length(None, qwen2) == 32768
+    unwindowed = ModelArchConfig.from_hf_config(
+        {**base, "architectures": ["MistralForCausalLM"], "sliding_window": None})
+    assert context_length(None, unwindowed) == 32768
 
 
 def test_config_errors(tmp_path, tiny_llama_dir):

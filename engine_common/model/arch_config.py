@@ -50,6 +50,9 @@ class ModelArchConfig:
     rope_scaling: dict[str, float] = field(default_factory=dict)
     # The checkpoint's dtype as config.json states it; None when it does not say.
     dtype: torch.dtype | None = None
+    # Sliding-window attention's window (Mistral v0.1, Qwen2 with use_sliding_window); None
+    # when attention spans the whole context.
+    sliding_window: int | None = None
 
     @property
     def q_size(self) -> int:
@@ -95,9 +98,9 @@ class ModelArchConfig:
         rope_theta, rope_type, rope_scaling = _read_rope(hf)
         is_qwen2 = architecture == "Qwen2ForCausalLM"
         attention_bias = bool(hf.get("attention_bias", False))
-        # sliding_window (Mistral, Qwen2) is ignored: attention always spans the whole
-        # context, which equals sliding-window attention while sequences stay within the
-        # window (4096+ tokens for the supported checkpoints); longer contexts would differ.
+        sliding_window = hf.get("sliding_window")
+        if is_qwen2 and not hf.get("use_sliding_window", False):
+            sliding_window = None  # Qwen2 configs name a window they do not use
         return cls(
             architecture=architecture,
             vocab_size=int(hf["vocab_size"]),
@@ -117,6 +120,7 @@ class ModelArchConfig:
             rope_type=rope_type,
             rope_scaling=rope_scaling,
             dtype=_read_dtype(hf),
+            sliding_window=int(sliding_window) if sliding_window else None,
         )
 
 
