@@ -74,6 +74,42 @@ class CoreFailed:
 CoreMessage = AddRequest | AbortRequests | ReleaseKv | SnapshotKvCache | Shutdown
 
 
+class _OutboxWriter:
+    """The child's sending side: pickles and writes its messages on a thread of its own, in
+    the order given, so that a step's outputs travel while the next step runs (torch
+    releases the GIL inside its kernels, and a GPU step runs asynchronously), as vLLM's
+    engine core does with its output thread. What is handed over is built afresh for each
+    message and never changed afterwards, so the thread reads it safely."""
+
+    def __init__(self, outbox: Connection):
+        self._outbox = outbox
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._broken = False
+        self._thread = threading.Thread(target=self._run, daemon=True, name="core-outbox")
+        self._thread.start()
+
+    def send(self, message: object) -> None:
+        if self._broken:
+            raise BrokenPipeError("the frontend closed the pipe")
+        self._queue.put(message)
+
+    def close(self) -> None:
+        """Send what is queued, then stop."""
+        self._queue.put(_CLOSE)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (message := self._queue.get()) is not _CLOSE:
+            try:
+                self._outbox.send(message)
+            except (BrokenPipeError, OSError):
+                self._broken = True
+                return
+
+
+_CLOSE = object()
+
+
 def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection) -> None:
     """Child-process entry point: build the core, then step while there is work."""
     # The core stops when its frontend says so or when the pipe closes because the frontend
@@ -88,6 +124,7 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection)
         outbox.send(CoreFailed(f"{type(exc).__name__}: {exc}"))
         return
     outbox.send(core.info)
+    writer = _OutboxWriter(outbox)
 
     def handle(message: CoreMessage) -> bool:
         if isinstance(message, AddRequest):
@@ -95,18 +132,18 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection)
                 core.add_request(message.request)
             except ValueError as exc:
                 logger.warning("rejected request %s: %s", message.request.request_id, exc)
-                outbox.send(EngineCoreOutputs(outputs=core.abort_requests([message.request.request_id])))
+                writer.send(EngineCoreOutputs(outputs=core.abort_requests([message.request.request_id])))
         elif isinstance(message, AbortRequests):
             aborted = core.abort_requests(message.request_ids)
             if aborted:
-                outbox.send(EngineCoreOutputs(outputs=aborted))
+                writer.send(EngineCoreOutputs(outputs=aborted))
         elif isinstance(message, ReleaseKv):
             core.release_kv(message.request_ids)
         elif isinstance(message, SnapshotKvCache):
             pending_events, block_hashes = core.snapshot_kv_cache()
             if pending_events:
-                outbox.send(EngineCoreOutputs(kv_events=pending_events, timestamp=time.time()))
-            outbox.send(KvCacheSnapshotReply(block_hashes))
+                writer.send(EngineCoreOutputs(kv_events=pending_events, timestamp=time.time()))
+            writer.send(KvCacheSnapshotReply(block_hashes))
         elif isinstance(message, Shutdown):
             return False
         return True
@@ -125,9 +162,11 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection)
                 # thread gets the CPU, then do the transfer housekeeping.
                 if inbox.poll(0.002 if core.has_unfinished_requests() else 0.05):
                     continue
-            outbox.send(core.step())
+            writer.send(core.step())
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         return  # the parent is gone
+    finally:
+        writer.close()
 
 
 class EngineCoreClient:
