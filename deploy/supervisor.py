@@ -44,6 +44,23 @@ class SuiteConfig:
     envoy: bool = False
     envoy_http_port: int = 8080
     extra_replica_args: list[str] = field(default_factory=list)
+    # Give each replica its own share of this machine's CPUs (``--cpus``), so that replicas
+    # compute side by side instead of time-slicing the same cores.
+    pin_cpus: bool = False
+
+
+def split_cpus(cpus: list[int], parts: int) -> list[list[int]]:
+    """``cpus`` cut into ``parts`` contiguous shares, as even as can be."""
+    if parts > len(cpus):
+        raise ValueError(f"pinning {parts} replicas needs at least {parts} CPUs; "
+                         f"this process may use {len(cpus)}")
+    size, extra = divmod(len(cpus), parts)
+    shares, start = [], 0
+    for i in range(parts):
+        end = start + size + (1 if i < extra else 0)
+        shares.append(cpus[start:end])
+        start = end
+    return shares
 
 
 @dataclass
@@ -61,6 +78,10 @@ def plan_suite(cfg: SuiteConfig) -> Suite:
     if not roles:
         raise ValueError("the suite needs at least one replica")
     model_args = ["--model", cfg.model] if cfg.model else []
+    cpu_args: list[list[str]] = [[] for _ in roles]
+    if cfg.pin_cpus:
+        shares = split_cpus(sorted(os.sched_getaffinity(0)), len(roles))
+        cpu_args = [["--cpus", ",".join(map(str, share))] for share in shares]
     for i, role in enumerate(roles):
         port = cfg.base_port + i
         name = f"{role}-{i}"
@@ -71,7 +92,7 @@ def plan_suite(cfg: SuiteConfig) -> Suite:
             argv=[py, "-m", "services.replica", *model_args, "--role", role, "--host", cfg.host,
                   "--port", str(port), "--metrics-port", str(cfg.metrics_base_port + i),
                   "--engine-id", name, "--kv-cache-memory", cfg.kv_cache_memory,
-                  *cfg.extra_replica_args],
+                  *cpu_args[i], *cfg.extra_replica_args],
             grpc_target=target,
         ))
         endpoints[f"replica {name} (gRPC)"] = target

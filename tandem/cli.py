@@ -27,6 +27,8 @@ def add_suite_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway-port", type=int, default=50051)
     parser.add_argument("--metrics-base-port", type=int, default=9100)
     parser.add_argument("--kv-cache-memory", default="512MiB")
+    parser.add_argument("--pin-cpus", action="store_true",
+                        help="give each replica its own share of this machine's CPUs")
     parser.add_argument("--no-gateway", action="store_true", help="start replicas only")
     parser.add_argument("--envoy", action="store_true", help="also start Envoy (HTTP, OpenAI routes)")
     parser.add_argument("--http-port", type=int, default=8080, help="Envoy's HTTP port")
@@ -39,6 +41,7 @@ def suite_config(args: argparse.Namespace) -> SuiteConfig:
         host=args.host, base_port=args.base_port, gateway_port=args.gateway_port,
         metrics_base_port=args.metrics_base_port, kv_cache_memory=args.kv_cache_memory,
         gateway=not args.no_gateway, envoy=args.envoy, envoy_http_port=args.http_port,
+        pin_cpus=args.pin_cpus,
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import socket
 from dataclasses import replace
@@ -36,6 +37,40 @@ def parse_bytes(text: str) -> int:
             f"{text!r} is not a size; use bytes or a unit such as 512MiB, 1GiB, 2G")
     number, unit = match.groups()
     return int(float(number) * _UNITS[(unit or "").lower()])
+
+
+def parse_cpus(text: str) -> list[int]:
+    """``0-3``, ``0,2,5-6``: a list of CPU numbers, as taskset and cgroups write them."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        match = _CPU_RANGE.match(part)
+        if match is None:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a CPU list; write e.g. 0-3 or 0,2,5-6")
+        first, last = match.groups()
+        if last is not None and int(last) < int(first):
+            raise argparse.ArgumentTypeError(f"{part!r} in the CPU list {text!r} is empty")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return sorted(cpus)
+
+
+_CPU_RANGE = re.compile(r"^\s*(\d+)(?:-(\d+))?\s*$")
+
+
+def pin_to_cpus(cpus: list[int]) -> None:
+    """Run this process and the engine core it starts on ``cpus`` only, with as many torch
+    threads: replicas sharing a host then stop taking each other's cores (a prefill burst
+    on one cannot slow the other's decode steps)."""
+    allowed = os.sched_getaffinity(0)
+    if not set(cpus) <= allowed:
+        raise ValueError(f"--cpus {cpus} is not within the CPUs this process may use "
+                         f"({sorted(allowed)})")
+    os.sched_setaffinity(0, cpus)
+    # Read by the engine core process's OpenMP when it starts; torch in this process too.
+    os.environ["OMP_NUM_THREADS"] = str(len(cpus))
+    import torch
+
+    torch.set_num_threads(len(cpus))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: cuda when available, else cpu (default: %(default)s)")
     p.add_argument("--attention-backend", default=engine.attention_backend,
                    choices=("auto", "torch", "triton"), help="(default: %(default)s)")
+    p.add_argument("--cpus", type=parse_cpus, default=None,
+                   help="pin the replica (frontend and engine core) to these CPUs, e.g. 0-3, "
+                        "with one torch thread per CPU (default: every CPU it may use)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run decode steps eagerly instead of replaying CUDA graphs")
     p.add_argument("--cuda-graph-max-batch-size", type=int,
@@ -160,5 +198,11 @@ def options_from_args(args: argparse.Namespace) -> ReplicaOptions:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``), serve until stopped; the exit code."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.cpus is not None:
+        try:
+            pin_to_cpus(args.cpus)
+        except ValueError as error:
+            parser.error(str(error))
     return run_service("replica", args.log_level, lambda: options_from_args(args), serve)
