@@ -179,7 +179,13 @@ def replica_deployment(options: K8sOptions, role: str, replicas: int) -> dict[st
         "imagePullPolicy": options.image_pull_policy,
         "command": ["tandem"],
         "args": args,
-        "env": _env(),
+        "env": [*_env(), {
+            # One OpenMP/torch thread per requested core: in a container torch would
+            # otherwise start one per core of the node and oversubscribe its share.
+            "name": "OMP_NUM_THREADS",
+            "valueFrom": {"resourceFieldRef": {"containerName": "replica",
+                                               "resource": "requests.cpu", "divisor": "1"}},
+        }],
         "ports": [
             {"name": "grpc", "containerPort": REPLICA_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": REPLICA_METRICS_PORT, "protocol": "TCP"},

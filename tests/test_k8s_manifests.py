@@ -98,6 +98,9 @@ def test_replicas_have_roles_probes_model_and_headless_services() -> None:
         assert args[args.index("--model") + 1] == "/models/llama"
         assert args[args.index("--engine-id") + 1] == "$(POD_NAME)"
         assert {e["name"] for e in container["env"]} >= {"POD_NAME", "HF_HUB_OFFLINE"}
+        threads = next(e for e in container["env"] if e["name"] == "OMP_NUM_THREADS")
+        assert threads["valueFrom"]["resourceFieldRef"] == {
+            "containerName": container["name"], "resource": "requests.cpu", "divisor": "1"}
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"] == {"port": REPLICA_PORT}
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
