@@ -86,24 +86,24 @@ class DecodeGraphRunner:
         self._seq_lens = static((max_size,), torch.int32, 1)
         self._block_tables = static((max_size, self.max_blocks_per_seq), torch.int32, 0)
         self._query_start_loc = torch.arange(max_size + 1, dtype=torch.int32, device=device)
-        pin = device.type == "cuda"
-        self._host = {
-            name: torch.empty(buf.shape, dtype=buf.dtype, pin_memory=pin)
-            for name, buf in self._device_buffers().items()
-        }
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
-        if capture:
-            self._capture_all()
-
-    def _device_buffers(self) -> dict[str, torch.Tensor]:
-        return {
+        # Each step's inputs go host (numpy view of a pinned tensor) -> device buffer.
+        self._device = {
             "token_ids": self._token_ids,
             "positions": self._positions,
             "slot_mapping": self._slot_mapping,
             "seq_lens": self._seq_lens,
             "block_tables": self._block_tables,
         }
+        pin = device.type == "cuda"
+        self._host = {
+            name: torch.empty(buf.shape, dtype=buf.dtype, pin_memory=pin)
+            for name, buf in self._device.items()
+        }
+        self._host_np = {name: buf.numpy() for name, buf in self._host.items()}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        if capture:
+            self._capture_all()
 
     def padded_size(self, num_seqs: int) -> int | None:
         """The captured size a step of ``num_seqs`` sequences runs at; None if too many."""
@@ -157,7 +157,7 @@ class DecodeGraphRunner:
         size = self.padded_size(n)
         if size is None or width > self.max_blocks_per_seq:
             raise ValueError(f"a decode step of {n} sequences x {width} blocks was not captured")
-        host = {name: buf.numpy() for name, buf in self._host.items()}
+        host = self._host_np
         host["token_ids"][:n] = inputs.token_ids
         host["token_ids"][n:size] = 0
         host["positions"][:n] = inputs.positions
@@ -168,7 +168,7 @@ class DecodeGraphRunner:
         host["seq_lens"][n:size] = 1
         host["block_tables"][:n, :width] = inputs.block_tables
         host["block_tables"][n:size, :width] = 0
-        device = self._device_buffers()
+        device = self._device
         for name in ("token_ids", "positions", "slot_mapping", "seq_lens"):
             device[name][:size].copy_(self._host[name][:size], non_blocking=True)
         # Columns past ``width`` are stale but never read: each row reads only the blocks

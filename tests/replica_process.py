@@ -5,6 +5,10 @@ most of the cost), waits until each answers health SERVING and returns ``Replica
 handles; ``ReplicaProcess.stop`` ends one gracefully (SIGTERM, then SIGKILL), ``kill`` at
 once. A replica's stderr goes to
 a log file whose tail is shown when it fails to start.
+
+For the rest of a suite (gateway, Envoy): ``spawn_module`` starts ``python -m MODULE`` in its
+own session with its output in a log, ``wait_until`` polls a readiness check (showing every
+log's tail when it times out), ``is_serving`` and ``envoy_answers`` are such checks.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +96,44 @@ class ReplicaProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+def spawn_module(log_dir: Path, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    """``python -m argv...`` from the repository root, in a session of its own (so that
+    ``os.killpg`` ends it and its children), output to ``log_dir/name.log``."""
+    with open(log_dir / f"{name}.log", "wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", *argv], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+
+
+def is_serving(target: str) -> bool:
+    with grpc.insecure_channel(target) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=1)
+        except grpc.RpcError:
+            return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def envoy_answers(port: int) -> bool:
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/nowhere", timeout=1)
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def wait_until(condition: Callable[[], bool], deadline: float, what: str, logs: Path) -> None:
+    while not condition():
+        if time.monotonic() > deadline:
+            tails = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}"
+                              for p in sorted(logs.glob("*.log")))
+            raise AssertionError(f"{what} not ready in time\n{tails}")
+        time.sleep(0.2)
 
 
 def _launch(model_dir: Path, log_dir: Path, name: str, args: list[str]) -> ReplicaProcess:

@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -27,16 +26,22 @@ from typing import Any
 import grpc
 import openai
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_common.config import CacheConfig, EngineConfig
 from engine_common.llm import LLM
 from engine_common.sampling_params import SamplingParams
-from tests.replica_process import ReplicaProcess, free_port, start_replicas
+from tests.replica_process import (
+    ReplicaProcess,
+    envoy_answers,
+    free_port,
+    is_serving,
+    spawn_module,
+    start_replicas,
+    wait_until,
+)
 
-REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["alpha bravo charlie delta", "the tandem project serves models over grpc"]
 # Longer than the gateway's prefill_min_uncached_tokens: the gateway adds a prefill hop.
 LONG_PROMPT = " ".join(["kilo lima mike november oscar papa quebec romeo"] * 6)
@@ -72,35 +77,6 @@ class Stack:
                              timeout=120)
 
 
-def is_serving(target: str) -> bool:
-    with grpc.insecure_channel(target) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=1)
-        except grpc.RpcError:
-            return False
-    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-
-
-def wait_until(condition: Any, deadline: float, what: str, logs: Path) -> None:
-    while not condition():
-        if time.monotonic() > deadline:
-            tails = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}"
-                              for p in sorted(logs.glob("*.log")))
-            raise AssertionError(f"{what} not ready in time\n{tails}")
-        time.sleep(0.2)
-
-
-def envoy_answers(port: int) -> bool:
-    try:
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/nowhere", timeout=1)
-    except urllib.error.HTTPError:
-        return True
-    except OSError:
-        return False
-    return True
-
-
 @pytest.fixture(scope="module")
 def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     logs = tmp_path_factory.mktemp("envoy-e2e-logs")
@@ -114,10 +90,7 @@ def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     processes: list[subprocess.Popen[bytes]] = []
 
     def spawn(name: str, argv: list[str]) -> None:
-        with open(logs / f"{name}.log", "wb") as log:
-            processes.append(subprocess.Popen(
-                [sys.executable, "-m", *argv], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True))
+        processes.append(spawn_module(logs, name, argv))
 
     try:
         spawn("gateway", ["gateway", "--model", str(tiny_llama_dir), "--served-model-name",

@@ -15,7 +15,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -35,10 +34,16 @@ from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 from tandem.client import AsyncClient, Client
 from tandem.errors import OverloadedError
-from tests.replica_process import ReplicaProcess, free_port, start_replicas
-from tests.test_envoy_e2e import envoy_answers, is_serving, wait_until
+from tests.replica_process import (
+    ReplicaProcess,
+    envoy_answers,
+    free_port,
+    is_serving,
+    spawn_module,
+    start_replicas,
+    wait_until,
+)
 
-REPO = Path(__file__).resolve().parents[1]
 PROMPT = "alpha bravo charlie delta"
 MESSAGES = [{"role": "user", "content": "Tell me a story"}]
 SAMPLED: dict[str, Any] = {"temperature": 1.0, "max_tokens": 8, "ignore_eos": True}
@@ -66,10 +71,7 @@ def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     processes: list[subprocess.Popen[bytes]] = []
 
     def spawn(name: str, argv: list[str]) -> None:
-        with open(logs / f"{name}.log", "wb") as log:
-            processes.append(subprocess.Popen(
-                [sys.executable, "-m", *argv], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True))
+        processes.append(spawn_module(logs, name, argv))
 
     replicas: dict[str, ReplicaProcess] = {}
     try:
