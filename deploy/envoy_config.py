@@ -13,15 +13,18 @@ The HTTP semantics that the transcoder alone lacks live in one Lua script (``OPE
 which runs before the transcoder on requests and after it on responses:
 
 - ``"stream": true`` in a completions or chat body moves the request to the ``:stream``
-  path (the server-streaming RPC); the transcoder frames its messages as server-sent events
-  (``stream_sse_style_delimited``) and the script labels them ``text/event-stream``.
+  path, the ``*Events`` RPC: the server writes the server-sent events itself (each a
+  ``google.api.HttpBody`` the transcoder passes through), ``data: [DONE]`` last, and the
+  script labels them ``text/event-stream``.
 - Every error (a gRPC status the transcoder turned into an HTTP status with
   ``convert_grpc_status``, the transcoder's own 400 for bad JSON, Envoy's 503 when the
   upstream is down) leaves with OpenAI's body, ``{"error": {"message", "type", "param",
   "code"}}``.
 
-Envoy sends no ``data: [DONE]`` after the last event: the Lua API cannot add bytes once a
-streamed body has passed, and clients (the ``openai`` SDK among them) end on the stream's end.
+With ``api_keys``, every request but gRPC health checks must carry one of them, as OpenAI's
+clients send it (``Authorization: Bearer KEY``) or in ``x-api-key`` (``api_key_auth``, after
+the Lua script so that a 401 leaves in OpenAI's shape too); Envoy strips the key before
+forwarding, so it reaches no log upstream.
 
 It does not own running Envoy (``envoy_runner``) or writing files (``render``).
 """
@@ -29,6 +32,7 @@ It does not own running Envoy (``envoy_runner``) or writing files (``render``).
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,12 +42,15 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DESCRIPTOR = REPO_ROOT / "protos" / "tandem.binpb"
 GENERATION_SERVICE = "tandem.v1.Generation"
+HEALTH_SERVICE = "grpc.health.v1.Health"
+API_KEY_FILTER = "envoy.filters.http.api_key_auth"
+LUA_FILTER = "envoy.filters.http.lua"
 # Paths the transcoder serves (from generation.proto's google.api.http rules) and the gRPC
 # services reachable through the same port.
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize",
                 "/detokenize")
-GRPC_SERVICES = (GENERATION_SERVICE, "grpc.health.v1.Health",
-                 "grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection")
+GRPC_SERVICES = (GENERATION_SERVICE, HEALTH_SERVICE, "grpc.reflection.v1alpha.ServerReflection",
+                 "grpc.reflection.v1.ServerReflection")
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 SERVED_HEADER = "x-gateway-destination-endpoint-served"
 PICKER_CLUSTER = "endpoint_picker"
@@ -142,6 +149,9 @@ end
 
 local function openai_error(status, text, content_type)
   local message, code = nil, "null"
+  if status == 401 then
+    code = '"invalid_api_key"'
+  end
   if string.find(content_type, "json", 1, true) then
     -- google.rpc.Status as the transcoder prints it: {"code": N, "message": "..."}
     local raw = raw_string_field(text, "message")
@@ -247,6 +257,12 @@ def _routes(cluster: str) -> list[dict[str, Any]]:
                for name in ("completions", "chat/completions")]
     routes += [{"match": {"prefix": f"/{service}/"}, "route": forward}
                for service in GRPC_SERVICES]
+    for route in routes:
+        if route["match"].get("prefix") == f"/{HEALTH_SERVICE}/":
+            # Probes carry no key. (A no-op without the filter: it is optional.)
+            route["typed_per_filter_config"] = {API_KEY_FILTER: {
+                "@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig",
+                "disabled": True}}
     not_found = ('{"error":{"message":"no such endpoint; Tandem serves /v1/completions, '
                  '/v1/chat/completions, /v1/models, /tokenize and /detokenize",'
                  '"type":"not_found_error","param":null,"code":null}}')
@@ -270,7 +286,6 @@ def _transcoder(descriptor: Path | bytes) -> dict[str, Any]:
             "print_options": {
                 "preserve_proto_field_names": True,  # OpenAI's snake_case field names
                 "always_print_primitive_fields": True,  # e.g. "index": 0
-                "stream_sse_style_delimited": True,  # "data: {...}\n\n" per message
             },
             "convert_grpc_status": True,  # a gRPC error becomes its HTTP status + JSON body
             "max_request_body_size": MAX_REQUEST_BYTES,
@@ -278,9 +293,62 @@ def _transcoder(descriptor: Path | bytes) -> dict[str, Any]:
     }
 
 
+def with_api_keys(bootstrap: dict[str, Any], api_keys: Sequence[str]) -> dict[str, Any]:
+    """``bootstrap`` with every listener requiring one of ``api_keys`` (right after the Lua
+    script); unchanged when there are none. Also applied to a bootstrap rendered earlier
+    (Kubernetes keeps the keys in a Secret, out of the ConfigMap)."""
+    keys = check_api_keys(api_keys)
+    if not keys:
+        return bootstrap
+    chains = {id(filters): filters  # listeners may share one list (a YAML alias, too)
+              for listener in bootstrap["static_resources"]["listeners"]
+              for chain in listener["filter_chains"]
+              for filters in [chain["filters"][0]["typed_config"]["http_filters"]]}
+    for http_filters in chains.values():
+        names = [f["name"] for f in http_filters]
+        if API_KEY_FILTER in names:
+            raise ValueError("this bootstrap already checks API keys")
+        http_filters.insert(names.index(LUA_FILTER) + 1, _api_key_auth(keys))
+    return bootstrap
+
+
+def _api_key_auth(api_keys: Sequence[str]) -> dict[str, Any]:
+    return {
+        "name": API_KEY_FILTER,
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.api_key_auth.v3."
+                     "ApiKeyAuth",
+            # "Authorization: Bearer KEY": the filter drops the "Bearer " itself.
+            "key_sources": [{"header": "authorization"}, {"header": "x-api-key"}],
+            "credentials": [{"key": key, "client": f"key-{i}"} for i, key in enumerate(api_keys)],
+            "forwarding": {"hide_credentials": True},
+        },
+    }
+
+
+def check_api_keys(api_keys: Sequence[str]) -> list[str]:
+    """The keys, stripped; raises ValueError for an empty, blank-containing or repeated one."""
+    keys = [key.strip() for key in api_keys]
+    for key in keys:
+        if not key or any(c.isspace() for c in key) or not key.isprintable():
+            raise ValueError("an API key must be non-empty printable text without spaces")
+    if len(set(keys)) != len(keys):
+        raise ValueError("the same API key is given twice")
+    return keys
+
+
+def read_api_keys(path: Path) -> list[str]:
+    """One key per line of ``path``; blank lines and ``#`` comments are skipped."""
+    lines = [line.strip() for line in path.read_text().splitlines()]
+    keys = check_api_keys([line for line in lines if line and not line.startswith("#")])
+    if not keys:
+        raise ValueError(f"{path} holds no API key")
+    return keys
+
+
 def _lua() -> dict[str, Any]:
     return {
-        "name": "envoy.filters.http.lua",
+        "name": LUA_FILTER,
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
             "default_source_code": {"inline_string": OPENAI_LUA},
@@ -403,21 +471,23 @@ def render_envoy_bootstrap(
     listen_host: str = "0.0.0.0",
     descriptor: Path | bytes = DEFAULT_DESCRIPTOR,
     tls: TlsFiles | None = None,
+    api_keys: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Envoy in front of one gRPC upstream (``host:port``: the gateway, or a single replica).
 
     ``descriptor``: the path of ``protos/tandem.binpb``, or its bytes to inline them.
-    ``admin_port`` 0 lets the kernel pick one. ``tls``: also serve HTTPS.
+    ``admin_port`` 0 lets the kernel pick one. ``tls``: also serve HTTPS. ``api_keys``:
+    the keys a request must carry one of (none: no check).
     """
     target = HostPort.parse(upstream)
-    return {
+    return with_api_keys({
         "admin": _admin(admin_port),
         "static_resources": {
             "listeners": _listeners(listen_host, http_port, UPSTREAM_CLUSTER,
                                     [_lua(), _transcoder(descriptor), _router()], tls),
             "clusters": [_grpc_cluster(UPSTREAM_CLUSTER, target)],
         },
-    }
+    }, api_keys)
 
 
 def render_picker_bootstrap(
@@ -430,6 +500,7 @@ def render_picker_bootstrap(
     body_mode: str = "BUFFERED",
     picker_timeout_s: float = 10.0,
     tls: TlsFiles | None = None,
+    api_keys: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Envoy that asks an ``ext_proc`` endpoint picker (``host:port``) where each request
     goes and connects straight to that replica.
@@ -440,7 +511,7 @@ def render_picker_bootstrap(
     if body_mode not in ("BUFFERED", "FULL_DUPLEX_STREAMED"):
         raise ValueError(f"body_mode must be BUFFERED or FULL_DUPLEX_STREAMED, not {body_mode!r}")
     replicas = "picked_replica"
-    return {
+    return with_api_keys({
         "admin": _admin(admin_port),
         "static_resources": {
             "listeners": _listeners(
@@ -464,7 +535,7 @@ def render_picker_bootstrap(
                 },
             ],
         },
-    }
+    }, api_keys)
 
 
 def dump_bootstrap(config: dict[str, Any]) -> str:

@@ -25,6 +25,7 @@ from types import FrameType
 from deploy.envoy_config import (
     DEFAULT_DESCRIPTOR,
     dump_bootstrap,
+    read_api_keys,
     render_envoy_bootstrap,
     render_picker_bootstrap,
 )
@@ -69,19 +70,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Envoy worker threads (default: Envoy's, one per core)")
     p.add_argument("--log-level", default="warn",
                    choices=("trace", "debug", "info", "warn", "error", "critical", "off"))
+    p.add_argument("--api-key-file", type=Path, default=None,
+                   help="require one of the API keys in this file (one per line) on every "
+                        "request (Authorization: Bearer KEY, or x-api-key)")
     p.add_argument("--print-config", action="store_true",
                    help="print the bootstrap and exit without starting Envoy")
     return p
 
 
 def render_from_args(args: argparse.Namespace) -> str:
+    api_keys = read_api_keys(args.api_key_file) if args.api_key_file else []
     if args.picker:
         config = render_picker_bootstrap(args.http_port, args.picker, admin_port=args.admin_port,
                                          listen_host=args.listen_host, descriptor=args.descriptor,
-                                         body_mode=args.picker_body_mode)
+                                         body_mode=args.picker_body_mode, api_keys=api_keys)
     else:
         config = render_envoy_bootstrap(args.http_port, args.upstream, admin_port=args.admin_port,
-                                        listen_host=args.listen_host, descriptor=args.descriptor)
+                                        listen_host=args.listen_host, descriptor=args.descriptor,
+                                        api_keys=api_keys)
     return dump_bootstrap(config)
 
 
@@ -90,6 +96,8 @@ def run_envoy(envoy: Path, bootstrap_yaml: str, extra_args: list[str]) -> int:
     it (Envoy drains and exits on SIGTERM). Returns its exit code."""
     with tempfile.TemporaryDirectory(prefix="tandem-envoy-") as scratch:
         config_path = Path(scratch) / "envoy.yaml"
+        # The bootstrap may hold API keys: readable by this user only (the directory is too).
+        config_path.touch(mode=0o600)
         config_path.write_text(bootstrap_yaml)
         process = subprocess.Popen([str(envoy), "-c", str(config_path), *extra_args])
 
@@ -114,7 +122,11 @@ def run_envoy(envoy: Path, bootstrap_yaml: str, extra_args: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    bootstrap = render_from_args(args)
+    try:
+        bootstrap = render_from_args(args)
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if args.print_config:
         sys.stdout.write(bootstrap)
         return 0

@@ -10,7 +10,8 @@ Owns what a cluster runs and how the pieces find each other:
   goes;
 - Envoy, Tandem's OpenAI-compatible HTTP front: a ConfigMap holding the bootstrap
   (``envoy_config.render_picker_bootstrap``, descriptor inlined), a Deployment running the
-  official Envoy image on it and a Service, with TLS on a second port when a Secret is named;
+  official Envoy image on it and a Service, with TLS on a second port when a Secret is named
+  and API keys from a Secret (added to the bootstrap by an init container) when one is named;
 - an ``InferencePool`` (``inference.networking.k8s.io/v1``) of the decode-capable replicas,
   their gRPC port over h2c and the endpoint picker as its ``endpointPickerRef``, and an
   ``HTTPRoute`` (``gateway.networking.k8s.io/v1``) on an existing Gateway: gRPC calls of
@@ -41,6 +42,9 @@ ENVOY_HTTP_PORT = 8080
 ENVOY_HTTPS_PORT = 8443
 ENVOY_ADMIN_PORT = 9901
 ENVOY_CONFIG_DIR = "/etc/envoy"
+ENVOY_TEMPLATE_DIR = "/etc/envoy-template"
+API_KEYS_DIR = "/etc/tandem-api-keys"
+API_KEYS_ENTRY = "api-keys"
 TLS_DIR = "/etc/tandem/tls"
 CACHE_DIR = "/var/cache/tandem"
 ROLE_LABEL = "tandem.dev/role"
@@ -74,6 +78,8 @@ class K8sOptions:
     picker_replicas: int = 1
     # A kubernetes.io/tls Secret: Envoy also serves HTTPS on ENVOY_HTTPS_PORT.
     tls_secret: str | None = None
+    # A Secret whose API_KEYS_ENTRY lists API keys; Envoy then requires one on every request.
+    api_key_secret: str | None = None
     gateway_name: str = "inference-gateway"
     image_pull_policy: str = "IfNotPresent"
 
@@ -137,7 +143,11 @@ def _grpc_probe(port: int, service: str | None = None, **timing: int) -> dict[st
 
 
 def _deployment(options: K8sOptions, name: str, replicas: int, labels: dict[str, str],
-                container: dict[str, Any], volumes: list[dict[str, Any]]) -> dict[str, Any]:
+                container: dict[str, Any], volumes: list[dict[str, Any]],
+                init_containers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    pod: dict[str, Any] = {"containers": [container], "volumes": volumes}
+    if init_containers:
+        pod["initContainers"] = init_containers
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -147,7 +157,7 @@ def _deployment(options: K8sOptions, name: str, replicas: int, labels: dict[str,
             "selector": {"matchLabels": labels},
             "template": {
                 "metadata": {"labels": labels},
-                "spec": {"containers": [container], "volumes": volumes},
+                "spec": pod,
             },
         },
     }
@@ -298,6 +308,26 @@ def envoy_deployment(options: K8sOptions) -> dict[str, Any]:
         {"name": "config", "configMap": {"name": f"{options.name}-envoy"}}]
     mounts: list[dict[str, Any]] = [
         {"name": "config", "mountPath": ENVOY_CONFIG_DIR, "readOnly": True}]
+    init_containers: list[dict[str, Any]] = []
+    if options.api_key_secret:
+        # The keys stay in their Secret: an init container (Tandem's image) adds them to the
+        # ConfigMap's bootstrap in a pod-private volume, which Envoy then reads.
+        volumes += [{"name": "api-keys", "secret": {"secretName": options.api_key_secret}},
+                    {"name": "keyed-config", "emptyDir": {"medium": "Memory"}}]
+        mounts = [{"name": "keyed-config", "mountPath": ENVOY_CONFIG_DIR, "readOnly": True}]
+        init_containers.append({
+            "name": "add-api-keys",
+            "image": options.image,
+            "imagePullPolicy": options.image_pull_policy,
+            "command": ["tandem", "render", "envoy",
+                        "--bootstrap", f"{ENVOY_TEMPLATE_DIR}/envoy.yaml",
+                        "--api-key-file", f"{API_KEYS_DIR}/{API_KEYS_ENTRY}",
+                        "-o", f"{ENVOY_CONFIG_DIR}/envoy.yaml"],
+            "volumeMounts": [
+                {"name": "config", "mountPath": ENVOY_TEMPLATE_DIR, "readOnly": True},
+                {"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True},
+                {"name": "keyed-config", "mountPath": ENVOY_CONFIG_DIR}],
+        })
     ports = [{"name": "http", "containerPort": ENVOY_HTTP_PORT, "protocol": "TCP"}]
     if options.tls_secret:
         volumes.append({"name": "tls", "secret": {"secretName": options.tls_secret}})
@@ -318,7 +348,7 @@ def envoy_deployment(options: K8sOptions) -> dict[str, Any]:
         "volumeMounts": mounts,
     }
     return _deployment(options, f"{options.name}-envoy", options.envoy_replicas, labels,
-                       container, volumes)
+                       container, volumes, init_containers)
 
 
 def envoy_service(options: K8sOptions) -> dict[str, Any]:

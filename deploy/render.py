@@ -23,8 +23,10 @@ from deploy.envoy_config import (
     DEFAULT_DESCRIPTOR,
     TlsFiles,
     dump_bootstrap,
+    read_api_keys,
     render_envoy_bootstrap,
     render_picker_bootstrap,
+    with_api_keys,
 )
 from deploy.k8s import K8sOptions, render_k8s_manifests
 
@@ -36,6 +38,11 @@ def _add_envoy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         help="the gRPC server behind Envoy (the gateway, or one replica)")
     target.add_argument("--picker", metavar="HOST:PORT",
                         help="an ext_proc endpoint picker; Envoy connects to the replica it names")
+    target.add_argument("--bootstrap", type=Path, metavar="FILE",
+                        help="a bootstrap rendered before, to add --api-key-file's keys to "
+                             "(how Kubernetes pods add keys from a Secret)")
+    p.add_argument("--api-key-file", type=Path, default=None,
+                   help="require one of the API keys in this file (one per line)")
     p.add_argument("--http-port", type=int, default=8080, help="(default: %(default)s)")
     p.add_argument("--listen-host", default="0.0.0.0", help="(default: %(default)s)")
     p.add_argument("--admin-port", type=int, default=9901,
@@ -82,6 +89,9 @@ def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--picker-replicas", type=int, default=defaults.picker_replicas)
     p.add_argument("--tls-secret", default=None,
                    help="a kubernetes.io/tls Secret: Envoy also serves HTTPS on 8443")
+    p.add_argument("--api-key-secret", default=None,
+                   help="a Secret whose 'api-keys' entry lists API keys (one per line): "
+                        "Envoy requires one on every request")
     p.add_argument("--gateway-name", default=defaults.gateway_name,
                    help="the Gateway the HTTPRoute attaches to (default: %(default)s)")
     p.add_argument("-o", "--output", type=Path, required=True, help="directory to write")
@@ -103,20 +113,29 @@ def _render_envoy(args: argparse.Namespace) -> int:
     tls = TlsFiles(args.tls_cert, args.tls_key, args.https_port) if args.tls_cert else None
     descriptor: Path | bytes = (args.descriptor.read_bytes() if args.inline_descriptor
                                 else args.descriptor)
-    if args.picker:
-        config = render_picker_bootstrap(
-            args.http_port, args.picker, admin_port=args.admin_port,
-            listen_host=args.listen_host, descriptor=descriptor,
-            body_mode=args.picker_body_mode, tls=tls)
-    else:
-        config = render_envoy_bootstrap(
-            args.http_port, args.upstream, admin_port=args.admin_port,
-            listen_host=args.listen_host, descriptor=descriptor, tls=tls)
+    try:
+        api_keys = read_api_keys(args.api_key_file) if args.api_key_file else []
+        if args.bootstrap:
+            config = with_api_keys(yaml.safe_load(args.bootstrap.read_text()), api_keys)
+        elif args.picker:
+            config = render_picker_bootstrap(
+                args.http_port, args.picker, admin_port=args.admin_port,
+                listen_host=args.listen_host, descriptor=descriptor,
+                body_mode=args.picker_body_mode, tls=tls, api_keys=api_keys)
+        else:
+            config = render_envoy_bootstrap(
+                args.http_port, args.upstream, admin_port=args.admin_port,
+                listen_host=args.listen_host, descriptor=descriptor, tls=tls, api_keys=api_keys)
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     text = dump_bootstrap(config)
     if args.output is None:
         sys.stdout.write(text)
     else:
         args.output.parent.mkdir(parents=True, exist_ok=True)
+        if api_keys:
+            args.output.touch(mode=0o600)  # it holds the keys
         args.output.write_text(text)
         print(f"wrote {args.output}")
     return 0
@@ -146,7 +165,8 @@ def _render_k8s(args: argparse.Namespace) -> int:
             replica_cpu=args.replica_cpu, replica_memory=args.replica_memory, gpus=args.gpus,
             kv_cache_memory=args.kv_cache_memory, envoy_image=args.envoy_image,
             envoy_replicas=args.envoy_replicas, picker_replicas=args.picker_replicas,
-            tls_secret=args.tls_secret, gateway_name=args.gateway_name)
+            tls_secret=args.tls_secret, api_key_secret=args.api_key_secret,
+            gateway_name=args.gateway_name)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

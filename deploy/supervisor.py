@@ -43,6 +43,8 @@ class SuiteConfig:
     gateway: bool = True
     envoy: bool = False
     envoy_http_port: int = 8080
+    # Envoy requires one of the API keys in this file (one per line) on every request.
+    envoy_api_key_file: Path | None = None
     extra_replica_args: list[str] = field(default_factory=list)
     # Give each replica its own share of this machine's CPUs (``--cpus``), so that replicas
     # compute side by side instead of time-slicing the same cores.
@@ -112,7 +114,9 @@ def plan_suite(cfg: SuiteConfig) -> Suite:
         specs.append(ProcessSpec(
             name="envoy",
             argv=[py, "-m", "deploy.envoy_runner", "--http-port", str(cfg.envoy_http_port),
-                  "--upstream", upstream, "--listen-host", cfg.host],
+                  "--upstream", upstream, "--listen-host", cfg.host,
+                  *(["--api-key-file", str(cfg.envoy_api_key_file)]
+                    if cfg.envoy_api_key_file else [])],
             grpc_target=None,
         ))
         endpoints["envoy (HTTP, OpenAI-compatible)"] = f"http://{cfg.host}:{cfg.envoy_http_port}/v1"

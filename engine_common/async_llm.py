@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 
 from engine_common.config import EngineConfig
 from engine_common.core_process import EngineCoreClient, KvCacheSnapshotReply
@@ -37,6 +37,7 @@ from engine_common.outputs import (
 )
 from engine_common.request import Request
 from engine_common.sampling_params import SamplingParams
+from engine_common.structured_output.grammar import GrammarCompiler
 from engine_common.tokenizer import eos_token_ids, load_tokenizer
 from kv_transfer.connector import KvHandle
 
@@ -79,6 +80,9 @@ class AsyncLLM:
         self.info = self.core.info
         self.stats.num_total_blocks = self.stats.num_free_blocks = self.info.num_blocks
         self.inputs = InputProcessor(self.tokenizer, self.info.max_model_len, self.info.vocab_size)
+        # The frontend's own compiler (the core's lives in its process): a constraint that
+        # does not compile is refused before the request is admitted.
+        self.grammars = GrammarCompiler(self.tokenizer, self.info.vocab_size, self.eos_token_ids)
         self.metrics = EngineMetrics(config.model, config.engine_id)
         self.metrics.set_cache_config(config.cache, self.info.num_blocks)
         self.outputs = OutputProcessor(self.tokenizer, self.metrics)
@@ -122,6 +126,14 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.inputs.validate_prompt(prompt_token_ids, params.max_tokens)
+        self.inputs.check_logit_bias(params.logit_bias)
+        if params.structured_output is not None:
+            # The output tokens the core's matcher starts after (it must not refuse them:
+            # a request the core refuses is never answered).
+            sampled = prompt_token_ids[len(prompt_token_ids) - num_resumed_tokens:]
+            if remote_prefill is not None:
+                sampled = [*sampled, remote_prefill.first_token_id]
+            await self.check_structured_output(params, sampled)
         stream: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         arrival = time.monotonic()
         self.outputs.add_request(request_id, prompt_token_ids, params, arrival, num_resumed_tokens)
@@ -151,6 +163,17 @@ class AsyncLLM:
                 self._streams.pop(request_id, None)
                 self.outputs.remove_request(request_id)
                 self.core.abort([request_id])
+
+    async def check_structured_output(self, params: SamplingParams,
+                                      output_token_ids: Sequence[int] = ()) -> None:
+        """Raise StructuredOutputError unless ``params.structured_output`` compiles and
+        accepts ``output_token_ids`` (output sampled elsewhere). The core compiles again when it
+        adds the request; each process has its own xgrammar cache. Runs off the event loop:
+        the first constrained request builds xgrammar's tokenizer table (a fraction of a
+        second), and a large schema can take a while to compile."""
+        spec = params.structured_output
+        if spec is not None:
+            await self._loop.run_in_executor(None, self.grammars.matcher, spec, output_token_ids)
 
     def _first_remote_token(self, request_id: str, prompt_token_ids: list[int],
                             params: SamplingParams, remote: RemotePrefill) -> RequestOutput:

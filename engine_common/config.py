@@ -64,3 +64,6 @@ class EngineConfig:
     kv_transfer: KvTransferConfig = field(default_factory=KvTransferConfig)
     # Stable identity of this engine instance (used in KV events and KV handles).
     engine_id: str = "engine-0"
+    # CPUs the engine core process runs on, one torch thread each (None: its parent's CPUs
+    # and threads). Keeping the frontend off them stops it from stalling the model's threads.
+    cpus: list[int] | None = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import queue
 import signal
 import threading
@@ -23,10 +24,12 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+import torch
+
 from engine_common.block_hash import BlockHash
 from engine_common.config import EngineConfig
 from engine_common.engine_core import EngineCore, EngineInfo
-from engine_common.outputs import EngineCoreOutputs, EngineCoreRequest
+from engine_common.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +121,9 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(message)s")
+    if config.cpus is not None:
+        os.sched_setaffinity(0, config.cpus)
+        torch.set_num_threads(len(config.cpus))
     try:
         core = EngineCore(config)
     except Exception as exc:  # noqa: BLE001 - report any start-up failure to the parent
@@ -131,8 +137,13 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection)
             try:
                 core.add_request(message.request)
             except ValueError as exc:
-                logger.warning("rejected request %s: %s", message.request.request_id, exc)
-                writer.send(EngineCoreOutputs(outputs=core.abort_requests([message.request.request_id])))
+                # The frontend validated it already, so this is rare; the stream must still
+                # end, or its client would wait forever. A duplicate id is left to its owner.
+                request_id = message.request.request_id
+                logger.warning("rejected request %s: %s", request_id, exc)
+                if request_id not in core.scheduler.requests:
+                    writer.send(EngineCoreOutputs(outputs=[EngineCoreOutput(
+                        request_id, [], finish_reason="abort", stop_reason=f"rejected: {exc}")]))
         elif isinstance(message, AbortRequests):
             aborted = core.abort_requests(message.request_ids)
             if aborted:

@@ -26,6 +26,7 @@ from engine_common.remote_kv import RemoteKv
 from engine_common.request import Request, RequestStatus
 from engine_common.sampling_params import SamplingParams
 from engine_common.scheduler import Scheduler
+from engine_common.structured_output.grammar import GrammarCompiler
 from engine_common.tokenizer import eos_token_ids, load_tokenizer
 from kv_transfer.layout import KvLayout
 
@@ -70,7 +71,10 @@ class EngineCore:
         self.config = config
         self.arch = ModelArchConfig.from_model_dir(config.model)
         self.max_model_len = context_length(config.max_model_len, self.arch)
-        self.eos_token_ids = eos_token_ids(config.model, load_tokenizer(config.model))
+        tokenizer = load_tokenizer(config.model)
+        self.eos_token_ids = eos_token_ids(config.model, tokenizer)
+        # Structured outputs; xgrammar's tables are built by the first constrained request.
+        self.grammars = GrammarCompiler(tokenizer, self.arch.vocab_size, self.eos_token_ids)
         self.model_runner = ModelRunner(config, self.arch, self.eos_token_ids, self.max_model_len)
         self.kv_cache_manager = KVCacheManager(
             num_blocks=self.model_runner.num_blocks,
@@ -118,22 +122,26 @@ class EngineCore:
             raise ValueError("this engine is not a KV producer (prefill role)")
         if request.remote_prefill is not None and (self.remote_kv is None or self.remote_kv.consumer is None):
             raise ValueError("this engine is not a KV consumer (decode role)")
-        self.scheduler.add_request(
-            Request(
-                request_id=request.request_id,
-                prompt_token_ids=list(request.prompt_token_ids),
-                sampling_params=params,
-                eos_token_ids=self.eos_token_ids,
-                arrival_time=request.arrival_time,
-                priority=request.priority,
-                cache_salt=request.cache_salt,
-                max_model_len=self.max_model_len,
-                block_size=self.config.cache.block_size,
-                hold_kv=request.hold_kv,
-                remote_prefill=request.remote_prefill,
-                num_resumed_tokens=request.num_resumed_tokens,
-            )
+        core_request = Request(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=request.arrival_time,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+            max_model_len=self.max_model_len,
+            block_size=self.config.cache.block_size,
+            hold_kv=request.hold_kv,
+            remote_prefill=request.remote_prefill,
+            num_resumed_tokens=request.num_resumed_tokens,
         )
+        if params.structured_output is not None:
+            # Compiled here, synchronously: milliseconds, and cached (see ``grammar``). The
+            # matcher starts after the output tokens sampled elsewhere (P/D, resumed).
+            core_request.grammar = self.grammars.matcher(
+                params.structured_output, core_request.sampled_elsewhere_token_ids)
+        self.scheduler.add_request(core_request)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         aborted = self.scheduler.abort_requests(request_ids)

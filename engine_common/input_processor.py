@@ -8,7 +8,7 @@ identically. It does not own sampling-parameter ranges (``SamplingParams.validat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -52,6 +52,15 @@ class InputProcessor:
         if bad:
             raise InvalidRequestError(
                 f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+
+    def check_logit_bias(self, logit_bias: Mapping[int, float]) -> None:
+        """Every biased token id must be in the vocabulary (the logits' width): the sampler
+        indexes the logits with them."""
+        bad = sorted(t for t in logit_bias if not 0 <= t < self.vocab_size)
+        if bad:
+            raise InvalidRequestError(
+                f"logit_bias token ids must be in [0, {self.vocab_size}) (the vocabulary "
+                f"size is {self.vocab_size}); got {bad[:5]}")
 
     def validate_prompt(self, prompt_token_ids: Sequence[int], max_tokens: int | None) -> None:
         n = len(prompt_token_ids)

@@ -51,6 +51,7 @@ class LLM:
                     cache_salt: str | None = None, request_id: str | None = None) -> tuple[str, list[int]]:
         token_ids = self.inputs.tokenize(prompt)
         self.inputs.validate_prompt(token_ids, params.max_tokens)
+        self.inputs.check_logit_bias(params.logit_bias)
         request_id = request_id or f"offline-{next(self._ids)}"
         arrival = time.monotonic()
         self.core.add_request(

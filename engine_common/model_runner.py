@@ -2,8 +2,10 @@
 
 Owns the device, the loaded model, the paged KV cache tensor and the per-request sampling
 generators. It sizes the KV cache from the memory budget, and on CUDA replays decode steps
-from CUDA graphs (``DecodeGraphRunner``). It does not decide what runs (``Scheduler``) or
-which blocks a request holds (``KVCacheManager``): it receives block ids.
+from CUDA graphs (``DecodeGraphRunner``). Rows with a grammar (structured outputs) get their
+allowed-token mask applied to the logits before anything samples them. It does not decide
+what runs (``Scheduler``) or which blocks a request holds (``KVCacheManager``): it receives
+block ids; nor does it advance grammars (the scheduler accepts the sampled tokens).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from engine_common.sampler import (
 )
 from engine_common.sampling_params import SamplingParams
 from engine_common.scheduler import ScheduledRequest, SchedulerOutput
+from engine_common.structured_output.grammar import GrammarBitmask, RequestGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +61,7 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+        self._grammar_bitmask: GrammarBitmask | None = None  # made by the first grammar
         self.decode_graphs: DecodeGraphRunner | None = None
         if self.device.type == "cuda":
             self.warm_up()
@@ -212,19 +216,31 @@ class ModelRunner:
                 device=dev)
             hidden = hidden[logits_indices]
         logits = self.model.compute_logits(hidden)
+        grammars = [(row, grammar) for row, i in enumerate(sample_items)
+                    if (grammar := scheduled[i].request.grammar) is not None]
+        bitmask = None
+        if grammars:
+            # Masked in place (the logits are this step's own), before anything samples:
+            # a greedy constrained row may then take the argmax like any other.
+            bitmask = self._apply_grammars(logits, grammars)
         if all(takes_argmax(scheduled[i].request.sampling_params,
                             scheduled[i].request.num_output_tokens) for i in sample_items):
             tokens: list[int] = logits.argmax(dim=-1).tolist()
             return {scheduled[i].request.request_id: (token, None)
                     for i, token in zip(sample_items, tokens, strict=True)}
         rows = []
-        for i in sample_items:
+        for row, i in enumerate(sample_items):
             request = scheduled[i].request
             params = request.sampling_params
             suppress: frozenset[int] = frozenset()
             if request.num_output_tokens < params.min_tokens:
                 eos = frozenset() if params.ignore_eos else self.eos_token_ids
                 suppress = eos | frozenset(params.stop_token_ids)
+                if (bitmask is not None and request.grammar is not None
+                        and not bitmask.allows_other_than(row, suppress)):
+                    # The grammar can only end here: it wins over min_tokens, or no
+                    # token would be left to sample.
+                    suppress = frozenset()
             rows.append(
                 SamplingRow(
                     params=params,
@@ -240,3 +256,11 @@ class ModelRunner:
             scheduled[i].request.request_id: (token, lp)
             for i, token, lp in zip(sample_items, result.sampled_token_ids, result.logprobs, strict=True)
         }
+
+    def _apply_grammars(self, logits: torch.Tensor,
+                        grammars: list[tuple[int, RequestGrammar]]) -> GrammarBitmask:
+        if self._grammar_bitmask is None:
+            self._grammar_bitmask = GrammarBitmask(
+                self.config.scheduler.max_num_seqs, self.arch.vocab_size, self.device)
+        self._grammar_bitmask.apply(logits, grammars)
+        return self._grammar_bitmask

@@ -11,10 +11,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine_common.block_hash import BlockHash, hash_block_tokens
 from engine_common.outputs import RemotePrefill
 from engine_common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine_common.structured_output.grammar import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -60,6 +64,9 @@ class Request:
     remote_prefill: RemotePrefill | None = None
     # Output tokens at the end of the prompt that another replica sampled.
     num_resumed_tokens: int = 0
+    # ``sampling_params.structured_output`` compiled (by the engine core), at the position
+    # of the output so far; it advances as the scheduler accepts sampled tokens.
+    grammar: RequestGrammar | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -98,6 +105,12 @@ class Request:
         return self.num_resumed_tokens + (1 if self.remote_prefill is not None else 0)
 
     @property
+    def sampled_elsewhere_token_ids(self) -> list[int]:
+        """The output tokens this request arrived with (resumed ones, a P/D first token)."""
+        resumed = self.prompt_token_ids[self.num_prompt_tokens - self.num_resumed_tokens:]
+        return resumed + self.output_token_ids
+
+    @property
     def extra_keys(self) -> tuple[str, ...] | None:
         return (self.cache_salt,) if self.cache_salt else None
 
@@ -125,13 +138,19 @@ class Request:
             )
 
     def check_stop(self) -> bool:
-        """Token-level stop checks after a new output token: EOS, stop ids, length.
+        """Token-level stop checks after a new output token: length, a terminated grammar,
+        EOS, stop ids.
 
-        Stop strings are the detokenizer's job, since they need text.
+        A grammar terminates when it accepts a stop token (EOS) after a complete match; the
+        request stops then even under ``ignore_eos`` or ``min_tokens``, since the grammar
+        allows no further token. Stop strings are the detokenizer's job, since they need text.
         """
         params = self.sampling_params
         if self.num_tokens >= self.max_total_tokens:
             self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        if self.grammar is not None and self.grammar.is_terminated:
+            self.status = RequestStatus.FINISHED_STOPPED
             return True
         if self.num_output_tokens < params.min_tokens:
             return False

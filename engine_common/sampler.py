@@ -1,12 +1,12 @@
 """Turning one step's logits into one token per request, with optional logprobs.
 
 Owns the per-step sampling batch (the tensors built from each request's ``SamplingParams``)
-and the pipeline applied to the logits: min-tokens suppression, repetition / frequency /
-presence penalties, greedy argmax, temperature, min-p, top-k, top-p, and the random draw,
-plus the logprobs a request asked for. It does not own the model (which produces the
-logits), stop checks (``request`` and ``detokenizer``) or the per-request generators (the
-caller creates them from the seed and keeps them with the request, so that a seeded
-request's stream continues across steps).
+and the pipeline applied to the logits: logit bias, min-tokens suppression, repetition /
+frequency / presence penalties, greedy argmax, temperature, min-p, top-k, top-p, and the
+random draw, plus the logprobs a request asked for. It does not own the model (which
+produces the logits), stop checks (``request`` and ``detokenizer``) or the per-request
+generators (the caller creates them from the seed and keeps them with the request, so that
+a seeded request's stream continues across steps).
 
 The random draw is the exponential race used by vLLM V1: with ``q ~ Exp(1)`` per token,
 ``argmax(probs / q)`` is distributed as ``probs``, with no sort and no cumulative sum. A row
@@ -35,11 +35,11 @@ def is_greedy(params: SamplingParams) -> bool:
 
 
 def takes_argmax(params: SamplingParams, num_output_tokens: int) -> bool:
-    """Whether the next token is the plain argmax of the logits: greedy, no penalties, no
-    logprobs, no tokens suppressed by ``min_tokens``. A batch of only such rows skips
-    building a ``SamplingBatch`` (the common greedy case, kept cheap on the host)."""
-    return (is_greedy(params) and not params.needs_penalties and params.logprobs is None
-            and num_output_tokens >= params.min_tokens)
+    """Whether the next token is the plain argmax of the logits: greedy, no logit bias, no
+    penalties, no logprobs, no tokens suppressed by ``min_tokens``. A batch of only such rows
+    skips building a ``SamplingBatch`` (the common greedy case, kept cheap on the host)."""
+    return (is_greedy(params) and not params.logit_bias and not params.needs_penalties
+            and params.logprobs is None and num_output_tokens >= params.min_tokens)
 
 
 @dataclass
@@ -101,6 +101,9 @@ class SamplingBatch:
     seen_token_mask: torch.Tensor | None  # [N, V] bool: in prompt or output
     # (row, token) pairs to set to -inf for min_tokens; None when there are none.
     suppress_index: tuple[torch.Tensor, torch.Tensor] | None
+    # (rows, tokens, values) of every row's logit_bias, added in one indexed add; None when
+    # no row has one.
+    logit_bias_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     generators: list[torch.Generator | None]
     seeded_rows: list[int]
     # Rows that want logprobs, and how many top entries each wants.
@@ -114,6 +117,7 @@ class SamplingBatch:
             self.all_greedy
             and self.no_penalties
             and self.suppress_index is None
+            and self.logit_bias_index is None
             and self.max_num_logprobs is None
         )
 
@@ -161,6 +165,7 @@ class SamplingBatch:
             output_counts, seen_mask = _penalty_tensors(rows, penalized, vocab_size, device)
 
         suppress_index = _suppress_index(rows, vocab_size, device)
+        logit_bias_index = _logit_bias_index(rows, vocab_size, device)
 
         logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         num_logprobs = [rows[i].params.logprobs or 0 for i in logprob_rows]
@@ -185,6 +190,7 @@ class SamplingBatch:
             output_token_counts=output_counts,
             seen_token_mask=seen_mask,
             suppress_index=suppress_index,
+            logit_bias_index=logit_bias_index,
             generators=generators,
             seeded_rows=[
                 i
@@ -253,16 +259,43 @@ def _suppress_index(
     return (torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device))
 
 
+def _logit_bias_index(
+    rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    if not any(r.params.logit_bias for r in rows):
+        return None
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    values: list[float] = []
+    for i, r in enumerate(rows):
+        # Ids were checked against the vocabulary on the way in; the filter only keeps an
+        # unchecked caller from indexing out of bounds.
+        bias = [(t, b) for t, b in r.params.logit_bias.items() if 0 <= t < vocab_size]
+        row_ids.extend([i] * len(bias))
+        token_ids.extend(t for t, _ in bias)
+        values.extend(b for _, b in bias)
+    if not row_ids:
+        return None
+    return (
+        torch.tensor(row_ids, dtype=torch.long).to(device, non_blocking=True),
+        torch.tensor(token_ids, dtype=torch.long).to(device, non_blocking=True),
+        torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True),
+    )
+
+
 class Sampler:
     """Samples one token per row of ``logits`` under ``batch``'s parameters.
 
-    Order: min-tokens suppression -> penalties (repetition, then frequency, then presence)
-    -> greedy rows take the argmax -> temperature -> min-p -> top-k -> top-p -> draw.
+    Order: logit bias -> min-tokens suppression -> penalties (repetition, then frequency,
+    then presence) -> greedy rows take the argmax -> temperature -> min-p -> top-k -> top-p
+    -> draw. The bias comes first, as vLLM V1 applies its logits processors before the
+    penalties, so a repetition penalty sees the biased logit.
 
-    Logprobs are the log-softmax of the logits after suppression and penalties but before
-    temperature, min-p, top-k and top-p: the model's distribution as the request shaped it,
-    not the truncated one it was drawn from. (vLLM's default ``raw_logprobs`` is taken even
-    before penalties; ours sees them, so a penalized token's logprob shows the penalty.)
+    Logprobs are the log-softmax of the logits after bias, suppression and penalties but
+    before temperature, min-p, top-k and top-p: the model's distribution as the request
+    shaped it, not the truncated one it was drawn from. (vLLM's default ``raw_logprobs`` is
+    taken even before bias and penalties; ours sees them, so a biased or penalized token's
+    logprob shows the change.)
     The input logits are never modified.
     """
 
@@ -272,8 +305,12 @@ class Sampler:
         if batch.fast_greedy:
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * batch.num_rows)
 
-        if batch.suppress_index is not None:
+        if batch.logit_bias_index is not None or batch.suppress_index is not None:
             logits = logits.clone()  # the caller's logits stay untouched
+        if batch.logit_bias_index is not None:
+            rows, tokens, values = batch.logit_bias_index
+            logits.index_put_((rows, tokens), values, accumulate=True)
+        if batch.suppress_index is not None:
             logits[batch.suppress_index] = float("-inf")
         if not batch.no_penalties:
             logits = _apply_penalties(logits, batch)

@@ -7,10 +7,15 @@ It does not own how sampling is done (``sampler``) or how stopping is detected
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from engine_common.structured_output.spec import StructuredOutputSpec
 
 # OpenAI's (and vLLM's) ceiling on the choices one request may ask for.
 MAX_CHOICES = 128
+# OpenAI's range for a logit_bias value: -100 bans a token in practice, +100 forces it.
+MAX_LOGIT_BIAS = 100.0
 
 
 class SamplingParamsError(ValueError):
@@ -36,12 +41,18 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return per token; 0 = sampled only
     skip_special_tokens: bool = True
     n: int = 1  # choices per request; the public API fans them out, an engine runs one
+    # Token id -> value added to its logit before anything else (OpenAI's logit_bias). Ids
+    # are checked against the vocabulary where it is known (``InputProcessor``).
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # The grammar the output must follow (JSON schema, regex, ...); None: free text.
+    structured_output: StructuredOutputSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = 0
+        self.logit_bias = dict(self.logit_bias)  # a plain dict, whatever mapping came in
         self.validate()
 
     @property
@@ -88,3 +99,10 @@ class SamplingParams:
             fail("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids must be non-negative")
+        bad_ids = sorted(t for t in self.logit_bias if t < 0)
+        if bad_ids:
+            fail(f"logit_bias token ids must be non-negative, got {bad_ids[:5]}")
+        bad_values = [(t, b) for t, b in self.logit_bias.items()
+                      if not (math.isfinite(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS)]
+        if bad_values:
+            fail(f"logit_bias values must be in [-100, 100], got {dict(bad_values[:5])}")

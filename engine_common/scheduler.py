@@ -6,7 +6,9 @@ and a step hands out at most ``max_num_batched_tokens`` of them, RUNNING request
 then WAITING ones (chunked prefill is just ``min(remaining, budget)``). When the KV pool is
 exhausted a running request is preempted by recompute: its blocks are freed and it goes back
 to the front of the waiting queue with ``num_computed_tokens = 0`` (its prompt and output so
-far are recomputed, mostly from the prefix cache). It does not own blocks (``KVCacheManager``)
+far are recomputed, mostly from the prefix cache; a grammar keeps its state, since the
+output is kept). Sampled tokens are accepted here: appended to the request and, for a
+structured output, advanced through its grammar. It does not own blocks (``KVCacheManager``)
 or the forward pass (``ModelRunner``).
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -23,6 +26,8 @@ from engine_common.kv_cache_manager import KVCacheManager
 from engine_common.outputs import EngineCoreOutput, SchedulerStats
 from engine_common.request import Request, RequestStatus
 from engine_common.sampler import TokenLogprobs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -132,6 +137,14 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        if request.grammar is not None and request.grammar.is_terminated:
+            # Its output so far (sampled elsewhere) already ends the grammar: nothing may
+            # follow, so it ends without running.
+            request.status = RequestStatus.FINISHED_STOPPED
+            self._finished_unscheduled.append(EngineCoreOutput(
+                request.request_id, [], finish_reason="stop",
+                num_cached_tokens=0, num_preemptions=0))
+            return
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -332,6 +345,9 @@ class Scheduler:
             if result is None:
                 continue  # a prefill chunk that does not reach the end yet
             token_id, logprobs = result
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                outputs.append(self._end_rejected(request, token_id))
+                continue
             request.append_output_token(token_id)
             finished = request.check_stop()
             output = EngineCoreOutput(
@@ -353,6 +369,23 @@ class Scheduler:
                     self._free(request)
             outputs.append(output)
         return outputs
+
+    def _end_rejected(self, request: Request, token_id: int) -> EngineCoreOutput:
+        """End a request whose grammar rejects its sampled token, without that token.
+
+        The mask allows only what the grammar accepts, so this means nothing was left to
+        sample (every allowed logit at -inf or NaN): the output cannot go on and stay valid.
+        """
+        logger.error("request %s: its grammar rejected sampled token %d; ending it",
+                     request.request_id, token_id)
+        self.running.remove(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.stop_reason = "structured_output_rejected"
+        self._free(request)
+        return EngineCoreOutput(request.request_id, [], finish_reason="abort",
+                                stop_reason=request.stop_reason,
+                                num_cached_tokens=max(request.num_cached_tokens, 0),
+                                num_preemptions=request.num_preemptions)
 
     def _free(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

@@ -104,10 +104,12 @@ class Choice:
 # transcoder) and the gRPC methods (for gRPC clients of the same port).
 _COMPLETION_PATHS = frozenset({
     "/v1/completions", "/v1/completions:stream",
-    "/tandem.v1.Generation/Complete", "/tandem.v1.Generation/CompleteStream"})
+    "/tandem.v1.Generation/Complete", "/tandem.v1.Generation/CompleteStream",
+    "/tandem.v1.Generation/CompleteEvents"})
 _CHAT_PATHS = frozenset({
     "/v1/chat/completions", "/v1/chat/completions:stream",
-    "/tandem.v1.Generation/ChatComplete", "/tandem.v1.Generation/ChatCompleteStream"})
+    "/tandem.v1.Generation/ChatComplete", "/tandem.v1.Generation/ChatCompleteStream",
+    "/tandem.v1.Generation/ChatCompleteEvents"})
 
 
 def _parse_body(body: bytes, content_type: str, message: Message) -> None:

@@ -113,6 +113,10 @@ class GatewayGenerationServicer(GenerationServicer):
                              context: grpc.aio.ServicerContext) -> None:
         await self._observed("CompleteStream", context, super().CompleteStream(request, context))
 
+    async def CompleteEvents(self, request: pb.CompletionRequest,  # noqa: N802
+                             context: grpc.aio.ServicerContext) -> None:
+        await self._observed("CompleteEvents", context, super().CompleteEvents(request, context))
+
     async def ChatComplete(self, request: pb.ChatCompletionRequest,  # noqa: N802
                            context: grpc.aio.ServicerContext) -> pb.ChatCompletionResponse:
         return await self._observed(
@@ -122,6 +126,11 @@ class GatewayGenerationServicer(GenerationServicer):
                                  context: grpc.aio.ServicerContext) -> None:
         await self._observed(
             "ChatCompleteStream", context, super().ChatCompleteStream(request, context))
+
+    async def ChatCompleteEvents(self, request: pb.ChatCompletionRequest,  # noqa: N802
+                                 context: grpc.aio.ServicerContext) -> None:
+        await self._observed(
+            "ChatCompleteEvents", context, super().ChatCompleteEvents(request, context))
 
 
 def load_inputs(model_dir: str) -> InputProcessor:

@@ -3,6 +3,7 @@ they raise) and, in ``tandem.cli``, the ``tandem`` command."""
 
 from tandem.client import AsyncClient, Client
 from tandem.errors import (
+    AuthenticationError,
     CancelledError,
     DeadlineExceededError,
     InvalidRequestError,
@@ -25,6 +26,7 @@ from tandem.results import (
 
 __all__ = [
     "AsyncClient",
+    "AuthenticationError",
     "CancelledError",
     "ChatChoice",
     "ChatCompletion",

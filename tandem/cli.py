@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from deploy.envoy_config import read_api_keys
 from deploy.supervisor import SuiteConfig, Supervisor, plan_suite
 
 
@@ -32,15 +33,26 @@ def add_suite_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-gateway", action="store_true", help="start replicas only")
     parser.add_argument("--envoy", action="store_true", help="also start Envoy (HTTP, OpenAI routes)")
     parser.add_argument("--http-port", type=int, default=8080, help="Envoy's HTTP port")
+    parser.add_argument("--api-key-file", type=Path, default=None,
+                        help="with --envoy: require one of the API keys in this file (one per "
+                             "line) on every HTTP and gRPC request through Envoy")
     parser.add_argument("--log-dir", type=Path, default=Path(".cache/tandem/logs"))
 
 
 def suite_config(args: argparse.Namespace) -> SuiteConfig:
+    if args.api_key_file is not None:
+        if not args.envoy:
+            raise SystemExit("error: --api-key-file protects Envoy's edge; add --envoy")
+        try:
+            read_api_keys(args.api_key_file)  # fail now, not after the replicas started
+        except (OSError, ValueError) as error:
+            raise SystemExit(f"error: --api-key-file: {error}") from error
     return SuiteConfig(
         model=args.model, num_prefill=args.prefill, num_decode=args.decode, num_both=args.both,
         host=args.host, base_port=args.base_port, gateway_port=args.gateway_port,
         metrics_base_port=args.metrics_base_port, kv_cache_memory=args.kv_cache_memory,
         gateway=not args.no_gateway, envoy=args.envoy, envoy_http_port=args.http_port,
+        envoy_api_key_file=args.api_key_file,
         pin_cpus=args.pin_cpus,
     )
 

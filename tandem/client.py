@@ -49,11 +49,12 @@ Metadata = Mapping[str, str] | Sequence[tuple[str, str]]
 R = TypeVar("R")
 
 
-def _metadata_pairs(metadata: Metadata | None) -> tuple[tuple[str, str], ...] | None:
-    if metadata is None:
-        return None
-    pairs = metadata.items() if isinstance(metadata, Mapping) else metadata
-    return tuple((key, value) for key, value in pairs)
+def _metadata_pairs(metadata: Metadata | None,
+                    api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    pairs = list((metadata.items() if isinstance(metadata, Mapping) else metadata) or ())
+    if api_key is not None:
+        pairs.append(("authorization", f"Bearer {api_key}"))  # as Envoy's key check reads it
+    return tuple((key, value) for key, value in pairs) or None
 
 
 def _credentials(tls: bool, root_certificates: bytes | None) -> grpc.ChannelCredentials | None:
@@ -65,7 +66,8 @@ def _credentials(tls: bool, root_certificates: bytes | None) -> grpc.ChannelCred
 
 class Client:
     """A blocking client. ``timeout`` (seconds) bounds each call, a whole stream included;
-    ``metadata`` is sent with every call (e.g. an ``authorization`` header)."""
+    ``metadata`` is sent with every call, and ``api_key`` as ``authorization: Bearer KEY``
+    (Envoy's edge checks it when started with API keys)."""
 
     def __init__(
         self,
@@ -75,6 +77,7 @@ class Client:
         root_certificates: bytes | None = None,
         timeout: float | None = None,
         metadata: Metadata | None = None,
+        api_key: str | None = None,
     ) -> None:
         credentials = _credentials(tls, root_certificates)
         self._channel = (
@@ -84,7 +87,7 @@ class Client:
         )
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._timeout = timeout
-        self._metadata = _metadata_pairs(metadata)
+        self._metadata = _metadata_pairs(metadata, api_key)
 
     def _unary(self, method: Callable[..., Any], request: Any) -> Any:
         try:
@@ -210,6 +213,7 @@ class AsyncClient:
         root_certificates: bytes | None = None,
         timeout: float | None = None,
         metadata: Metadata | None = None,
+        api_key: str | None = None,
     ) -> None:
         credentials = _credentials(tls, root_certificates)
         self._channel = (
@@ -219,7 +223,7 @@ class AsyncClient:
         )
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._timeout = timeout
-        self._metadata = _metadata_pairs(metadata)
+        self._metadata = _metadata_pairs(metadata, api_key)
 
     async def _unary(self, method: Callable[..., Any], request: Any) -> Any:
         try:

@@ -23,6 +23,10 @@ class InvalidRequestError(TandemError):
     """The request was rejected as malformed, or names something that does not exist."""
 
 
+class AuthenticationError(TandemError):
+    """No API key, or a wrong one (``Client(..., api_key=...)`` sends it)."""
+
+
 class OverloadedError(TandemError):
     """The service is at capacity; retry later, ideally with backoff."""
 
@@ -42,6 +46,8 @@ class CancelledError(TandemError):
 _ERROR_BY_CODE: dict[grpc.StatusCode, type[TandemError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
     grpc.StatusCode.NOT_FOUND: InvalidRequestError,
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
+    grpc.StatusCode.PERMISSION_DENIED: AuthenticationError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: OverloadedError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,

@@ -9,9 +9,9 @@ ranges: the server does, and answers INVALID_ARGUMENT.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TypedDict
+from typing import Any, TypedDict
 
-from google.protobuf import struct_pb2
+from google.protobuf import json_format, struct_pb2
 
 from protos.tandem.v1 import generation_pb2 as pb
 
@@ -26,6 +26,12 @@ class GenerationOptions(TypedDict, total=False):
     seed: int
     stop: str | Sequence[str]
     stop_token_ids: Sequence[int]
+    logit_bias: Mapping[int, float]  # token id -> bias in [-100, 100], added to its logit
+    # OpenAI's {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name": ...,
+    # "schema": {...}}}: the output is JSON (following the schema).
+    response_format: Mapping[str, object]
+    # vLLM's: one of {"json": schema}, {"regex": ...}, {"choice": [...]}, {"grammar": EBNF}.
+    structured_outputs: Mapping[str, object]
     presence_penalty: float
     frequency_penalty: float
     repetition_penalty: float
@@ -40,7 +46,9 @@ class GenerationOptions(TypedDict, total=False):
 
 _OPTION_NAMES = frozenset(GenerationOptions.__annotations__)
 
-ChatMessages = Sequence[Mapping[str, str]]
+# {"role": ..., "content": ..., "name": ...}; content is a string or a list of text parts,
+# [{"type": "text", "text": ...}, ...], as in OpenAI's API.
+ChatMessages = Sequence[Mapping[str, object]]
 
 
 def _value(item: str | Sequence[str] | Sequence[int]) -> struct_pb2.Value:
@@ -65,6 +73,10 @@ def _apply_options(
             request.stop.CopyFrom(_value(value))  # type: ignore[arg-type]
         elif name == "stop_token_ids":
             request.stop_token_ids.extend(value)  # type: ignore[arg-type]
+        elif name == "logit_bias":
+            request.logit_bias.update(value)  # type: ignore[call-overload]
+        elif name in ("response_format", "structured_outputs"):
+            json_format.ParseDict(value, getattr(request, name))  # type: ignore[arg-type]
         else:
             setattr(request, name, value)
 
@@ -95,16 +107,18 @@ def completion_request(
     return request
 
 
-def chat_message(message: Mapping[str, str]) -> pb.ChatMessage:
+def chat_message(message: Mapping[str, object]) -> pb.ChatMessage:
     """A ChatMessage from an OpenAI-style ``{"role": ..., "content": ..., "name": ...}``."""
     unknown = set(message) - {"role", "content", "name"}
     if unknown or "role" not in message:
         raise TypeError(
             f"a chat message needs 'role' and 'content' (and maybe 'name'): {message!r}"
         )
-    return pb.ChatMessage(
-        role=message["role"], content=message.get("content") or "", name=message.get("name", "")
-    )
+    text_or_parts: Any = message.get("content") or ""
+    content = struct_pb2.Value()  # any JSON value: the server checks the parts' shape
+    json_format.ParseDict(text_or_parts, content)
+    return pb.ChatMessage(role=str(message["role"]), content=content,
+                          name=str(message.get("name", "")))
 
 
 def chat_request(

@@ -157,7 +157,7 @@ def test_streams_chat_and_small_calls(server) -> None:
 
         answer = client.chat([{"role": "user", "content": "Hi"}], top_logprobs=2, top_k=5)
         request = servicer.requests[-1]
-        assert [(m.role, m.content) for m in request.messages] == [("user", "Hi")]
+        assert [(m.role, m.content.string_value) for m in request.messages] == [("user", "Hi")]
         assert request.logprobs and request.top_logprobs == 2 and request.top_k == 5
         assert (answer.role, answer.content, answer.finish_reason) == (
             "assistant",

@@ -1,8 +1,9 @@
 """Pinning replicas to CPUs: the flag's parsing, the suite's split, and a real pinned replica.
 
 A replica started with ``--cpus`` must run its frontend and its engine-core child on those
-CPUs only, with one OpenMP/torch thread per CPU; ``tandem up --pin-cpus`` gives each replica
-its own share.
+CPUs only, with one OpenMP/torch thread per CPU; ``--engine-cpus`` puts the engine core alone
+on some of them and the frontend on the rest; ``tandem up --pin-cpus`` gives each replica its
+own share.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from deploy.supervisor import SuiteConfig, plan_suite, split_cpus
-from services.replica.main import parse_cpus
+from services.replica.main import parse_cpus, split_engine_cpus
 from tests.replica_process import REPO_ROOT, start_replicas
 
 
@@ -68,5 +69,47 @@ def test_a_pinned_replica_and_its_engine_core_run_on_their_cpus(
             assert os.sched_getaffinity(pid) == {cpu}
         environ = Path(f"/proc/{core}/environ").read_bytes().split(b"\0")
         assert b"OMP_NUM_THREADS=1" in environ
+    finally:
+        replica.kill()
+
+
+def test_engine_cpus_leave_the_frontend_the_other_cpus():
+    assert split_engine_cpus([0, 1, 2, 3], [1, 2]) == [0, 3]
+    with pytest.raises(ValueError, match="not within"):
+        split_engine_cpus([0, 1], [2])
+    with pytest.raises(ValueError, match="leaves no CPU"):
+        split_engine_cpus([0, 1], [0, 1])
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to split")
+def test_an_engine_core_on_its_own_cpus_with_the_frontend_beside_it(
+        tiny_llama_dir: Path, tmp_path: Path):
+    cpus = sorted(os.sched_getaffinity(0))
+    engine_cpu = cpus[-1]
+    replica = start_replicas(tiny_llama_dir, tmp_path, {
+        "split": ["--dtype", "float32", "--kv-cache-memory", "16MiB",
+                  "--engine-cpus", str(engine_cpu)],
+    })["split"]
+    try:
+        core = replica.engine_core_pid()
+        assert os.sched_getaffinity(core) == {engine_cpu}
+        assert os.sched_getaffinity(replica.process.pid) == set(cpus) - {engine_cpu}
+    finally:
+        replica.kill()
+
+
+def test_an_engine_core_on_its_own_cpus_leaves_the_frontend_the_rest(
+        tiny_llama_dir: Path, tmp_path: Path):
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs to split between frontend and engine core")
+    engine_cpu = cpus[-1]
+    replica = start_replicas(tiny_llama_dir, tmp_path, {
+        "split": ["--dtype", "float32", "--kv-cache-memory", "16MiB",
+                  "--engine-cpus", str(engine_cpu)],
+    })["split"]
+    try:
+        assert os.sched_getaffinity(replica.engine_core_pid()) == {engine_cpu}
+        assert os.sched_getaffinity(replica.process.pid) == set(cpus) - {engine_cpu}
     finally:
         replica.kill()

@@ -23,13 +23,17 @@ from typing import Any
 import pytest
 
 from deploy.envoy_config import (
+    API_KEY_FILTER,
     DEFAULT_DESCRIPTOR,
     DESTINATION_HEADER,
     GENERATION_SERVICE,
     TlsFiles,
+    check_api_keys,
     dump_bootstrap,
+    read_api_keys,
     render_envoy_bootstrap,
     render_picker_bootstrap,
+    with_api_keys,
 )
 from deploy.envoy_runner import find_envoy
 from tests.replica_process import free_port
@@ -83,8 +87,7 @@ def test_gateway_bootstrap_is_valid_and_transcodes_as_openai_needs(tmp_path: Pat
     assert transcoder["services"] == [GENERATION_SERVICE]
     assert transcoder["convert_grpc_status"] is True
     assert transcoder["print_options"] == {
-        "preserve_proto_field_names": True, "always_print_primitive_fields": True,
-        "stream_sse_style_delimited": True}
+        "preserve_proto_field_names": True, "always_print_primitive_fields": True}
     assert transcoder["proto_descriptor"] == str(DEFAULT_DESCRIPTOR)
     assert config["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
     cluster = config["static_resources"]["clusters"][0]
@@ -197,3 +200,30 @@ def test_runner_prints_the_bootstrap_and_finds_envoy() -> None:
     assert result.returncode == 0, result.stderr
     assert "ORIGINAL_DST" in result.stdout and "10.0.0.7" in result.stdout
     assert find_envoy().name == "envoy"
+
+
+def test_api_keys_are_checked_and_added_after_the_lua_script(tmp_path: Path) -> None:
+    for bootstrap in (render_envoy_bootstrap(8080, "127.0.0.1:50051", api_keys=["k1", "k2"]),
+                      render_picker_bootstrap(8080, "127.0.0.1:9002", api_keys=["k1"])):
+        names = http_filter_names(bootstrap)
+        assert names[:2] == ["envoy.filters.http.lua", API_KEY_FILTER]
+        auth = typed_filter(bootstrap, API_KEY_FILTER)
+        assert auth["forwarding"] == {"hide_credentials": True}  # keys never reach upstream
+        validate(bootstrap, tmp_path)
+        with pytest.raises(ValueError, match="already"):
+            with_api_keys(bootstrap, ["k3"])
+    routes = render_envoy_bootstrap(8080, "127.0.0.1:50051")["static_resources"]["listeners"][
+        0]["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][
+        0]["routes"]
+    exempt = [r["match"]["prefix"] for r in routes if "typed_per_filter_config" in r]
+    assert exempt == ["/grpc.health.v1.Health/"]
+    assert API_KEY_FILTER not in http_filter_names(render_envoy_bootstrap(8080, "h:1"))
+    for bad in ([""], ["two words"], ["same", "same"]):
+        with pytest.raises(ValueError):
+            check_api_keys(bad)
+    keys = tmp_path / "keys"
+    keys.write_text("# comment only\n\n")
+    with pytest.raises(ValueError, match="no API key"):
+        read_api_keys(keys)
+    keys.write_text(" spaced-key \n# note\nother\n")
+    assert read_api_keys(keys) == ["spaced-key", "other"]

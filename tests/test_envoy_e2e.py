@@ -32,6 +32,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine_common.config import CacheConfig, EngineConfig
 from engine_common.llm import LLM
 from engine_common.sampling_params import SamplingParams
+from tandem.client import Client
+from tandem.errors import AuthenticationError
 from tests.replica_process import (
     ReplicaProcess,
     envoy_answers,
@@ -172,6 +174,12 @@ def test_chat_equals_offline_greedy_streamed_or_not(stack: Stack, offline: LLM) 
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    # Content as a list of text parts, as newer clients send it, reads as the same text.
+    parts = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]}
+             for m in MESSAGES]
+    chat = client.chat.completions.create(model="tiny", messages=parts,  # type: ignore[arg-type]
+                                          max_tokens=10, **GREEDY)
+    assert chat.choices[0].message.content == want.text
 
 
 def test_curl_gets_server_sent_events(stack: Stack, offline: LLM) -> None:
@@ -189,9 +197,13 @@ def test_curl_gets_server_sent_events(stack: Stack, offline: LLM) -> None:
                for line in head.splitlines()[1:]}
     assert headers["content-type"] == "text/event-stream"
     assert "grpc-status" not in headers
+    assert events.endswith("\n\ndata: [DONE]\n\n")  # OpenAI's end of stream, once
     frames = [frame for frame in events.split("\n\n") if frame.strip()]
     assert frames and all(frame.startswith("data: ") for frame in frames)
-    chunks = [json.loads(frame[len("data: "):]) for frame in frames]
+    assert frames.count("data: [DONE]") == 1
+    chunks = [json.loads(frame[len("data: "):]) for frame in frames[:-1]]
+    assert all(c["object"] == "text_completion" and c["choices"][0]["index"] == 0
+               for c in chunks)
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == want.text
 
 
@@ -260,6 +272,52 @@ def test_overload_is_a_429(stack: Stack) -> None:
         holder.close()
 
 
+def test_api_keys_guard_every_route_but_health(stack: Stack, offline: LLM,
+                                               tmp_path: Path) -> None:
+    """A second Envoy with API keys in front of the same gateway: the openai SDK and the gRPC
+    SDK get in with a key (Bearer or x-api-key) and get a 401 / UNAUTHENTICATED without one;
+    health checks need none."""
+    key_file = tmp_path / "api-keys"
+    key_file.write_text("# one key per line\nkey-alpha\n\nkey-bravo\n")
+    port = free_port()
+    envoy = spawn_module(stack.logs, "envoy-keys", [
+        "deploy.envoy_runner", "--http-port", str(port), "--upstream", stack.gateway,
+        "--concurrency", "1", "--api-key-file", str(key_file)])
+    try:
+        wait_until(lambda: envoy_answers(port), time.monotonic() + 60, "envoy-keys", stack.logs)
+        base_url = f"http://127.0.0.1:{port}/v1"
+        want = offline.generate([PROMPTS[0]], greedy(6))[0]
+        with pytest.raises(openai.AuthenticationError) as raised:
+            openai.OpenAI(base_url=base_url, api_key="key-wrong", max_retries=0).completions \
+                .create(model="tiny", prompt=PROMPTS[0], max_tokens=6)
+        assert raised.value.status_code == 401
+        assert raised.value.body["type"] == "authentication_error"  # type: ignore[index]
+        assert raised.value.body["code"] == "invalid_api_key"  # type: ignore[index]
+        client = openai.OpenAI(base_url=base_url, api_key="key-bravo", max_retries=0)
+        completion = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6,
+                                               **GREEDY)
+        assert completion.choices[0].text == want.text
+        streamed = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6,
+                                             stream=True, **GREEDY)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == want.text
+        request = urllib.request.Request(f"{base_url}/models",
+                                         headers={"x-api-key": "key-alpha"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert json.loads(response.read())["data"][0]["id"] == "tiny"
+
+        target = f"127.0.0.1:{port}"
+        with Client(target, timeout=60) as anonymous:
+            with pytest.raises(AuthenticationError):
+                anonymous.complete(PROMPTS[0], max_tokens=6, temperature=0, ignore_eos=True)
+        with Client(target, api_key="key-alpha", timeout=60) as keyed:
+            assert keyed.complete(PROMPTS[0], max_tokens=6, temperature=0,
+                                  ignore_eos=True).text == want.text
+        assert is_serving(target)  # gRPC health: no key
+    finally:
+        os.killpg(envoy.pid, signal.SIGTERM)
+        envoy.wait(30)
+
+
 def test_reflection_lists_the_services_through_envoy(stack: Stack) -> None:
     with grpc.insecure_channel(f"127.0.0.1:{stack.http_port}") as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
@@ -268,6 +326,27 @@ def test_reflection_lists_the_services_through_envoy(stack: Stack) -> None:
         services = {s.name for reply in replies
                     for s in reply.list_services_response.service}
     assert {"tandem.v1.Generation", "grpc.health.v1.Health"} <= services
+
+
+def test_a_stream_broken_midway_ends_with_an_error_event(stack: Stack) -> None:
+    """The decode replica dies after the stream began (and the gateway may not retry): the
+    client gets an OpenAI error event, then [DONE], not a silently truncated stream."""
+    body = json.dumps({"model": "tiny", "prompt": "alpha", "max_tokens": 400, "stream": True,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    request = urllib.request.Request(f"{stack.base_url}/completions", data=body,
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.status == 200
+        first = response.readline().decode()
+        assert first.startswith("data: {") and '"text_completion"' in first
+        stack.replicas["decode"].kill()
+        events = [e.strip() for e in response.read().decode().split("\n\n") if e.strip()]
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "unavailable" and error["type"] == "server_error"
+    assert error["message"]  # says why (the replica is gone and the stream was not resumed)
+    assert all(json.loads(e.removeprefix("data: "))["object"] == "text_completion"
+               for e in events[:-2])
 
 
 def test_no_replica_is_a_503(stack: Stack) -> None:

@@ -35,6 +35,7 @@ from gateway.snapshot import prompt_block_hashes
 from protos.tandem.v1 import engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
 from tandem.client import Client
 from tandem.errors import DeadlineExceededError
+from tandem.request_builders import chat_message
 
 REPO = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 150.0
@@ -256,7 +257,7 @@ def test_gateway_hashes_match_the_engines_kv_events(cluster: Cluster) -> None:
         with grpc.insecure_channel(cluster.gateway_address) as channel:
             tokenized = generation_pb2_grpc.GenerationStub(channel).Tokenize(
                 generation_pb2.TokenizeRequest(
-                    messages=[generation_pb2.ChatMessage(**m) for m in messages]), timeout=10)
+                    messages=[chat_message(m) for m in messages]), timeout=10)
         assert list(tokenized.tokens) == prompt
         for salt in ("", "tenant-7"):
             expected = prompt_block_hashes(prompt, DEFAULT_BLOCK_SIZE, salt)

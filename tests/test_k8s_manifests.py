@@ -237,3 +237,45 @@ def test_cli_writes_one_file_per_object(tmp_path: Path) -> None:
     assert len(files) == 11
     decode = yaml.safe_load((out / "deployment-tandem-decode.yaml").read_text())
     assert decode["spec"]["replicas"] == 2
+
+
+def test_api_keys_come_from_a_secret_through_an_init_container(tmp_path: Path) -> None:
+    objects = render(api_key_secret="tandem-keys", tls_secret="tandem-tls")
+    api = ApiClient()
+    envoy = by_kind(objects, "Deployment")["tandem-envoy"]
+    model = api._ApiClient__deserialize(envoy, "V1Deployment")  # type: ignore[attr-defined]
+    assert api.sanitize_for_serialization(model) == envoy
+    pod = envoy["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["image"] == "registry.example/tandem:0.1"
+    assert {"name": "api-keys", "secret": {"secretName": "tandem-keys"}} in pod["volumes"]
+    bootstrap = by_kind(objects, "ConfigMap")["tandem-envoy"]["data"]["envoy.yaml"]
+    assert "credentials" not in bootstrap  # the keys never sit in the ConfigMap
+    # Run the init container's command here, the volumes standing in as local paths.
+    mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
+    local = {mounts["config"]: tmp_path / "template", mounts["api-keys"]: tmp_path / "keys",
+             mounts["keyed-config"]: tmp_path / "keyed"}
+    for directory in local.values():
+        directory.mkdir()
+    (local[mounts["config"]] / "envoy.yaml").write_text(bootstrap)
+    (local[mounts["api-keys"]] / "api-keys").write_text("first-key\nsecond-key\n")
+    argv = list(init["command"])
+    for mount, directory in local.items():
+        argv = [arg.replace(mount, str(directory)) for arg in argv]
+    assert argv[:3] == ["tandem", "render", "envoy"]
+    result = subprocess.run([sys.executable, "-m", "tandem.cli", *argv[1:]], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    keyed_path = local[mounts["keyed-config"]] / "envoy.yaml"
+    assert keyed_path.stat().st_mode & 0o077 == 0  # readable by its owner only
+    keyed = yaml.safe_load(keyed_path.read_text())
+    (envoy_container,) = pod["containers"]
+    assert {"name": "keyed-config", "mountPath": "/etc/envoy", "readOnly": True} in \
+        envoy_container["volumeMounts"]
+    for listener in keyed["static_resources"]["listeners"]:  # HTTP and HTTPS
+        manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        names = [f["name"] for f in manager["http_filters"]]
+        assert names[:3] == ["envoy.filters.http.lua", "envoy.filters.http.api_key_auth",
+                             "envoy.filters.http.ext_proc"]
+        keys = manager["http_filters"][1]["typed_config"]["credentials"]
+        assert [k["key"] for k in keys] == ["first-key", "second-key"]

@@ -34,6 +34,7 @@ from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 from tandem.client import AsyncClient, Client
 from tandem.errors import OverloadedError
+from tandem.request_builders import chat_message
 from tests.replica_process import (
     ReplicaProcess,
     envoy_answers,
@@ -201,7 +202,7 @@ def test_n_out_of_range_is_invalid_argument(channel, client, n):
     assert "n (choices per request) must be between 1 and 128" in error.value.details()
     with pytest.raises(grpc.RpcError) as error:
         list(stub.ChatCompleteStream(pb.ChatCompletionRequest(
-            messages=[pb.ChatMessage(role="user", content="hi")], n=n), timeout=30))
+            messages=[chat_message({"role": "user", "content": "hi"})], n=n), timeout=30))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert client.complete(PROMPT, max_tokens=2).finish_reason is not None
 

@@ -76,20 +76,26 @@ def test_descriptor_set_carries_the_openai_http_routes() -> None:
     (service,) = [s for s in generation.service if s.name == "Generation"]
     routes = {}
     for method in service.method:
+        if not method.options.HasExtension(annotations_pb2.http):
+            continue  # gRPC only
         rule = method.options.Extensions[annotations_pb2.http]
         verb = rule.WhichOneof("pattern")
         routes[method.name] = (verb, getattr(rule, verb), rule.body)
     assert routes == {
         "Complete": ("post", "/v1/completions", "*"),
-        "CompleteStream": ("post", "/v1/completions:stream", "*"),
+        "CompleteEvents": ("post", "/v1/completions:stream", "*"),
         "ChatComplete": ("post", "/v1/chat/completions", "*"),
-        "ChatCompleteStream": ("post", "/v1/chat/completions:stream", "*"),
+        "ChatCompleteEvents": ("post", "/v1/chat/completions:stream", "*"),
         "ListModels": ("get", "/v1/models", ""),
         "Tokenize": ("post", "/tokenize", "*"),
         "Detokenize": ("post", "/detokenize", "*"),
     }
     streaming = {m.name for m in service.method if m.server_streaming}
-    assert streaming == {"CompleteStream", "ChatCompleteStream"}
+    assert streaming == {"CompleteStream", "ChatCompleteStream", "CompleteEvents",
+                         "ChatCompleteEvents"}
+    # HTTP clients get server-sent events the server writes (ending in "data: [DONE]").
+    assert {m.output_type for m in service.method if m.name.endswith("Events")} == {
+        ".google.api.HttpBody"}
 
 
 @pytest.mark.parametrize(
@@ -120,13 +126,16 @@ def test_completion_request_parses_from_openai_json(
 def test_chat_request_parses_from_openai_json() -> None:
     body = (
         '{"model": "m", "messages": [{"role": "system", "content": "Be brief."},'
-        ' {"role": "user", "content": "Hi", "name": "ann"}], "max_completion_tokens": 4,'
-        ' "logprobs": true, "top_logprobs": 3}'
+        ' {"role": "user", "content": "Hi", "name": "ann"},'
+        ' {"role": "user", "content": [{"type": "text", "text": "and"}]}],'
+        ' "max_completion_tokens": 4, "logprobs": true, "top_logprobs": 3}'
     )
     request = json_format.Parse(body, pb.ChatCompletionRequest())
-    assert [(m.role, m.content, m.name) for m in request.messages] == [
+    assert [(m.role, json_format.MessageToDict(m.content), m.name)
+            for m in request.messages] == [
         ("system", "Be brief.", ""),
         ("user", "Hi", "ann"),
+        ("user", [{"type": "text", "text": "and"}], ""),
     ]
     assert request.max_completion_tokens == 4 and not request.HasField("max_tokens")
     assert request.logprobs and request.top_logprobs == 3

@@ -28,6 +28,7 @@ from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 from tandem.client import AsyncClient, Client
 from tandem.errors import TandemError
+from tandem.request_builders import chat_message
 from tests.replica_process import ReplicaProcess, start_replicas
 
 MAX_MODEL_LEN = 512
@@ -129,6 +130,21 @@ def test_unary_and_chat_equal_offline_greedy(client, offline):
     chunks = list(client.chat_stream(messages, max_tokens=10, temperature=0, ignore_eos=True))
     assert chunks[0].role == "assistant"
     assert "".join(c.content for c in chunks) == want_chat.text
+
+
+def test_chat_content_parts_are_the_joined_text(client, channel, offline):
+    joined = [{"role": "system", "content": "Be brief.\nAnswer in French."},
+              {"role": "user", "content": "Tell me a story"}]
+    want = offline.generate([offline.inputs.tokenize_chat(joined)], greedy(10))[0]
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Be brief."},
+                                            {"type": "text", "text": "Answer in French."}]},
+             {"role": "user", "content": [{"type": "text", "text": "Tell me a story"}]}]
+    chat = client.chat(parts, max_tokens=10, temperature=0, ignore_eos=True)
+    assert chat.content == want.text
+    assert chat.usage is not None and chat.usage.prompt_tokens == len(want.prompt_token_ids)
+    tokenized = pb_grpc.GenerationStub(channel).Tokenize(
+        pb.TokenizeRequest(messages=[chat_message(m) for m in parts]), timeout=30)
+    assert list(tokenized.tokens) == want.prompt_token_ids
 
 
 def test_chat_without_max_tokens_runs_to_the_context(client, offline):
@@ -292,7 +308,7 @@ def _completion(**fields: object) -> pb.CompletionRequest:
 
 
 def _chat(**fields: object) -> pb.ChatCompletionRequest:
-    fields.setdefault("messages", [pb.ChatMessage(role="user", content="hi")])
+    fields.setdefault("messages", [chat_message({"role": "user", "content": "hi"})])
     return pb.ChatCompletionRequest(**fields)  # type: ignore[arg-type]
 
 
@@ -328,7 +344,18 @@ INVALID_CASES = [
     ("unknown model", "gen", "Complete", _completion(model="gpt-4"), INVALID, "gpt-4"),
     ("chat without messages", "gen", "ChatComplete", _chat(messages=[]), INVALID, "messages"),
     ("chat with a bad role", "gen", "ChatCompleteStream",
-     _chat(messages=[pb.ChatMessage(role="wizard", content="hi")]), INVALID, "role"),
+     _chat(messages=[chat_message({"role": "wizard", "content": "hi"})]), INVALID, "role"),
+    ("chat with an image part", "gen", "ChatComplete", _chat(messages=[chat_message(
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]})]),
+     INVALID, "messages[0].content[0] has type 'image_url'"),
+    ("chat with a part that is not an object", "gen", "ChatCompleteStream",
+     _chat(messages=[chat_message({"role": "user", "content": ["hi"]})]), INVALID,
+     "messages[0].content[0] must be an object"),
+    ("chat with a text part without text", "gen", "ChatComplete", _chat(messages=[
+        chat_message({"role": "user", "content": [{"type": "text", "text": 3}]})]), INVALID,
+     'needs a string "text"'),
+    ("chat content of the wrong type", "gen", "ChatComplete", _chat(messages=[
+        pb.ChatMessage(role="user", content=_value(3))]), INVALID, "content must be a string"),
     ("top_logprobs without logprobs", "gen", "ChatComplete", _chat(top_logprobs=2), INVALID,
      "logprobs"),
     ("chat with an unknown model", "gen", "ChatComplete", _chat(model="nope"), INVALID, "nope"),

@@ -17,6 +17,7 @@ from engine_common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored,
 from engine_common.outputs import KvTransferReport
 from engine_common.sampler import TokenLogprobs
 from engine_common.sampling_params import SamplingParams
+from engine_common.structured_output.spec import StructuredOutputSpec
 from kv_transfer.connector import KvHandle
 from kv_transfer.layout import KvLayout
 from protos.tandem.v1 import engine_pb2 as epb
@@ -32,6 +33,12 @@ def sampling_params_from_pb(message: epb.SamplingParams) -> SamplingParams:
     for f in fields(SamplingParams):
         if f.name in _REPEATED:
             kwargs[f.name] = list(getattr(message, f.name))
+        elif f.name == "logit_bias":
+            kwargs[f.name] = dict(message.logit_bias)
+        elif f.name == "structured_output":
+            if message.HasField(f.name):
+                kwargs[f.name] = StructuredOutputSpec.parse(message.structured_output.kind,
+                                                            message.structured_output.value)
         elif message.HasField(f.name):
             kwargs[f.name] = getattr(message, f.name)
     return SamplingParams(**kwargs)
@@ -45,6 +52,12 @@ def sampling_params_to_pb(params: SamplingParams) -> epb.SamplingParams:
         value = getattr(params, f.name)
         if f.name in _REPEATED:
             getattr(message, f.name).extend(value)
+        elif f.name == "logit_bias":
+            message.logit_bias.update(value)
+        elif f.name == "structured_output":
+            if value is not None:
+                message.structured_output.kind = value.kind
+                message.structured_output.value = value.value
         elif value is not None:
             setattr(message, f.name, value)
     return message

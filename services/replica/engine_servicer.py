@@ -58,6 +58,7 @@ class EngineServicer(epb_grpc.EngineServicer):
                        context: grpc.aio.ServicerContext) -> None:
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
         engine_request, num_resumed = self._engine_request(request)
+        await self.llm.check_structured_output(engine_request.params)  # before admission
         return_token_ids = request.output_options.return_token_ids
         async with aclosing(self.engine.generate(request_id, engine_request)) as deltas:
             async for delta in deltas:
@@ -84,6 +85,7 @@ class EngineServicer(epb_grpc.EngineServicer):
                 min_tokens=max(0, params.min_tokens - len(resumed)))
             prompt += resumed
         self.llm.inputs.validate_prompt(prompt, params.max_tokens)
+        self.llm.inputs.check_logit_bias(params.logit_bias)
         cache_salt = request.cache_salt or None
         # A resumed stream recomputes here: the prefill replica never saw its output tokens.
         peer = request.prefill_peer if request.HasField("prefill_peer") and not resumed else None
@@ -102,6 +104,8 @@ class EngineServicer(epb_grpc.EngineServicer):
         params = _one_choice(sampling_params_from_pb(request.sampling_params))
         prompt = list(request.prompt_token_ids)
         self.llm.inputs.validate_prompt(prompt, None)
+        self.llm.inputs.check_logit_bias(params.logit_bias)
+        await self.llm.check_structured_output(params)
         with self.engine.admission.admit(request.request_id):
             output, handle = await self.llm.prefill(
                 request.request_id, prompt, params, priority=request.priority,

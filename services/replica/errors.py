@@ -3,8 +3,9 @@
 Owns ``ServiceError`` (an error that already knows its status code and a message a person can
 act on) and ``rpc_handler``, the decorator every RPC handler wears: it turns
 ``ServiceError``, the engine's own input errors (``SamplingParamsError``,
-``InvalidRequestError``: INVALID_ARGUMENT) and a dead engine core (UNAVAILABLE) into the
-call's status, and anything else into INTERNAL (logged with its traceback). It does not own
+``StructuredOutputError``, ``InvalidRequestError``: INVALID_ARGUMENT) and a dead engine core
+(UNAVAILABLE) into the call's status, and anything else into INTERNAL (logged with its
+traceback). It does not own
 deciding when a request is wrong (``validation``, ``openai_api``) or overloaded
 (``admission``). Cancellation (client gone, deadline) is never caught here: it must reach the
 engine's stream so the request is aborted and its blocks freed.
@@ -23,6 +24,7 @@ import grpc.aio
 from engine_common.async_llm import EngineDeadError
 from engine_common.input_processor import InvalidRequestError
 from engine_common.sampling_params import SamplingParamsError
+from engine_common.structured_output.spec import StructuredOutputError
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +73,7 @@ def status_of(error: Exception) -> tuple[grpc.StatusCode, str] | None:
     """The status a known failure maps to, or None for an unexpected one (a bug)."""
     if isinstance(error, ServiceError):
         return error.code, error.message
-    if isinstance(error, SamplingParamsError | InvalidRequestError):
+    if isinstance(error, SamplingParamsError | InvalidRequestError | StructuredOutputError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(error)
     if isinstance(error, EngineDeadError):
         return grpc.StatusCode.UNAVAILABLE, f"the engine is not running: {error}"

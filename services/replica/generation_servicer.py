@@ -2,7 +2,9 @@
 
 Owns the RPC handlers: check the model name, resolve the request (``openai_api``), run its
 ``n`` choices through the ``GenerateFn`` (``openai_api.generate_choices``) and write
-OpenAI-shaped responses; every failure becomes a status (``errors.rpc_handler``). Streams are
+OpenAI-shaped responses; every failure becomes a status (``errors.rpc_handler``). The
+``*Events`` RPCs write the streams' chunks as server-sent events for HTTP clients
+(``server_sent_events``). Streams are
 closed explicitly, so a client that cancels or runs out of deadline aborts every choice of its
 request in the engine at once. The replica builds it over its local
 engine; the gateway can build it over a remote replica's ``Engine.Generate``, with the same
@@ -12,6 +14,7 @@ tokenizer (``InputProcessor``) and served model. It does not own tokenization ru
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 import grpc.aio
@@ -22,6 +25,7 @@ from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 from services.replica import openai_api as api
 from services.replica.errors import rpc_handler
 from services.replica.served_model import ServedModel
+from services.replica.server_sent_events import write_events
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -46,6 +50,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     @rpc_handler
     async def CompleteStream(self, request: pb.CompletionRequest,  # noqa: N802
                              context: grpc.aio.ServicerContext) -> None:
+        async with aclosing(self._completion_chunks(request)) as chunks:
+            async for chunk in chunks:
+                await context.write(chunk)
+
+    @rpc_handler
+    async def CompleteEvents(self, request: pb.CompletionRequest,  # noqa: N802
+                             context: grpc.aio.ServicerContext) -> None:
+        await write_events(self._completion_chunks(request), context)
+
+    async def _completion_chunks(
+            self, request: pb.CompletionRequest) -> AsyncGenerator[pb.CompletionResponse, None]:
         self.model.check(request.model)
         engine_request = api.completion_to_engine_request(request, self.inputs)
         response_id = api.new_completion_id()
@@ -54,7 +69,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                        include_usage=request.stream_options.include_usage)
         async with aclosing(choices), aclosing(chunks):
             async for chunk in chunks:
-                await context.write(chunk)
+                yield chunk
 
     @rpc_handler
     async def ChatComplete(self, request: pb.ChatCompletionRequest,  # noqa: N802
@@ -72,6 +87,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     @rpc_handler
     async def ChatCompleteStream(self, request: pb.ChatCompletionRequest,  # noqa: N802
                                  context: grpc.aio.ServicerContext) -> None:
+        async with aclosing(self._chat_chunks(request)) as chunks:
+            async for chunk in chunks:
+                await context.write(chunk)
+
+    @rpc_handler
+    async def ChatCompleteEvents(self, request: pb.ChatCompletionRequest,  # noqa: N802
+                                 context: grpc.aio.ServicerContext) -> None:
+        await write_events(self._chat_chunks(request), context)
+
+    async def _chat_chunks(
+            self, request: pb.ChatCompletionRequest,
+    ) -> AsyncGenerator[pb.ChatCompletionChunk, None]:
         self.model.check(request.model)
         engine_request = api.chat_to_engine_request(request, self.inputs)
         response_id = api.new_chat_completion_id()
@@ -80,7 +107,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                  include_usage=request.stream_options.include_usage)
         async with aclosing(choices), aclosing(chunks):
             async for chunk in chunks:
-                await context.write(chunk)
+                yield chunk
 
     @rpc_handler
     async def ListModels(self, request: pb.ListModelsRequest,  # noqa: N802

@@ -57,6 +57,19 @@ def parse_cpus(text: str) -> list[int]:
 _CPU_RANGE = re.compile(r"^\s*(\d+)(?:-(\d+))?\s*$")
 
 
+def split_engine_cpus(replica_cpus: list[int], engine_cpus: list[int]) -> list[int]:
+    """The frontend's CPUs: the replica's minus the engine core's (which must be among them,
+    leaving at least one)."""
+    if not set(engine_cpus) <= set(replica_cpus):
+        raise ValueError(f"--engine-cpus {engine_cpus} is not within the replica's CPUs "
+                         f"({replica_cpus})")
+    frontend = [cpu for cpu in replica_cpus if cpu not in engine_cpus]
+    if not frontend:
+        raise ValueError(f"--engine-cpus {engine_cpus} leaves no CPU of {replica_cpus} for the "
+                         "frontend")
+    return frontend
+
+
 def pin_to_cpus(cpus: list[int]) -> None:
     """Run this process and the engine core it starts on ``cpus`` only, with as many torch
     threads: replicas sharing a host then stop taking each other's cores (a prefill burst
@@ -106,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpus", type=parse_cpus, default=None,
                    help="pin the replica (frontend and engine core) to these CPUs, e.g. 0-3, "
                         "with one torch thread per CPU (default: every CPU it may use)")
+    p.add_argument("--engine-cpus", type=parse_cpus, default=None,
+                   help="run the engine core alone on these CPUs (one torch thread each) and "
+                        "the frontend on the replica's other CPUs, e.g. 1-3 of 0-3: gRPC, "
+                        "tokenizing and streaming then never stall the model's threads "
+                        "(default: they share the replica's CPUs)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run decode steps eagerly instead of replaying CUDA graphs")
     p.add_argument("--cuda-graph-max-batch-size", type=int,
@@ -175,6 +193,7 @@ def options_from_args(args: argparse.Namespace) -> ReplicaOptions:
         enforce_eager=args.enforce_eager,
         cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
         engine_id=args.engine_id or f"{args.role}-{socket.gethostname()}-{args.port}",
+        cpus=args.engine_cpus,
         cache=replace(
             CacheConfig(), block_size=args.block_size,
             kv_cache_memory_bytes=args.kv_cache_memory,
@@ -200,9 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``), serve until stopped; the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.cpus is not None:
-        try:
+    try:
+        if args.cpus is not None:
             pin_to_cpus(args.cpus)
-        except ValueError as error:
-            parser.error(str(error))
+        if args.engine_cpus is not None:
+            pin_to_cpus(split_engine_cpus(sorted(os.sched_getaffinity(0)), args.engine_cpus))
+    except ValueError as error:
+        parser.error(str(error))
     return run_service("replica", args.log_level, lambda: options_from_args(args), serve)

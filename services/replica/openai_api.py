@@ -44,8 +44,10 @@ from services.replica.validation import (
     check_echo,
     check_seed_for_choices,
     check_text_length,
+    content_from_value,
     prompt_from_value,
     stop_from_value,
+    structured_output_from_request,
 )
 
 # OpenAI's default for the completions API (the chat API's is "up to the context").
@@ -133,7 +135,11 @@ def _sampling_params(request: pb.CompletionRequest | pb.ChatCompletionRequest,
     stop = stop_from_value(request.stop if request.HasField("stop") else None)
     params = SamplingParams(
         max_tokens=max_tokens, logprobs=logprobs, stop=stop,
-        stop_token_ids=list(request.stop_token_ids), **chosen)
+        stop_token_ids=list(request.stop_token_ids),
+        logit_bias=dict(request.logit_bias),
+        structured_output=structured_output_from_request(request.response_format,
+                                                         request.structured_outputs),
+        **chosen)
     check_seed_for_choices(params.seed, params.n)
     return params
 
@@ -155,14 +161,18 @@ def completion_to_engine_request(request: pb.CompletionRequest,
     return EngineRequest(prompt_token_ids, params, request.priority, request.cache_salt or None)
 
 
-def chat_messages(messages: Sequence[pb.ChatMessage]) -> list[dict[str, str]]:
-    """OpenAI-style message dicts for the chat template."""
+def chat_messages(messages: Sequence[pb.ChatMessage],
+                  max_model_len: int) -> list[dict[str, str]]:
+    """OpenAI-style message dicts for the chat template, their contents as plain strings;
+    rejects contents too long to fit the context before the template runs over them."""
     converted = []
-    for message in messages:
-        entry = {"role": message.role, "content": message.content}
+    for i, message in enumerate(messages):
+        entry = {"role": message.role,
+                 "content": content_from_value(message.content, f"messages[{i}].content")}
         if message.name:
             entry["name"] = message.name
         converted.append(entry)
+    check_text_length(sum(len(m["content"]) for m in converted), max_model_len, "messages")
     return converted
 
 
@@ -180,9 +190,8 @@ def chat_to_engine_request(request: pb.ChatCompletionRequest,
     if request.logprobs:
         logprobs = request.top_logprobs if request.HasField("top_logprobs") else 0
     params = _sampling_params(request, max_tokens, logprobs)
-    check_text_length(sum(len(m.content) for m in request.messages), inputs.max_model_len,
-                      "messages")
-    prompt_token_ids = inputs.tokenize_chat(chat_messages(request.messages))
+    prompt_token_ids = inputs.tokenize_chat(
+        chat_messages(request.messages, inputs.max_model_len))
     inputs.validate_prompt(prompt_token_ids, params.max_tokens)
     return EngineRequest(prompt_token_ids, params, request.priority, request.cache_salt or None)
 
@@ -436,14 +445,13 @@ def tokenize_response(request: pb.TokenizeRequest, inputs: InputProcessor) -> pb
     if request.prompt and request.messages:
         raise InvalidArgument("give either prompt or messages, not both")
     if request.messages:
-        check_text_length(sum(len(m.content) for m in request.messages), inputs.max_model_len,
-                          "messages")
+        messages = chat_messages(request.messages, inputs.max_model_len)
         add_generation_prompt = (request.add_generation_prompt
                                  if request.HasField("add_generation_prompt") else True)
         if add_generation_prompt:
-            tokens = inputs.tokenize_chat(chat_messages(request.messages))
+            tokens = inputs.tokenize_chat(messages)
         else:
-            tokens = _render_chat_without_generation_prompt(request.messages, inputs)
+            tokens = _render_chat_without_generation_prompt(messages, inputs)
     elif request.prompt:
         check_text_length(len(request.prompt), inputs.max_model_len, "prompt")
         add_special_tokens = (request.add_special_tokens
@@ -454,13 +462,13 @@ def tokenize_response(request: pb.TokenizeRequest, inputs: InputProcessor) -> pb
     return pb.TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=inputs.max_model_len)
 
 
-def _render_chat_without_generation_prompt(messages: Sequence[pb.ChatMessage],
+def _render_chat_without_generation_prompt(messages: list[dict[str, str]],
                                            inputs: InputProcessor) -> list[int]:
     # InputProcessor.tokenize_chat always appends the assistant's turn header (what
     # generation needs); counting a conversation as it stands needs the template without it.
-    inputs.tokenize_chat(chat_messages(messages))  # the same checks on roles and template
+    inputs.tokenize_chat(messages)  # the same checks on roles and template
     text = inputs.tokenizer.apply_chat_template(
-        chat_messages(messages), add_generation_prompt=False, tokenize=False)
+        messages, add_generation_prompt=False, tokenize=False)
     return list(inputs.tokenizer(text, add_special_tokens=False).input_ids)
 
 

@@ -2,7 +2,8 @@
 
 Owns the limits a request must fit (message size, prompt characters, a seed that leaves room
 for ``n`` choices), the decoding of the loosely typed ``google.protobuf.Value`` fields
-(``prompt``, ``stop``) into what the engine takes, and the OpenAI features this server refuses
+(``prompt``, ``stop``, chat ``content``) and of the output constraints (``response_format``,
+``structured_outputs``) into what the engine takes, and the OpenAI features this server refuses
 (several prompts per request, ``echo``).
 Every failure is an ``InvalidArgument`` whose message names the field and says what to change.
 It does not own sampling-value ranges (``SamplingParams.validate``) or the checks that need
@@ -11,10 +12,14 @@ token ids (``InputProcessor.validate_prompt``: empty, out of vocabulary, over th
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from typing import Any
 
-from google.protobuf import struct_pb2
+from google.protobuf import json_format, struct_pb2
 
+from engine_common.structured_output.spec import StructuredOutputError, StructuredOutputSpec
+from protos.tandem.v1 import generation_pb2 as pb
 from services.replica.errors import InvalidArgument
 
 # gRPC's receive limit for one request message; a bigger one fails with RESOURCE_EXHAUSTED
@@ -79,6 +84,92 @@ def stop_from_value(value: struct_pb2.Value | None) -> list[str]:
             stops.append(item.string_value)
         return stops
     raise InvalidArgument(f"stop must be a string or a list of strings, got a {kind}")
+
+
+def content_from_value(value: struct_pb2.Value, field: str) -> str:
+    """A chat message's ``content``: unset, null, a string, or a list of text parts
+    (``{"type": "text", "text": ...}``) whose texts are joined with newlines, as vLLM joins
+    them. Other parts (images, audio) are for multimodal models, which Tandem does not serve."""
+    kind = value.WhichOneof("kind")
+    if kind in (None, "null_value"):
+        return ""
+    if kind == "string_value":
+        return value.string_value
+    if kind != "list_value":
+        raise InvalidArgument(f"{field} must be a string or a list of content parts, got a {kind}")
+    texts = []
+    for i, item in enumerate(value.list_value.values):
+        part = item.struct_value.fields if item.WhichOneof("kind") == "struct_value" else None
+        if part is None or "type" not in part:
+            raise InvalidArgument(f'{field}[{i}] must be an object like {{"type": "text", '
+                                  f'"text": "..."}}')
+        part_type = part["type"].string_value
+        if part_type != "text":
+            raise InvalidArgument(f"{field}[{i}] has type {part_type!r}; this model reads text "
+                                  f'only, so every part must have type "text"')
+        if "text" not in part or part["text"].WhichOneof("kind") != "string_value":
+            raise InvalidArgument(f'{field}[{i}] needs a string "text"')
+        texts.append(part["text"].string_value)
+    return "\n".join(texts)
+
+
+def structured_output_from_request(
+    response_format: pb.ResponseFormat, structured_outputs: pb.StructuredOutputs,
+) -> StructuredOutputSpec | None:
+    """OpenAI's ``response_format`` or vLLM's ``structured_outputs`` (at most one constraint
+    in all) as the engine's spec, or None for unconstrained text."""
+    found: list[tuple[str, str]] = []
+    kind = response_format.type
+    if kind == "json_object":
+        found.append(("json_object", ""))
+    elif kind == "json_schema":
+        if not response_format.json_schema.HasField("schema"):
+            raise InvalidArgument('response_format of type "json_schema" needs '
+                                  "json_schema.schema")
+        found.append(("json_schema", _schema_text(response_format.json_schema.schema)))
+    elif kind not in ("", "text"):
+        raise InvalidArgument(f"response_format.type must be text, json_object or json_schema; "
+                              f"got {kind!r}")
+    wanted = structured_outputs
+    if wanted.HasField("json"):
+        json_kind = wanted.json.WhichOneof("kind")
+        if json_kind == "string_value":
+            found.append(("json_schema", wanted.json.string_value))
+        elif json_kind == "struct_value":
+            found.append(("json_schema", _schema_text(wanted.json.struct_value)))
+        else:
+            raise InvalidArgument("structured_outputs.json must be a JSON schema (an object)")
+    if wanted.regex:
+        found.append(("regex", wanted.regex))
+    if wanted.choice:
+        found.append(("choice", json.dumps(list(wanted.choice))))
+    if wanted.grammar:
+        found.append(("grammar", wanted.grammar))
+    if len(found) > 1:
+        raise InvalidArgument("give one output constraint: response_format json_object or "
+                              "json_schema, or one of structured_outputs' json, regex, choice "
+                              "and grammar")
+    if not found:
+        return None
+    try:
+        return StructuredOutputSpec.parse(*found[0])
+    except StructuredOutputError as error:
+        raise InvalidArgument(str(error)) from error
+
+
+def _schema_text(schema: struct_pb2.Struct) -> str:
+    # Struct holds every number as a double: give integral ones back as integers, as the
+    # client wrote them ("maxLength": 5, not 5.0).
+    def restore(value: Any) -> Any:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, dict):
+            return {key: restore(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [restore(item) for item in value]
+        return value
+
+    return json.dumps(restore(json_format.MessageToDict(schema)))
 
 
 def check_text_length(num_chars: int, max_model_len: int, field: str) -> None:

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from google.api import httpbody_pb2 as google_dot_api_dot_httpbody__pb2
 from protos.tandem.v1 import generation_pb2 as protos_dot_tandem_dot_v1_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -45,6 +46,11 @@ class GenerationStub:
                 request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.CompletionRequest.SerializeToString,
                 response_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.CompletionResponse.FromString,
                 _registered_method=True)
+        self.CompleteEvents = channel.unary_stream(
+                '/tandem.v1.Generation/CompleteEvents',
+                request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.CompletionRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
         self.ChatComplete = channel.unary_unary(
                 '/tandem.v1.Generation/ChatComplete',
                 request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ChatCompletionRequest.SerializeToString,
@@ -54,6 +60,11 @@ class GenerationStub:
                 '/tandem.v1.Generation/ChatCompleteStream',
                 request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ChatCompletionRequest.SerializeToString,
                 response_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ChatCompletionChunk.FromString,
+                _registered_method=True)
+        self.ChatCompleteEvents = channel.unary_stream(
+                '/tandem.v1.Generation/ChatCompleteEvents',
+                request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ChatCompletionRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/tandem.v1.Generation/ListModels',
@@ -84,8 +95,17 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CompleteStream(self, request, context):
-        """The HTTP layer routes POST /v1/completions with "stream": true here; every message is a
-        chunk shaped like CompletionResponse (object "text_completion").
+        """Every message is a chunk shaped like CompletionResponse (object "text_completion").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CompleteEvents(self, request, context):
+        """CompleteStream's chunks as server-sent events for HTTP clients, written by the server:
+        "data: {json}\n\n" per chunk, an error event if the stream fails after it began, and
+        "data: [DONE]\n\n" last. The HTTP layer routes POST /v1/completions with "stream": true
+        here.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -99,6 +119,13 @@ class GenerationServicer:
 
     def ChatCompleteStream(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ChatCompleteEvents(self, request, context):
+        """ChatCompleteStream's chunks as server-sent events, as CompleteEvents writes them.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -134,6 +161,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     request_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.CompletionRequest.FromString,
                     response_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.CompletionResponse.SerializeToString,
             ),
+            'CompleteEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.CompleteEvents,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.CompletionRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
             'ChatComplete': grpc.unary_unary_rpc_method_handler(
                     servicer.ChatComplete,
                     request_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ChatCompletionRequest.FromString,
@@ -143,6 +175,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.ChatCompleteStream,
                     request_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ChatCompletionRequest.FromString,
                     response_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ChatCompletionChunk.SerializeToString,
+            ),
+            'ChatCompleteEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.ChatCompleteEvents,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ChatCompletionRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -226,6 +263,33 @@ class Generation:
             _registered_method=True)
 
     @staticmethod
+    def CompleteEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.Generation/CompleteEvents',
+            protos_dot_tandem_dot_v1_dot_generation__pb2.CompletionRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def ChatComplete(request,
             target,
             options=(),
@@ -269,6 +333,33 @@ class Generation:
             '/tandem.v1.Generation/ChatCompleteStream',
             protos_dot_tandem_dot_v1_dot_generation__pb2.ChatCompletionRequest.SerializeToString,
             protos_dot_tandem_dot_v1_dot_generation__pb2.ChatCompletionChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChatCompleteEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.Generation/ChatCompleteEvents',
+            protos_dot_tandem_dot_v1_dot_generation__pb2.ChatCompletionRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,1 @@
+"""Structured outputs: constraining a request's tokens to a grammar (JSON schema, regex, ...)."""
