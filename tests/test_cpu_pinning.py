@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.supervisor import SuiteConfig, plan_suite, split_cpus
+from deploy.supervisor import SuiteConfig, plan_suite, replica_cpu_args, split_cpus
 from services.replica.main import parse_cpus, split_engine_cpus
 from tests.replica_process import REPO_ROOT, start_replicas
 
@@ -46,6 +46,13 @@ def test_the_suite_passes_each_replica_its_share():
         return
     shares = [argv[argv.index("--cpus") + 1] for argv in replica_args]
     assert shares == [",".join(map(str, share)) for share in split_cpus(cpus, 2)]
+
+
+def test_a_decoding_replica_with_cpus_to_spare_keeps_one_for_its_frontend():
+    assert replica_cpu_args("decode", [4, 5, 6]) == ["--cpus", "4,5,6", "--engine-cpus", "5,6"]
+    assert replica_cpu_args("both", [0, 1]) == ["--cpus", "0,1", "--engine-cpus", "1"]
+    assert replica_cpu_args("decode", [3]) == ["--cpus", "3"]
+    assert replica_cpu_args("prefill", [0, 1, 2]) == ["--cpus", "0,1,2"]
 
 
 def test_cpus_outside_the_allowed_set_are_refused():

@@ -230,6 +230,31 @@ def test_bf16_checkpoint_loads_and_tracks_hf(tmp_path):
         assert (ours - ref).abs().max() < 0.05 * ref.abs().max()
 
 
+@pytest.mark.parametrize("model_fixture", ARCH_FIXTURES)
+def test_packed_bf16_weights_give_bitwise_the_same_logits(model_fixture, request):
+    """oneDNN-packed projections (the CPU bf16 default) change the layout, not the result:
+    ragged prefill, chunked steps and decodes give the very logits of plain ``F.linear``."""
+    model_dir = request.getfixturevalue(model_fixture)
+    packed = load_model(model_dir, torch.bfloat16, "cpu", "torch")
+    plain = load_model(model_dir, torch.bfloat16, "cpu", "torch", pack_weights=False)
+    assert packed.packed_lm_head is not None and plain.packed_lm_head is None
+    layer = packed.model.layers[0]
+    assert layer.self_attn.qkv_proj.packed_weight is not None
+    assert layer.self_attn.qkv_proj.weight.numel() == 0  # the plain copy is freed
+    results = []
+    for model in (packed, plain):
+        seqs = _make_seqs(model.arch.vocab_size, seed=5)
+        kv_cache = _new_cache(model)
+        _run_step(model, kv_cache, seqs, [3, 17, 1, 9, 12])
+        _run_step(model, kv_cache, seqs, [2, 0, 0, 24, 0])
+        _decode_steps(model, kv_cache, seqs)
+        results.append(seqs)
+    for ours, reference in zip(*results, strict=True):
+        assert ours.logits.keys() == reference.logits.keys()
+        for pos, logits in ours.logits.items():
+            assert torch.equal(logits, reference.logits[pos]), pos
+
+
 def test_config_reading(tiny_llama_dir, tiny_qwen2_dir, tiny_mistral_dir):
     llama = ModelArchConfig.from_model_dir(tiny_llama_dir)
     assert (llama.architecture, llama.num_layers, llama.hidden_size) == ("LlamaForCausalLM", 2, 64)

@@ -21,6 +21,7 @@ from torch import nn
 
 from engine_common.model.arch_config import ModelArchConfig
 from engine_common.model.attention.backend import AttentionBackend, AttentionMetadata
+from engine_common.model.packed_linear import can_pack, pack, packed_linear
 
 
 def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -42,8 +43,19 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _empty_param(out_features, in_features, dtype=dtype, device=device)
         self.bias = _empty_param(out_features, dtype=dtype, device=device) if bias else None
+        self.packed_weight: torch.Tensor | None = None  # see ``pack_weight``
+
+    def pack_weight(self) -> None:
+        """Keep the weight only in oneDNN's packed layout, if it can be (see
+        ``packed_linear``); the plain copy is dropped, or the model would take twice the
+        memory. Call after the checkpoint is loaded."""
+        if can_pack(self.weight):
+            self.packed_weight = pack(self.weight.data)
+            self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -280,6 +292,7 @@ class LlamaForCausalLM(nn.Module):
             if arch.tie_word_embeddings
             else Embedding(arch.vocab_size, arch.hidden_size, dtype, device)
         )
+        self.packed_lm_head: torch.Tensor | None = None  # see ``pack_linear_weights``
 
     def forward(
         self,
@@ -292,7 +305,22 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> [N, vocab_size] float32 (computed in the model dtype, as HF)."""
+        if self.packed_lm_head is not None:
+            return packed_linear(hidden, self.packed_lm_head, None).float()
         return F.linear(hidden, self.lm_head.weight).float()
+
+    def pack_linear_weights(self) -> bool:
+        """On the CPU in bf16, put every projection and the LM head in oneDNN's packed
+        layout (same outputs, bitwise; see ``packed_linear``). Returns whether it did."""
+        if not can_pack(self.lm_head.weight):
+            return False
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_weight()
+        # A copy: the embedding keeps its plain rows for the lookup (the head is the
+        # embedding when they are tied).
+        self.packed_lm_head = pack(self.lm_head.weight.data)
+        return True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies Hugging Face checkpoint tensors into the (fused) parameters.

@@ -74,11 +74,17 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str,
     attention_backend: str,
+    pack_weights: bool = True,
 ) -> LlamaForCausalLM:
+    """The model in ``dtype`` on ``device``, its weights read from ``model_dir``; on the CPU in
+    bf16 its projections are packed for oneDNN unless ``pack_weights`` is False (see
+    ``packed_linear``: the outputs are the same, bitwise)."""
     arch = ModelArchConfig.from_model_dir(model_dir)
     device = torch.device(device)
     files = safetensors_files(model_dir)
     backend_cls = get_attention_backend_cls(attention_backend, device)
     model = LlamaForCausalLM(arch, backend_cls, dtype=dtype, device=device)
     model.load_weights(iterate_checkpoint(files))
+    if pack_weights:
+        model.pack_linear_weights()
     return model.eval()
