@@ -30,6 +30,7 @@ class Timing:
     ttft: float
     seconds: float
     tokens: int
+    text: str = ""
 
 
 def stream_completion(client: Client, label: str, prompt: str, echo: bool) -> Timing:
@@ -38,14 +39,16 @@ def stream_completion(client: Client, label: str, prompt: str, echo: bool) -> Ti
     tokens = 0
     if echo:
         print(f"\n[{label}] {prompt[-60:]!r} ->", flush=True)
+    text = []
     for chunk in client.complete_stream(prompt, max_tokens=40, temperature=0.0):
         if not ttft:
             ttft = time.perf_counter() - start
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
+        text.append(chunk.text)
         if echo:
             print(chunk.text, end="", flush=True)
-    return Timing(label, ttft, time.perf_counter() - start, tokens)
+    return Timing(label, ttft, time.perf_counter() - start, tokens, "".join(text))
 
 
 def stream_chat(client: Client, label: str, content: str, system: str | None = None) -> Timing:
@@ -115,12 +118,14 @@ def run_demo(target: str, replicas: list[str]) -> None:
         timings.append(stream_chat(
             client, "shared system prompt 2 (prefix-cache hit)", "How often do airport trains run?",
             SHARED_PREFIX))
-        print("\n\n[8 concurrent completions]", flush=True)
+        print("\n\n[8 concurrent completions, streamed at once; their texts when all are done]", flush=True)
         prompts = [f"Write one sentence about the number {n}:" for n in range(8)]
         started = time.perf_counter()
         with ThreadPoolExecutor(8) as pool:
             batch = list(pool.map(lambda p: stream_completion(client, p, p, False), prompts))
         wall = time.perf_counter() - started
+        for timing in batch:
+            print(f"{timing.label} {timing.text.strip()[:100]!r}")
         timings.extend(batch)
         show_pd_transfer(client, replicas)
     print("\nsummary:")
