@@ -70,20 +70,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.offline_throughput import machine  # noqa: E402
+from bench.prefix_routing import WORDS  # noqa: E402
 from deploy.supervisor import SuiteConfig, Supervisor, plan_suite  # noqa: E402
 from engine_common.default_model import ensure_default_model  # noqa: E402
 
 PEER_VLLM = ROOT / ".venv-peer" / "bin" / "vllm"
 SERVERS = ("tandem", "vllm")
-WORDS = (
-    "the of and to in is that for it as was with be by on not he this are or his from at "
-    "which but have an they you were her she there one all we their can has been if more "
-    "when will would who so no time people year way day man thing woman life child world "
-    "school state family student group country problem hand part place case week company "
-    "system program question work government number night point home water room mother area "
-    "money story fact month lot right study book eye job word business issue side kind head "
-    "house service friend father power hour game line end member law car city community name"
-).split()
 GREEDY_PROMPTS = ("The capital of France is", "def fibonacci(n):",
                   "Water boils at a temperature of", "Once upon a time, in a small village,")
 # (key in a round's summary, label, higher is better)

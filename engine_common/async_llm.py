@@ -35,7 +35,7 @@ from engine_common.outputs import (
     RemotePrefill,
     SchedulerStats,
 )
-from engine_common.request import Request
+from engine_common.request import Request, tokens_sampled_elsewhere
 from engine_common.sampling_params import SamplingParams
 from engine_common.structured_output.grammar import GrammarCompiler
 from engine_common.tokenizer import eos_token_ids, load_tokenizer
@@ -130,10 +130,8 @@ class AsyncLLM:
         if params.structured_output is not None:
             # The output tokens the core's matcher starts after (it must not refuse them:
             # a request the core refuses is never answered).
-            sampled = prompt_token_ids[len(prompt_token_ids) - num_resumed_tokens:]
-            if remote_prefill is not None:
-                sampled = [*sampled, remote_prefill.first_token_id]
-            await self.check_structured_output(params, sampled)
+            await self.check_structured_output(params, tokens_sampled_elsewhere(
+                prompt_token_ids, num_resumed_tokens, remote_prefill))
         stream: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         arrival = time.monotonic()
         self.outputs.add_request(request_id, prompt_token_ids, params, arrival, num_resumed_tokens)

@@ -23,7 +23,7 @@ from engine_common.model.arch_config import ModelArchConfig
 from engine_common.model_runner import ModelRunner
 from engine_common.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from engine_common.remote_kv import RemoteKv
-from engine_common.request import Request, RequestStatus
+from engine_common.request import Request, RequestStatus, tokens_sampled_elsewhere
 from engine_common.sampling_params import SamplingParams
 from engine_common.scheduler import Scheduler
 from engine_common.structured_output.grammar import GrammarCompiler
@@ -140,7 +140,9 @@ class EngineCore:
             # Compiled here, synchronously: milliseconds, and cached (see ``grammar``). The
             # matcher starts after the output tokens sampled elsewhere (P/D, resumed).
             core_request.grammar = self.grammars.matcher(
-                params.structured_output, core_request.sampled_elsewhere_token_ids)
+                params.structured_output,
+                tokens_sampled_elsewhere(core_request.prompt_token_ids,
+                                         request.num_resumed_tokens, request.remote_prefill))
         self.scheduler.add_request(core_request)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:

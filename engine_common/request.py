@@ -21,6 +21,14 @@ if TYPE_CHECKING:
     from engine_common.structured_output.grammar import RequestGrammar
 
 
+def tokens_sampled_elsewhere(prompt_token_ids: list[int], num_resumed_tokens: int,
+                             remote_prefill: RemotePrefill | None) -> list[int]:
+    """The output tokens a request arrives with: those resumed at the end of its prompt, then
+    a prefill replica's first token."""
+    resumed = prompt_token_ids[len(prompt_token_ids) - num_resumed_tokens:]
+    return resumed + ([remote_prefill.first_token_id] if remote_prefill is not None else [])
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     WAITING_FOR_REMOTE_KV = enum.auto()
@@ -103,12 +111,6 @@ class Request:
         """Tokens of this request's output that another replica sampled: a seeded sampler
         here continues that replica's random stream after as many draws."""
         return self.num_resumed_tokens + (1 if self.remote_prefill is not None else 0)
-
-    @property
-    def sampled_elsewhere_token_ids(self) -> list[int]:
-        """The output tokens this request arrived with (resumed ones, a P/D first token)."""
-        resumed = self.prompt_token_ids[self.num_prompt_tokens - self.num_resumed_tokens:]
-        return resumed + self.output_token_ids
 
     @property
     def extra_keys(self) -> tuple[str, ...] | None:

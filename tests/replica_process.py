@@ -9,6 +9,7 @@ a log file whose tail is shown when it fails to start.
 For the rest of a suite (gateway, Envoy): ``spawn_module`` starts ``python -m MODULE`` in its
 own session with its output in a log, ``wait_until`` polls a readiness check (showing every
 log's tail when it times out), ``is_serving`` and ``envoy_answers`` are such checks.
+``replica_behind_gateway`` is the common small stack: one replica and a gateway in front.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,3 +180,33 @@ def start_replicas(model_dir: Path, log_dir: Path,
             replica.kill()
         raise
     return replicas
+
+
+@dataclass
+class GatewayStack:
+    replica: ReplicaProcess
+    gateway: str  # the gateway's gRPC target
+
+
+@contextmanager
+def replica_behind_gateway(model_dir: Path, log_dir: Path,
+                           replica_args: list[str]) -> Iterator[GatewayStack]:
+    """One replica (``replica_args`` added to its command line) and a gateway routing to it;
+    both are killed on the way out. The served model name is "tiny"."""
+    replicas = start_replicas(model_dir, log_dir, {"a": [
+        "--served-model-name", "tiny", *replica_args]})
+    gateway_port = free_port()
+    gateway: subprocess.Popen[bytes] | None = None
+    try:
+        gateway = spawn_module(log_dir, "gateway", [
+            "gateway", "--model", str(model_dir), "--served-model-name", "tiny",
+            "--host", "127.0.0.1", "--port", str(gateway_port), "--metrics-port", "0",
+            "--replica", replicas["a"].target])
+        wait_until(lambda: is_serving(f"127.0.0.1:{gateway_port}"), time.monotonic() + 60,
+                   "gateway", log_dir)
+        yield GatewayStack(replicas["a"], f"127.0.0.1:{gateway_port}")
+    finally:
+        if gateway is not None and gateway.poll() is None:
+            os.killpg(gateway.pid, signal.SIGKILL)
+            gateway.wait(10)
+        replicas["a"].kill()

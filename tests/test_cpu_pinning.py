@@ -103,20 +103,3 @@ def test_an_engine_core_on_its_own_cpus_with_the_frontend_beside_it(
         assert os.sched_getaffinity(replica.process.pid) == set(cpus) - {engine_cpu}
     finally:
         replica.kill()
-
-
-def test_an_engine_core_on_its_own_cpus_leaves_the_frontend_the_rest(
-        tiny_llama_dir: Path, tmp_path: Path):
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        pytest.skip("needs two CPUs to split between frontend and engine core")
-    engine_cpu = cpus[-1]
-    replica = start_replicas(tiny_llama_dir, tmp_path, {
-        "split": ["--dtype", "float32", "--kv-cache-memory", "16MiB",
-                  "--engine-cpus", str(engine_cpu)],
-    })["split"]
-    try:
-        assert os.sched_getaffinity(replica.engine_core_pid()) == {engine_cpu}
-        assert os.sched_getaffinity(replica.process.pid) == set(cpus) - {engine_cpu}
-    finally:
-        replica.kill()

@@ -13,13 +13,9 @@ the engine, and a constraint that cannot compile is INVALID_ARGUMENT naming the 
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -42,14 +38,7 @@ from services.replica.engine_messages import sampling_params_from_pb, sampling_p
 from tandem.client import Client
 from tandem.errors import TandemError
 from tests.hf_reference import random_prompts
-from tests.replica_process import (
-    ReplicaProcess,
-    free_port,
-    is_serving,
-    spawn_module,
-    start_replicas,
-    wait_until,
-)
+from tests.replica_process import GatewayStack, replica_behind_gateway
 from tests.test_pd_engine import decode, make_core, prefill, reference, wait_released
 
 COLORS = ["red", "green", "blue"]
@@ -367,34 +356,11 @@ def test_pd_split_equals_one_engine(cores, prompts, params) -> None:
 # --------------------------------------------------------------------------- API
 
 
-@dataclass
-class Stack:
-    replica: ReplicaProcess
-    gateway: str
-
-
 @pytest.fixture(scope="module")
-def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """One replica, and the gateway in front of it."""
-    logs = tmp_path_factory.mktemp("structured-output-logs")
-    replicas = start_replicas(tiny_llama_dir, logs, {"a": [
-        "--dtype", "float32", "--kv-cache-memory", "16MiB", "--served-model-name", "tiny",
-        "--log-level", "WARNING"]})
-    gateway_port = free_port()
-    gateway: subprocess.Popen[bytes] | None = None
-    try:
-        gateway = spawn_module(logs, "gateway", [
-            "gateway", "--model", str(tiny_llama_dir), "--served-model-name", "tiny",
-            "--host", "127.0.0.1", "--port", str(gateway_port), "--metrics-port", "0",
-            "--replica", replicas["a"].target])
-        wait_until(lambda: is_serving(f"127.0.0.1:{gateway_port}"), time.monotonic() + 60,
-                   "gateway", logs)
-        yield Stack(replicas["a"], f"127.0.0.1:{gateway_port}")
-    finally:
-        if gateway is not None and gateway.poll() is None:
-            os.killpg(gateway.pid, signal.SIGKILL)
-            gateway.wait(10)
-        replicas["a"].kill()
+def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayStack]:
+    with replica_behind_gateway(tiny_llama_dir, tmp_path_factory.mktemp("structured-output-logs"), [
+            "--dtype", "float32", "--kv-cache-memory", "16MiB", "--log-level", "WARNING"]) as s:
+        yield s
 
 
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}

@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 import grpc.aio
+from google.protobuf.message import Message
 
 from engine_common.input_processor import InputProcessor
 from protos.tandem.v1 import generation_pb2 as pb
@@ -50,9 +51,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     @rpc_handler
     async def CompleteStream(self, request: pb.CompletionRequest,  # noqa: N802
                              context: grpc.aio.ServicerContext) -> None:
-        async with aclosing(self._completion_chunks(request)) as chunks:
-            async for chunk in chunks:
-                await context.write(chunk)
+        await _write_all(self._completion_chunks(request), context)
 
     @rpc_handler
     async def CompleteEvents(self, request: pb.CompletionRequest,  # noqa: N802
@@ -87,9 +86,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     @rpc_handler
     async def ChatCompleteStream(self, request: pb.ChatCompletionRequest,  # noqa: N802
                                  context: grpc.aio.ServicerContext) -> None:
-        async with aclosing(self._chat_chunks(request)) as chunks:
-            async for chunk in chunks:
-                await context.write(chunk)
+        await _write_all(self._chat_chunks(request), context)
 
     @rpc_handler
     async def ChatCompleteEvents(self, request: pb.ChatCompletionRequest,  # noqa: N802
@@ -125,3 +122,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                          context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
         self.model.check(request.model)
         return api.detokenize_response(request, self.inputs)
+
+
+async def _write_all(chunks: AsyncGenerator[Message, None],
+                     context: grpc.aio.ServicerContext) -> None:
+    """Writes every chunk as a message of the call's stream; closes ``chunks`` on the way out
+    (a cancelled call must abort the generation)."""
+    async with aclosing(chunks):
+        async for chunk in chunks:
+            await context.write(chunk)
