@@ -26,7 +26,9 @@ servers kept up at 0.5 (makespan within ~5 s of the last arrival); at 1.0 Tandem
 more than the servers. vLLM keeps its own CPU binding (``VLLM_CPU_OMP_THREADS_BIND=auto``:
 on 2 cores its model runs on one and the other is left to its frontend and scheduler, which
 polls); binding its model to both cores (``--vllm-omp-bind 0-1``) made its E2E p50 ~1.8x
-worse here, so the default gives the peer its better setting.
+worse here, so the default gives the peer its better setting. Tandem's replica binds the same
+way by default (``--engine-cpus auto``); ``--tandem-engine-cpus none`` lets its engine core
+share both cores with the frontend, the gateway and Envoy.
 
 Rounds: each round starts a fresh Tandem suite, runs the trace, stops it, then does the same
 for vLLM (Tandem, vLLM, Tandem, vLLM ...). Restarting per round costs ~15 s (Tandem) and
@@ -326,8 +328,7 @@ def tandem_server(args: argparse.Namespace, model: Path, log_dir: Path) -> Itera
         extra_replica_args=["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
                             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                             *(["--cpus", args.tandem_cpus] if args.tandem_cpus else []),
-                            *(["--engine-cpus", args.tandem_engine_cpus]
-                              if args.tandem_engine_cpus else [])])
+                            "--engine-cpus", args.tandem_engine_cpus])
     suite = plan_suite(cfg)
     supervisor = Supervisor(suite, log_dir)
     started = time.monotonic()
@@ -465,8 +466,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "faster here than 0-1)")
     p.add_argument("--tandem-cpus", default=None,
                    help="the replica's --cpus (default: every CPU, one torch thread each)")
-    p.add_argument("--tandem-engine-cpus", default=None,
-                   help="the replica's --engine-cpus: its engine core alone on these CPUs")
+    p.add_argument("--tandem-engine-cpus", default="auto",
+                   help="the replica's --engine-cpus: its engine core alone on these CPUs; "
+                        "auto (the replica's default): all but the first when it owns two or "
+                        "more; none: engine core and frontend share every CPU")
     p.add_argument("--no-peer", action="store_true", help="run Tandem only")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--log-dir", type=Path, default=ROOT / "bench" / "results" / "logs")

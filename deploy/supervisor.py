@@ -20,6 +20,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.replica.cpu_binding import SHARED
+
 
 @dataclass
 class ProcessSpec:
@@ -65,16 +67,17 @@ def split_cpus(cpus: list[int], parts: int) -> list[list[int]]:
     return shares
 
 
-def replica_cpu_args(role: str, share: list[int]) -> list[str]:
-    """The flags that pin a replica of ``role`` to ``share``. A decoding replica with two or
-    more CPUs also gets its engine core alone on all but the first (``--engine-cpus``), as
-    vLLM-CPU binds its model threads apart from its frontend: the frontend's per-token work
-    then never stalls a step's threads (on the 2-core bench machine: ITL 1.5x lower, see the
-    README). A prefill replica keeps every thread for its compute-bound prompts."""
-    args = ["--cpus", ",".join(map(str, share))]
-    if role != "prefill" and len(share) >= 2:
-        args += ["--engine-cpus", ",".join(map(str, share[1:]))]
-    return args
+def replica_cpu_args(roles: list[str], pin_cpus: bool) -> list[list[str]]:
+    """Each replica's CPU flags. Pinned, a replica gets its share (``--cpus``); within it a
+    decoding replica with two or more CPUs then keeps one for its frontend by itself
+    (``--engine-cpus auto``). Unpinned, several decoding replicas would each put their engine
+    core on the same CPUs (all but the first), so they share every CPU instead."""
+    if pin_cpus:
+        shares = split_cpus(sorted(os.sched_getaffinity(0)), len(roles))
+        return [["--cpus", ",".join(map(str, share))] for share in shares]
+    decoding = sum(role != "prefill" for role in roles)
+    return [["--engine-cpus", SHARED] if role != "prefill" and decoding > 1 else []
+            for role in roles]
 
 
 @dataclass
@@ -92,10 +95,7 @@ def plan_suite(cfg: SuiteConfig) -> Suite:
     if not roles:
         raise ValueError("the suite needs at least one replica")
     model_args = ["--model", cfg.model] if cfg.model else []
-    cpu_args: list[list[str]] = [[] for _ in roles]
-    if cfg.pin_cpus:
-        shares = split_cpus(sorted(os.sched_getaffinity(0)), len(roles))
-        cpu_args = [replica_cpu_args(role, share) for role, share in zip(roles, shares, strict=True)]
+    cpu_args = replica_cpu_args(roles, cfg.pin_cpus)
     for i, role in enumerate(roles):
         port = cfg.base_port + i
         name = f"{role}-{i}"

@@ -124,6 +124,7 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection)
     if config.cpus is not None:
         os.sched_setaffinity(0, config.cpus)
         torch.set_num_threads(len(config.cpus))
+        logging.info("on CPUs %s (%d torch threads)", config.cpus, len(config.cpus))
     try:
         core = EngineCore(config)
     except Exception as exc:  # noqa: BLE001 - report any start-up failure to the parent

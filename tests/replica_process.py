@@ -15,6 +15,7 @@ log's tail when it times out), ``is_serving`` and ``envoy_answers`` are such che
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -34,10 +35,35 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT_S = 240.0
 
 
+# Ports for the servers tests start come from below Linux's ephemeral range (32768 and up by
+# default): a port the kernel hands out for bind(0) or an outgoing connection (Envoy's admin
+# listener, a UCX listener, any client socket) can then never take one between our choosing
+# it and the server binding it, and no port is handed out twice in a run.
+_next_test_port = [20000 + random.randrange(0, 8000, 1000)]
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive loopback ports nothing listens on (for flags that
+    take a base port), outside the kernel's ephemeral range."""
+    while _next_test_port[0] + count <= 32768:
+        first = _next_test_port[0]
+        _next_test_port[0] += count
+        if all(_bindable(port) for port in range(first, first + count)):
+            return first
+    raise RuntimeError("ran out of test ports below 32768")
+
+
 def free_port() -> int:
+    return free_ports(1)
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass

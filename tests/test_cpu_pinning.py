@@ -2,8 +2,8 @@
 
 A replica started with ``--cpus`` must run its frontend and its engine-core child on those
 CPUs only, with one OpenMP/torch thread per CPU; ``--engine-cpus`` puts the engine core alone
-on some of them and the frontend on the rest; ``tandem up --pin-cpus`` gives each replica its
-own share.
+on some of them and the frontend on the rest (by default, on a decoding replica that owns two
+CPUs or more: all but the first); ``tandem up --pin-cpus`` gives each replica its own share.
 """
 
 from __future__ import annotations
@@ -15,9 +15,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from deploy.supervisor import SuiteConfig, plan_suite, replica_cpu_args, split_cpus
-from services.replica.main import parse_cpus, split_engine_cpus
+from services.replica.cpu_binding import (
+    cgroup_cpu_limit,
+    default_engine_cpus,
+    omp_num_threads_from_env,
+    parse_cpus,
+    parse_engine_cpus,
+    split_engine_cpus,
+)
 from tests.replica_process import REPO_ROOT, start_replicas
 
 
@@ -28,6 +36,11 @@ def test_cpu_lists_parse_like_taskset():
     for bad in ("", "a", "3-", "-1", "1,,2", "5-3"):
         with pytest.raises(argparse.ArgumentTypeError, match="CPU list"):
             parse_cpus(bad)
+    assert parse_engine_cpus("auto") == "auto"
+    assert parse_engine_cpus("none") == "none"
+    assert parse_engine_cpus("1-2") == [1, 2]
+    with pytest.raises(argparse.ArgumentTypeError, match="or auto or none"):
+        parse_engine_cpus("some")
 
 
 def test_cpus_split_evenly_among_replicas():
@@ -48,11 +61,49 @@ def test_the_suite_passes_each_replica_its_share():
     assert shares == [",".join(map(str, share)) for share in split_cpus(cpus, 2)]
 
 
-def test_a_decoding_replica_with_cpus_to_spare_keeps_one_for_its_frontend():
-    assert replica_cpu_args("decode", [4, 5, 6]) == ["--cpus", "4,5,6", "--engine-cpus", "5,6"]
-    assert replica_cpu_args("both", [0, 1]) == ["--cpus", "0,1", "--engine-cpus", "1"]
-    assert replica_cpu_args("decode", [3]) == ["--cpus", "3"]
-    assert replica_cpu_args("prefill", [0, 1, 2]) == ["--cpus", "0,1,2"]
+def test_unpinned_decoding_replicas_share_every_cpu_rather_than_stack_their_engines():
+    assert replica_cpu_args(["prefill", "decode"], pin_cpus=False) == [[], []]
+    assert replica_cpu_args(["decode", "both", "prefill"], pin_cpus=False) == [
+        ["--engine-cpus", "none"], ["--engine-cpus", "none"], []]
+
+
+def test_a_decoding_replica_that_owns_cpus_to_spare_keeps_one_for_its_frontend():
+    assert default_engine_cpus("decode", "cpu", [4, 5, 6], None, None) == [5, 6]
+    assert default_engine_cpus("both", "cpu", [0, 1], 2, 2.0) == [1]
+    # One CPU: nothing to split. Prefill: every thread for its prompts. GPU: no OpenMP work.
+    assert default_engine_cpus("decode", "cpu", [3], None, None) is None
+    assert default_engine_cpus("prefill", "cpu", [0, 1, 2], None, None) is None
+    assert default_engine_cpus("decode", "cuda", [0, 1], None, None) is None
+    # A pod that sees the whole node but may use only part of it (quota, OMP_NUM_THREADS)
+    # does not own those CPUs: pinning a thread to each would oversubscribe its share.
+    assert default_engine_cpus("decode", "cpu", list(range(64)), 4, None) is None
+    assert default_engine_cpus("decode", "cpu", list(range(64)), None, 4.0) is None
+    assert default_engine_cpus("decode", "cpu", [0, 1, 2, 3], 4, 4.0) == [1, 2, 3]
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_the_cgroup_cpu_limit_is_read_along_the_process_cgroup_path(tmp_path: Path):
+    v2, proc = tmp_path / "v2", tmp_path / "cgroup"
+    _write(proc, "0::/kubepods/pod1/replica\n")
+    _write(v2 / "kubepods/pod1/replica/cpu.max", "max 100000\n")
+    _write(v2 / "kubepods/pod1/cpu.max", "250000 100000\n")
+    _write(v2 / "cpu.max", "max 100000\n")
+    assert cgroup_cpu_limit(v2, proc) == 2.5
+    _write(v2 / "kubepods/pod1/cpu.max", "max 100000\n")
+    assert cgroup_cpu_limit(v2, proc) is None
+
+    v1 = tmp_path / "v1"
+    _write(proc, "4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n0::/\n")
+    _write(v1 / "cpu,cpuacct/docker/abc/cpu.cfs_quota_us", "-1\n")
+    _write(v1 / "cpu,cpuacct/docker/abc/cpu.cfs_period_us", "100000\n")
+    assert cgroup_cpu_limit(v1, proc) is None
+    _write(v1 / "cpu,cpuacct/docker/abc/cpu.cfs_quota_us", "150000\n")
+    assert cgroup_cpu_limit(v1, proc) == 1.5
+    assert cgroup_cpu_limit(v1, tmp_path / "missing") is None
 
 
 def test_cpus_outside_the_allowed_set_are_refused():
@@ -101,5 +152,27 @@ def test_an_engine_core_on_its_own_cpus_with_the_frontend_beside_it(
         core = replica.engine_core_pid()
         assert os.sched_getaffinity(core) == {engine_cpu}
         assert os.sched_getaffinity(replica.process.pid) == set(cpus) - {engine_cpu}
+    finally:
+        replica.kill()
+
+
+def test_a_replica_splits_its_cpus_by_default_only_when_it_owns_them(
+        tiny_llama_dir: Path, tmp_path: Path):
+    """The replica's default (``--engine-cpus auto``) against the rule, on this machine: on
+    the 2-core CI box without a quota the engine core gets CPU 1 and the frontend CPU 0."""
+    cpus = sorted(os.sched_getaffinity(0))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    expected = default_engine_cpus("both", device, cpus, omp_num_threads_from_env(),
+                                   cgroup_cpu_limit())
+    replica = start_replicas(tiny_llama_dir, tmp_path, {
+        "auto": ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--role", "both"],
+    })["auto"]
+    try:
+        core = replica.engine_core_pid()
+        if expected is None:
+            assert os.sched_getaffinity(core) == set(cpus)
+        else:
+            assert os.sched_getaffinity(core) == set(expected)
+            assert os.sched_getaffinity(replica.process.pid) == set(cpus) - set(expected)
     finally:
         replica.kill()

@@ -12,19 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.replica_process import REPO_ROOT, free_port
+from tests.replica_process import REPO_ROOT, free_port, free_ports
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def test_the_demo_serves_through_a_pd_suite_and_stops_cleanly(tiny_llama_dir: Path,
                                                                tmp_path: Path) -> None:
-    ports = [free_port() for _ in range(2)]
     run = subprocess.run(
         [sys.executable, "-m", "tandem.cli", "demo", "--model", str(tiny_llama_dir),
          "--prefill", "1", "--decode", "1", "--kv-cache-memory", "16MiB",
-         "--base-port", str(ports[0]), "--gateway-port", str(ports[1]),
-         "--metrics-base-port", str(free_port()), "--log-dir", str(tmp_path)],
+         "--base-port", str(free_ports(2)), "--gateway-port", str(free_port()),
+         "--metrics-base-port", str(free_ports(3)), "--log-dir", str(tmp_path)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=280)
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-3000:]

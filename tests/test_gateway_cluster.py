@@ -11,7 +11,6 @@ import asyncio
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from protos.tandem.v1 import engine_pb2, engine_pb2_grpc, generation_pb2, genera
 from tandem.client import Client
 from tandem.errors import DeadlineExceededError
 from tandem.request_builders import chat_message
+from tests.replica_process import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 150.0
@@ -43,12 +43,6 @@ WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo li
          "november oscar papa quebec romeo sierra tango uniform victor whiskey").split()
 
 pytestmark = pytest.mark.timeout(400)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -292,7 +286,13 @@ def test_deadline_and_cancellation_reach_the_replica(cluster: Cluster) -> None:
         stream.cancel()
     wait_for(lambda: sum(_running(cluster)) == 0, 3.0)
 
-    with cluster.client(timeout=0.5) as client, pytest.raises(DeadlineExceededError):
+    # A deadline well inside the time the whole generation takes here (measured, since the
+    # tiny model's speed depends on the machine): it must expire mid-stream.
+    with cluster.client(timeout=60.0) as client:
+        started = time.monotonic()
+        client.complete(prompt + " five", max_tokens=480, temperature=0, ignore_eos=True)
+        generation_s = time.monotonic() - started
+    with cluster.client(timeout=generation_s / 4) as client, pytest.raises(DeadlineExceededError):
         for _ in client.complete_stream(prompt + " four", max_tokens=480, temperature=0,
                                         ignore_eos=True):
             pass

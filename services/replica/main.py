@@ -16,6 +16,17 @@ from dataclasses import replace
 
 from engine_common.config import CacheConfig, EngineConfig, KvTransferConfig, SchedulerConfig
 from services.entrypoint import run_service
+from services.replica.cpu_binding import (
+    AUTO,
+    SHARED,
+    cgroup_cpu_limit,
+    default_engine_cpus,
+    omp_num_threads_from_env,
+    parse_cpus,
+    parse_engine_cpus,
+    pin_to_cpus,
+    split_engine_cpus,
+)
 from services.replica.server import ROLES, ReplicaOptions, serve
 
 logger = logging.getLogger("services.replica")
@@ -37,53 +48,6 @@ def parse_bytes(text: str) -> int:
             f"{text!r} is not a size; use bytes or a unit such as 512MiB, 1GiB, 2G")
     number, unit = match.groups()
     return int(float(number) * _UNITS[(unit or "").lower()])
-
-
-def parse_cpus(text: str) -> list[int]:
-    """``0-3``, ``0,2,5-6``: a list of CPU numbers, as taskset and cgroups write them."""
-    cpus: set[int] = set()
-    for part in text.split(","):
-        match = _CPU_RANGE.match(part)
-        if match is None:
-            raise argparse.ArgumentTypeError(
-                f"{text!r} is not a CPU list; write e.g. 0-3 or 0,2,5-6")
-        first, last = match.groups()
-        if last is not None and int(last) < int(first):
-            raise argparse.ArgumentTypeError(f"{part!r} in the CPU list {text!r} is empty")
-        cpus.update(range(int(first), int(last or first) + 1))
-    return sorted(cpus)
-
-
-_CPU_RANGE = re.compile(r"^\s*(\d+)(?:-(\d+))?\s*$")
-
-
-def split_engine_cpus(replica_cpus: list[int], engine_cpus: list[int]) -> list[int]:
-    """The frontend's CPUs: the replica's minus the engine core's (which must be among them,
-    leaving at least one)."""
-    if not set(engine_cpus) <= set(replica_cpus):
-        raise ValueError(f"--engine-cpus {engine_cpus} is not within the replica's CPUs "
-                         f"({replica_cpus})")
-    frontend = [cpu for cpu in replica_cpus if cpu not in engine_cpus]
-    if not frontend:
-        raise ValueError(f"--engine-cpus {engine_cpus} leaves no CPU of {replica_cpus} for the "
-                         "frontend")
-    return frontend
-
-
-def pin_to_cpus(cpus: list[int]) -> None:
-    """Run this process and the engine core it starts on ``cpus`` only, with as many torch
-    threads: replicas sharing a host then stop taking each other's cores (a prefill burst
-    on one cannot slow the other's decode steps)."""
-    allowed = os.sched_getaffinity(0)
-    if not set(cpus) <= allowed:
-        raise ValueError(f"--cpus {cpus} is not within the CPUs this process may use "
-                         f"({sorted(allowed)})")
-    os.sched_setaffinity(0, cpus)
-    # Read by the engine core process's OpenMP when it starts; torch in this process too.
-    os.environ["OMP_NUM_THREADS"] = str(len(cpus))
-    import torch
-
-    torch.set_num_threads(len(cpus))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,11 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpus", type=parse_cpus, default=None,
                    help="pin the replica (frontend and engine core) to these CPUs, e.g. 0-3, "
                         "with one torch thread per CPU (default: every CPU it may use)")
-    p.add_argument("--engine-cpus", type=parse_cpus, default=None,
+    p.add_argument("--engine-cpus", type=parse_engine_cpus, default=AUTO,
                    help="run the engine core alone on these CPUs (one torch thread each) and "
                         "the frontend on the replica's other CPUs, e.g. 1-3 of 0-3: gRPC, "
-                        "tokenizing and streaming then never stall the model's threads "
-                        "(default: they share the replica's CPUs)")
+                        "tokenizing and streaming then never stall the model's threads; "
+                        f"{SHARED}: they share the replica's CPUs; {AUTO}: all but the first "
+                        "for a decode or both replica on CPU that owns two or more (no "
+                        "smaller cgroup CPU quota or OMP_NUM_THREADS), else shared "
+                        "(default: %(default)s)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run decode steps eagerly instead of replaying CUDA graphs")
     p.add_argument("--cuda-graph-max-batch-size", type=int,
@@ -168,6 +135,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO",
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="(default: %(default)s)")
     return p
+
+
+def resolve_engine_cpus(args: argparse.Namespace) -> list[int] | None:
+    """``--engine-cpus`` as CPUs for the engine core, or None when it shares the replica's."""
+    if args.engine_cpus == SHARED:
+        return None
+    if args.engine_cpus != AUTO:
+        return list(args.engine_cpus)
+    return default_engine_cpus(args.role, _resolve_device(args.device),
+                               sorted(os.sched_getaffinity(0)), omp_num_threads_from_env(),
+                               cgroup_cpu_limit())
 
 
 def _resolve_device(device: str) -> str:
@@ -222,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cpus is not None:
             pin_to_cpus(args.cpus)
+        args.engine_cpus = resolve_engine_cpus(args)
         if args.engine_cpus is not None:
             pin_to_cpus(split_engine_cpus(sorted(os.sched_getaffinity(0)), args.engine_cpus))
     except ValueError as error:
