@@ -71,6 +71,10 @@ class K8sOptions:
     served_model_name: str | None = None
     replica_cpu: str = "4"
     replica_memory: str = "16Gi"
+    # CPU limit = request (a whole number): Guaranteed QoS, so that a kubelet with the static
+    # CPU manager gives each CPU replica cores of its own, and a decode replica keeps one of
+    # them for its frontend (``--engine-cpus auto``).
+    exclusive_cpus: bool = False
     gpus: int = 0  # per replica; 0 runs on CPU
     kv_cache_memory: str = "2GiB"  # CPU KV cache; on GPU the engine sizes its own
     envoy_image: str = "envoyproxy/envoy:v1.40.0"
@@ -88,6 +92,9 @@ class K8sOptions:
             raise ValueError("replica counts must not be negative")
         if self.decode + self.both == 0:
             raise ValueError("at least one decode or both replica is needed to serve requests")
+        if self.exclusive_cpus and not (self.replica_cpu.isdigit() and int(self.replica_cpu) > 0):
+            raise ValueError(f"exclusive CPUs need a whole number of CPUs per replica, got "
+                             f"--replica-cpu {self.replica_cpu!r}")
 
 
 def _labels(options: K8sOptions, component: str) -> dict[str, str]:
@@ -178,6 +185,8 @@ def replica_deployment(options: K8sOptions, role: str, replicas: int) -> dict[st
         "requests": {"cpu": options.replica_cpu, "memory": options.replica_memory},
         "limits": {"memory": options.replica_memory},
     }
+    if options.exclusive_cpus:
+        resources["limits"]["cpu"] = options.replica_cpu
     if options.gpus:
         args += ["--device", "cuda"]
         resources["limits"]["nvidia.com/gpu"] = str(options.gpus)

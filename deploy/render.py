@@ -80,7 +80,11 @@ def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="aggregated replicas (default: %(default)s)")
     p.add_argument("--gpus", type=int, default=defaults.gpus,
                    help="GPUs per replica, 0 for CPU (default: %(default)s)")
-    p.add_argument("--replica-cpu", default=defaults.replica_cpu)
+    p.add_argument("--replica-cpu", default=defaults.replica_cpu,
+                   help="CPUs each replica requests (default: %(default)s)")
+    p.add_argument("--exclusive-cpus", action="store_true",
+                   help="CPU limit = request (whole CPUs): Guaranteed pods, which a kubelet "
+                        "with the static CPU manager gives cores of their own")
     p.add_argument("--replica-memory", default=defaults.replica_memory)
     p.add_argument("--kv-cache-memory", default=defaults.kv_cache_memory,
                    help="CPU KV cache per replica (default: %(default)s)")
@@ -162,7 +166,8 @@ def _render_k8s(args: argparse.Namespace) -> int:
             image=args.image, model=args.model, name=args.name, namespace=args.namespace,
             prefill=args.prefill, decode=args.decode, both=args.both, model_pvc=args.model_pvc,
             model_mount=args.model_mount, served_model_name=args.served_model_name,
-            replica_cpu=args.replica_cpu, replica_memory=args.replica_memory, gpus=args.gpus,
+            replica_cpu=args.replica_cpu, exclusive_cpus=args.exclusive_cpus,
+            replica_memory=args.replica_memory, gpus=args.gpus,
             kv_cache_memory=args.kv_cache_memory, envoy_image=args.envoy_image,
             envoy_replicas=args.envoy_replicas, picker_replicas=args.picker_replicas,
             tls_secret=args.tls_secret, api_key_secret=args.api_key_secret,

@@ -223,6 +223,21 @@ def test_options_are_checked() -> None:
         K8sOptions(image="x", prefill=2, decode=0)
     with pytest.raises(ValueError, match="negative"):
         K8sOptions(image="x", prefill=-1)
+    with pytest.raises(ValueError, match="whole number of CPUs.*'1500m'"):
+        K8sOptions(image="x", replica_cpu="1500m", exclusive_cpus=True)
+
+
+def test_exclusive_cpus_make_replica_pods_guaranteed() -> None:
+    """Guaranteed QoS: every container's CPU and memory limits equal its requests."""
+    for exclusive in (False, True):
+        objects = render_k8s_manifests(K8sOptions(image="x", replica_cpu="3",
+                                                  exclusive_cpus=exclusive))
+        for role in ("prefill", "decode"):
+            resources = by_kind(objects, "Deployment")[f"tandem-{role}"][
+                "spec"]["template"]["spec"]["containers"][0]["resources"]
+            guaranteed = resources["limits"] == resources["requests"]
+            assert guaranteed == exclusive, resources
+            assert resources["requests"]["cpu"] == "3"
 
 
 def test_cli_writes_one_file_per_object(tmp_path: Path) -> None:
