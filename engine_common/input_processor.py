@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jinja2 import TemplateError
+
 
 class InvalidRequestError(ValueError):
     """The request cannot be served as given; the message tells the caller what to change."""
@@ -29,7 +31,10 @@ class InputProcessor:
             return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
         return list(prompt)
 
-    def tokenize_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def tokenize_chat(self, messages: Sequence[Mapping[str, Any]],
+                      tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The prompt of a chat: the model's template over ``messages`` (OpenAI's dicts) and,
+        where the template renders them, ``tools``, with the assistant's turn opened."""
         if not messages:
             raise InvalidRequestError("messages must contain at least one message")
         for i, message in enumerate(messages):
@@ -39,8 +44,13 @@ class InputProcessor:
                     f"got {message.get('role')!r}")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequestError("this model has no chat template; use the completions API")
-        text = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=False)
+        try:
+            text = self.tokenizer.apply_chat_template(
+                list(messages), tools=tools or None, add_generation_prompt=True, tokenize=False)
+        except TemplateError as error:
+            # The template's own checks (e.g. "roles must alternate") speak to the caller.
+            raise InvalidRequestError(f"the model's chat template refused the messages: "
+                                      f"{error}") from error
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:

@@ -137,7 +137,7 @@ def read_request(path: str, content_type: str, body: bytes,
         elif path in _CHAT_PATHS:
             chat = pb.ChatCompletionRequest()
             _parse_body(body, content_type, chat)
-            request = openai_api.chat_to_engine_request(chat, inputs)
+            request = openai_api.chat_to_engine_request(chat, inputs).engine
         else:
             return None
     except Exception as error:  # noqa: BLE001 - any unreadable body is routed by load alone

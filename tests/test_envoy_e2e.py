@@ -26,12 +26,15 @@ from typing import Any
 import grpc
 import openai
 import pytest
+from google.protobuf import json_format
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_common.config import CacheConfig, EngineConfig
 from engine_common.llm import LLM
 from engine_common.sampling_params import SamplingParams
+from protos.tandem.v1 import generation_pb2
+from services.replica.tool_calls import tool_plan
 from tandem.client import Client
 from tandem.errors import AuthenticationError
 from tests.replica_process import (
@@ -180,6 +183,121 @@ def test_chat_equals_offline_greedy_streamed_or_not(stack: Stack, offline: LLM) 
     chat = client.chat.completions.create(model="tiny", messages=parts,  # type: ignore[arg-type]
                                           max_tokens=10, **GREEDY)
     assert chat.choices[0].message.content == want.text
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object",
+                   "properties": {"city": {"enum": ["Oslo", "Lima"]},
+                                  "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+TOOL_MESSAGES = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+def expected_tool_text(offline: LLM, tool_choice: Any, max_tokens: int = 48,
+                       **extra: Any) -> str:
+    """The offline engine's greedy text under the schema a forced call is generated with, on
+    the prompt the replica renders (the tiny model's template, with the tools)."""
+    request = generation_pb2.ChatCompletionRequest()
+    json_format.ParseDict({"messages": TOOL_MESSAGES, "tools": [WEATHER, CLOCK],
+                           "tool_choice": tool_choice, **extra}, request)
+    plan = tool_plan(request)
+    prompt = offline.inputs.tokenize_chat(TOOL_MESSAGES, plan.tools)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                            structured_output=plan.constraint())
+    return offline.generate([prompt], params)[0].text
+
+
+def test_a_named_tool_choice_forces_that_call(stack: Stack, offline: LLM) -> None:
+    client = stack.client()
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    want = expected_tool_text(offline, choice)
+    chat = client.chat.completions.create(
+        model="tiny", messages=TOOL_MESSAGES, tools=[WEATHER, CLOCK],  # type: ignore[arg-type, list-item]
+        tool_choice=choice, max_tokens=48, temperature=0)  # type: ignore[arg-type]
+    message, finish = chat.choices[0].message, chat.choices[0].finish_reason
+    assert message.content is None and finish == "stop"
+    assert message.tool_calls is not None and len(message.tool_calls) == 1
+    call = message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"  # type: ignore[union-attr]
+    assert call.function.arguments == want  # type: ignore[union-attr]
+    arguments = json.loads(want)
+    assert arguments["city"] in ("Oslo", "Lima") and 1 <= arguments["days"] <= 7
+
+    # Streamed: the call's id and name first, then its arguments in pieces.
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=TOOL_MESSAGES, tools=[WEATHER, CLOCK],  # type: ignore[arg-type, list-item]
+        tool_choice=choice, max_tokens=48, temperature=0, stream=True))  # type: ignore[arg-type]
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].id and deltas[0].function.name == "get_weather"  # type: ignore[union-attr]
+    assert all(d.index == 0 and not d.id for d in deltas[1:])
+    assert "".join(d.function.arguments or "" for d in deltas) == want  # type: ignore[union-attr]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_required_tool_calls_parse_into_calls(stack: Stack, offline: LLM) -> None:
+    client = stack.client()
+    # One call (parallel_tool_calls=false): the random model would keep adding calls.
+    want = [(c["name"], c["parameters"]) for c in json.loads(
+        expected_tool_text(offline, "required", parallel_tool_calls=False))]
+    assert len(want) == 1 and want[0][0] in ("get_weather", "get_time")
+    for stream in (False, True):
+        response = client.chat.completions.create(
+            model="tiny", messages=TOOL_MESSAGES, tools=[WEATHER, CLOCK],  # type: ignore[arg-type, list-item]
+            tool_choice="required", parallel_tool_calls=False, max_tokens=48, temperature=0,
+            stream=stream)
+        if stream:
+            chunks = list(response)  # type: ignore[arg-type]
+            calls = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+            assert [d.index for d in calls] == [0]
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            calls = response.choices[0].message.tool_calls or []  # type: ignore[union-attr]
+            finish = response.choices[0].finish_reason  # type: ignore[union-attr]
+        assert finish == "tool_calls"
+        assert [(c.function.name, json.loads(c.function.arguments))  # type: ignore[union-attr]
+                for c in calls] == want
+        assert calls[0].id.startswith("call_")  # type: ignore[union-attr]
+    # Cut off by max_tokens before the list closes: no calls, the text as content.
+    cut = client.chat.completions.create(
+        model="tiny", messages=TOOL_MESSAGES, tools=[WEATHER, CLOCK],  # type: ignore[arg-type, list-item]
+        tool_choice="required", max_tokens=5, temperature=0)
+    assert cut.choices[0].finish_reason == "length" and not cut.choices[0].message.tool_calls
+    assert cut.choices[0].message.content == expected_tool_text(offline, "required", 5)
+
+
+def test_tool_conversations_and_unservable_tool_choices(stack: Stack, offline: LLM) -> None:
+    client = stack.client()
+    # A whole function-calling turn comes back as messages: the call, then its result.
+    history = [*TOOL_MESSAGES,
+               {"role": "assistant", "content": None, "tool_calls": [{
+                   "id": "call_1", "type": "function",
+                   "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    chat = client.chat.completions.create(model="tiny", messages=history,  # type: ignore[arg-type]
+                                          tools=[WEATHER], tool_choice="none", max_tokens=6,
+                                          **GREEDY)
+    rendered = [{k: v for k, v in m.items() if k != "tool_calls"} for m in history]
+    rendered[1]["content"] = ""
+    want = offline.generate([offline.inputs.tokenize_chat(rendered)], greedy(6))[0]
+    assert chat.choices[0].message.content == want.text and not chat.choices[0].message.tool_calls
+    for options, message in [
+        ({"tools": [WEATHER]}, 'tool_choice "auto"'),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+         "not among the tools (get_weather)"),
+        ({"tool_choice": "required"}, "needs tools"),
+        ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "more than once"),
+        ({"tools": [WEATHER], "tool_choice": "required",
+          "response_format": {"type": "json_object"}}, "already constrains the output"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.chat.completions.create(model="tiny", messages=TOOL_MESSAGES,  # type: ignore[arg-type]
+                                           max_tokens=4, **options)
+        assert message in raised.value.message
 
 
 def test_curl_gets_server_sent_events(stack: Stack, offline: LLM) -> None:

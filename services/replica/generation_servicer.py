@@ -74,14 +74,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def ChatComplete(self, request: pb.ChatCompletionRequest,  # noqa: N802
                            context: grpc.aio.ServicerContext) -> pb.ChatCompletionResponse:
         self.model.check(request.model)
-        engine_request = api.chat_to_engine_request(request, self.inputs)
+        chat = api.chat_to_engine_request(request, self.inputs)
         response_id = api.new_chat_completion_id()
-        choices = api.generate_choices(self.generate, response_id, engine_request)
+        choices = api.generate_choices(self.generate, response_id, chat.engine)
         async with aclosing(choices):
             return await api.chat_response(
                 choices, response_id=response_id, model=self.model.name,
-                logprobs=engine_request.params.logprobs is not None,
-                num_choices=engine_request.params.n)
+                logprobs=chat.engine.params.logprobs is not None,
+                num_choices=chat.engine.params.n, tools=chat.tools)
 
     @rpc_handler
     async def ChatCompleteStream(self, request: pb.ChatCompletionRequest,  # noqa: N802
@@ -97,11 +97,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self, request: pb.ChatCompletionRequest,
     ) -> AsyncGenerator[pb.ChatCompletionChunk, None]:
         self.model.check(request.model)
-        engine_request = api.chat_to_engine_request(request, self.inputs)
+        chat = api.chat_to_engine_request(request, self.inputs)
         response_id = api.new_chat_completion_id()
-        choices = api.generate_choices(self.generate, response_id, engine_request)
+        choices = api.generate_choices(self.generate, response_id, chat.engine)
         chunks = api.chat_chunks(choices, response_id=response_id, model=self.model.name,
-                                 include_usage=request.stream_options.include_usage)
+                                 include_usage=request.stream_options.include_usage,
+                                 tools=chat.tools)
         async with aclosing(choices), aclosing(chunks):
             async for chunk in chunks:
                 yield chunk

@@ -5,8 +5,9 @@ Owns four things, so that the replica and the gateway serve the public API ident
 
 - requests in: ``completion_to_engine_request`` / ``chat_to_engine_request`` turn a public
   request into an ``EngineRequest`` (prompt token ids, ``SamplingParams``, priority, cache
-  salt), applying OpenAI's defaults (completions: ``max_tokens`` 16; chat: unbounded, that is
-  up to the context) and rejecting what cannot be served with an actionable message;
+  salt; a chat's with its ``ToolPlan``, ``tool_calls``), applying OpenAI's defaults
+  (completions: ``max_tokens`` 16; chat: unbounded, that is up to the context) and rejecting
+  what cannot be served with an actionable message;
 - the engine, behind ``GenerateFn``: any async callable that streams ``GenerationDelta``s
   for an ``EngineRequest`` and aborts the request when its iterator is closed early. The
   replica plugs in its local engine (``local_engine``), the gateway a remote replica's
@@ -17,8 +18,8 @@ Owns four things, so that the replica and the gateway serve the public API ident
   caller leaving aborts them all;
 - responses out: ``completion_chunks`` / ``completion_response`` / ``chat_chunks`` /
   ``chat_response`` fold a stream of deltas into OpenAI's chunk and response shapes
-  (ids ``cmpl-<uuid>`` / ``chatcmpl-<uuid>``, usage with cached tokens, logprobs), one
-  choice per index, the usage once for the whole request.
+  (ids ``cmpl-<uuid>`` / ``chatcmpl-<uuid>``, usage with cached tokens, logprobs, a forced
+  call's text as ``tool_calls``), one choice per index, the usage once for the whole request.
 
 It does not own transport, status codes (``errors``) or admission (``admission``).
 """
@@ -32,7 +33,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from engine_common.input_processor import InputProcessor, InvalidRequestError
 from engine_common.outputs import KvTransferReport
@@ -40,6 +41,7 @@ from engine_common.sampling_params import SamplingParams
 from protos.tandem.v1 import generation_pb2 as pb
 from services.replica.errors import InvalidArgument
 from services.replica.served_model import ServedModel
+from services.replica.tool_calls import ToolPlan, new_tool_call, template_tool_calls, tool_plan
 from services.replica.validation import (
     check_echo,
     check_seed_for_choices,
@@ -129,16 +131,19 @@ _SAMPLING_FIELDS = (
 
 
 def _sampling_params(request: pb.CompletionRequest | pb.ChatCompletionRequest,
-                     max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+                     max_tokens: int | None, logprobs: int | None,
+                     tools: ToolPlan | None = None) -> SamplingParams:
     """Unset optional fields keep SamplingParams' defaults (OpenAI's, for these fields)."""
     chosen = {name: getattr(request, name) for name in _SAMPLING_FIELDS if request.HasField(name)}
     stop = stop_from_value(request.stop if request.HasField("stop") else None)
+    structured_output = (tools.constraint() if tools is not None and tools.forced else
+                         structured_output_from_request(request.response_format,
+                                                        request.structured_outputs))
     params = SamplingParams(
         max_tokens=max_tokens, logprobs=logprobs, stop=stop,
         stop_token_ids=list(request.stop_token_ids),
         logit_bias=dict(request.logit_bias),
-        structured_output=structured_output_from_request(request.response_format,
-                                                         request.structured_outputs),
+        structured_output=structured_output,
         **chosen)
     check_seed_for_choices(params.seed, params.n)
     return params
@@ -162,22 +167,36 @@ def completion_to_engine_request(request: pb.CompletionRequest,
 
 
 def chat_messages(messages: Sequence[pb.ChatMessage],
-                  max_model_len: int) -> list[dict[str, str]]:
-    """OpenAI-style message dicts for the chat template, their contents as plain strings;
-    rejects contents too long to fit the context before the template runs over them."""
+                  max_model_len: int) -> list[dict[str, Any]]:
+    """OpenAI-style message dicts for the chat template, their contents as plain strings (an
+    assistant turn's tool calls and a tool turn's call id kept); rejects contents too long to
+    fit the context before the template runs over them."""
     converted = []
     for i, message in enumerate(messages):
-        entry = {"role": message.role,
-                 "content": content_from_value(message.content, f"messages[{i}].content")}
+        entry: dict[str, Any] = {
+            "role": message.role,
+            "content": content_from_value(message.content, f"messages[{i}].content")}
         if message.name:
             entry["name"] = message.name
+        if message.tool_calls:
+            entry["tool_calls"] = template_tool_calls(list(message.tool_calls))
+        if message.tool_call_id:
+            entry["tool_call_id"] = message.tool_call_id
         converted.append(entry)
     check_text_length(sum(len(m["content"]) for m in converted), max_model_len, "messages")
     return converted
 
 
+@dataclass(frozen=True)
+class ChatRequest:
+    """A chat request resolved: what the engine runs, and what its tools make of the output."""
+
+    engine: EngineRequest
+    tools: ToolPlan
+
+
 def chat_to_engine_request(request: pb.ChatCompletionRequest,
-                           inputs: InputProcessor) -> EngineRequest:
+                           inputs: InputProcessor) -> ChatRequest:
     if request.HasField("max_completion_tokens"):
         max_tokens: int | None = request.max_completion_tokens
     elif request.HasField("max_tokens"):
@@ -189,11 +208,14 @@ def chat_to_engine_request(request: pb.ChatCompletionRequest,
     logprobs: int | None = None
     if request.logprobs:
         logprobs = request.top_logprobs if request.HasField("top_logprobs") else 0
-    params = _sampling_params(request, max_tokens, logprobs)
+    tools = tool_plan(request)
+    params = _sampling_params(request, max_tokens, logprobs, tools)
     prompt_token_ids = inputs.tokenize_chat(
-        chat_messages(request.messages, inputs.max_model_len))
+        chat_messages(request.messages, inputs.max_model_len), tools.tools)
     inputs.validate_prompt(prompt_token_ids, params.max_tokens)
-    return EngineRequest(prompt_token_ids, params, request.priority, request.cache_salt or None)
+    return ChatRequest(
+        EngineRequest(prompt_token_ids, params, request.priority, request.cache_salt or None),
+        tools)
 
 
 # --------------------------------------------------------------------------- choices (n)
@@ -388,24 +410,46 @@ async def completion_response(choices: AsyncIterator[ChoiceDelta], *, response_i
 
 async def chat_chunks(
     choices: AsyncIterator[ChoiceDelta], *, response_id: str, model: str, include_usage: bool,
+    tools: ToolPlan | None = None,
 ) -> AsyncGenerator[pb.ChatCompletionChunk, None]:
     """ChatCompleteStream's messages; each choice's first chunk carries the role
-    "assistant", and the usage (with ``include_usage``) comes last, once."""
+    "assistant", and the usage (with ``include_usage``) comes last, once. A forced named
+    function streams as one tool call: its name first, then its arguments as they come;
+    ``required`` calls come whole when the choice ends (their list must be parsed first)."""
+    tools = tools or ToolPlan()
     created = int(time.time())
     started: set[int] = set()
     lasts: dict[int, GenerationDelta] = {}
+    texts: dict[int, list[str]] = {}
     async for choice_delta in choices:
         index, delta = choice_delta.index, choice_delta.delta
         lasts[index] = delta
         first = index not in started
-        if not (first or delta.text or delta.finish_reason or delta.logprobs):
+        if tools.mode == "required":
+            texts.setdefault(index, []).append(delta.text)
+        # Under "required" the text is held: the calls come whole at the end.
+        shows_text = bool(delta.text) and tools.mode != "required"
+        if not (first or shows_text or delta.finish_reason or delta.logprobs):
             continue
-        choice = pb.ChatChunkChoice(index=index, delta=pb.ChatDelta(content=delta.text))
+        choice = pb.ChatChunkChoice(index=index)
+        choice.delta.SetInParent()
         if first:
             choice.delta.role = "assistant"
             started.add(index)
+        if tools.mode == "named":
+            call = choice.delta.tool_calls.add(index=0)
+            call.function.arguments = delta.text
+            if first:
+                assert tools.function is not None
+                header = new_tool_call(tools.function, "")
+                call.id, call.type, call.function.name = header.id, header.type, tools.function
+        elif tools.mode == "required":
+            if delta.finish_reason is not None:
+                _add_finished_calls(choice.delta, tools, "".join(texts[index]))
+        else:
+            choice.delta.content = delta.text
         if delta.finish_reason is not None:
-            choice.finish_reason = delta.finish_reason
+            choice.finish_reason = tools.finish_reason(delta.finish_reason)
         if delta.logprobs:
             choice.logprobs.CopyFrom(_chat_logprobs(delta.logprobs))
         yield pb.ChatCompletionChunk(id=response_id, object="chat.completion.chunk",
@@ -415,18 +459,33 @@ async def chat_chunks(
                                      created=created, model=model, usage=_usage(lasts))
 
 
+def _add_finished_calls(delta: pb.ChatDelta, tools: ToolPlan, text: str) -> None:
+    calls = tools.calls(text)
+    if not calls:
+        delta.content = text  # cut off before the list was complete
+    for i, call in enumerate(calls):
+        delta.tool_calls.add(index=i, id=call.id, type=call.type).function.CopyFrom(
+            pb.FunctionCallDelta(name=call.function.name, arguments=call.function.arguments))
+
+
 async def chat_response(choices: AsyncIterator[ChoiceDelta], *, response_id: str,
-                        model: str, logprobs: bool,
-                        num_choices: int = 1) -> pb.ChatCompletionResponse:
+                        model: str, logprobs: bool, num_choices: int = 1,
+                        tools: ToolPlan | None = None) -> pb.ChatCompletionResponse:
+    tools = tools or ToolPlan()
     collected = await _collect(choices, num_choices)
     response = pb.ChatCompletionResponse(
         id=response_id, object="chat.completion", created=int(time.time()), model=model,
         usage=_usage({index: one.last for index, one in enumerate(collected)}))
     for index, one in enumerate(collected):
-        choice = response.choices.add(
-            index=index, message=pb.ChatResponseMessage(role="assistant", content=one.text))
+        message = pb.ChatResponseMessage(role="assistant")
+        calls = tools.calls(one.text) if tools.forced else []
+        if calls:
+            message.tool_calls.extend(calls)
+        else:
+            message.content = one.text
+        choice = response.choices.add(index=index, message=message)
         if one.last.finish_reason is not None:
-            choice.finish_reason = one.last.finish_reason
+            choice.finish_reason = tools.finish_reason(one.last.finish_reason)
         if logprobs:
             choice.logprobs.CopyFrom(_chat_logprobs(one.logprobs))
     return response
@@ -462,7 +521,7 @@ def tokenize_response(request: pb.TokenizeRequest, inputs: InputProcessor) -> pb
     return pb.TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=inputs.max_model_len)
 
 
-def _render_chat_without_generation_prompt(messages: list[dict[str, str]],
+def _render_chat_without_generation_prompt(messages: list[dict[str, Any]],
                                            inputs: InputProcessor) -> list[int]:
     # InputProcessor.tokenize_chat always appends the assistant's turn header (what
     # generation needs); counting a conversation as it stands needs the template without it.

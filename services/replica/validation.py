@@ -158,18 +158,34 @@ def structured_output_from_request(
 
 
 def _schema_text(schema: struct_pb2.Struct) -> str:
-    # Struct holds every number as a double: give integral ones back as integers, as the
-    # client wrote them ("maxLength": 5, not 5.0).
-    def restore(value: Any) -> Any:
+    return json.dumps(struct_to_dict(schema))
+
+
+def struct_to_dict(struct: struct_pb2.Struct) -> dict[str, Any]:
+    """A JSON schema sent as a Struct (a JSON object in a request), as a dict in a canonical
+    key order. A Struct is a map, whose order no transport keeps (Envoy's transcoder and the
+    gRPC SDK deliver the same object's keys in different orders), yet the order matters: the
+    grammar emits an object's properties in schema order, and the chat template prints the
+    schema. So keys are sorted, except that a ``properties`` object lists the names in its
+    sibling ``required`` first, in that list's order (lists keep theirs), as the author most
+    likely meant them. Struct also holds every number as a double: integral ones go back to
+    integers, as the client wrote them ("maxLength": 5, not 5.0)."""
+    def canonical(value: Any) -> Any:
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        if isinstance(value, dict):
-            return {key: restore(item) for key, item in value.items()}
         if isinstance(value, list):
-            return [restore(item) for item in value]
-        return value
+            return [canonical(item) for item in value]
+        if not isinstance(value, dict):
+            return value
+        ordered = {key: canonical(value[key]) for key in sorted(value)}
+        properties, required = ordered.get("properties"), ordered.get("required")
+        if isinstance(properties, dict) and isinstance(required, list):
+            first = [name for name in required if name in properties]
+            ordered["properties"] = {name: properties[name]
+                                     for name in [*first, *sorted(set(properties) - set(first))]}
+        return ordered
 
-    return json.dumps(restore(json_format.MessageToDict(schema)))
+    return dict(canonical(json_format.MessageToDict(struct)))
 
 
 def check_text_length(num_chars: int, max_model_len: int, field: str) -> None:
