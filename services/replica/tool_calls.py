@@ -80,8 +80,10 @@ class ToolPlan:
         return generated
 
     def calls(self, text: str) -> list[pb.ToolCall]:
-        """The calls in a choice's finished text; none when it is not a complete call (cut
-        off by max_tokens), and the text is then returned as content."""
+        """The calls in a choice's finished text. A named function's call holds its
+        arguments as generated (cut short when max_tokens ended them, as OpenAI's are); a
+        ``required`` list cut off before it closes gives none, and the text goes back as
+        content."""
         if self.mode == "named":
             assert self.function is not None
             return [new_tool_call(self.function, text)]
