@@ -21,6 +21,7 @@ from tandem.results import (
     CompletionChunk,
     ModelInfo,
     TokenLogprob,
+    ToolCall,
     Usage,
 )
 
@@ -42,6 +43,7 @@ __all__ = [
     "OverloadedError",
     "TandemError",
     "TokenLogprob",
+    "ToolCall",
     "UnavailableError",
     "Usage",
 ]

@@ -42,9 +42,16 @@ class GenerationOptions(TypedDict, total=False):
     cache_salt: str
     priority: int
     user: str
+    # Chat only: OpenAI's function tools, [{"type": "function", "function": {"name": ...,
+    # "description": ..., "parameters": schema}}], and the call to force: "required" or
+    # {"type": "function", "function": {"name": ...}} ("auto" is refused; "none" ignores them).
+    tools: Sequence[Mapping[str, object]]
+    tool_choice: str | Mapping[str, object]
+    parallel_tool_calls: bool
 
 
 _OPTION_NAMES = frozenset(GenerationOptions.__annotations__)
+_CHAT_ONLY_OPTIONS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
 
 # {"role": ..., "content": ..., "name": ...}; content is a string or a list of text parts,
 # [{"type": "text", "text": ...}, ...], as in OpenAI's API.
@@ -64,6 +71,8 @@ def _apply_options(
     request: pb.CompletionRequest | pb.ChatCompletionRequest, options: Mapping[str, object]
 ) -> None:
     unknown = set(options) - _OPTION_NAMES
+    if isinstance(request, pb.CompletionRequest):
+        unknown |= set(options) & _CHAT_ONLY_OPTIONS
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
     for name, value in options.items():
@@ -75,8 +84,11 @@ def _apply_options(
             request.stop_token_ids.extend(value)  # type: ignore[arg-type]
         elif name == "logit_bias":
             request.logit_bias.update(value)  # type: ignore[call-overload]
-        elif name in ("response_format", "structured_outputs"):
+        elif name in ("response_format", "structured_outputs", "tool_choice"):
             json_format.ParseDict(value, getattr(request, name))  # type: ignore[arg-type]
+        elif name == "tools":
+            for tool in value:  # type: ignore[attr-defined]
+                json_format.ParseDict(tool, request.tools.add())  # type: ignore[union-attr]
         else:
             setattr(request, name, value)
 
@@ -108,17 +120,23 @@ def completion_request(
 
 
 def chat_message(message: Mapping[str, object]) -> pb.ChatMessage:
-    """A ChatMessage from an OpenAI-style ``{"role": ..., "content": ..., "name": ...}``."""
-    unknown = set(message) - {"role", "content", "name"}
+    """A ChatMessage from an OpenAI-style ``{"role": ..., "content": ..., "name": ...}`` (an
+    assistant turn may carry ``tool_calls``, a "tool" turn its ``tool_call_id``)."""
+    unknown = set(message) - {"role", "content", "name", "tool_calls", "tool_call_id"}
     if unknown or "role" not in message:
         raise TypeError(
-            f"a chat message needs 'role' and 'content' (and maybe 'name'): {message!r}"
+            "a chat message needs 'role' and 'content' (and maybe 'name', 'tool_calls', "
+            f"'tool_call_id'): {message!r}"
         )
     text_or_parts: Any = message.get("content") or ""
     content = struct_pb2.Value()  # any JSON value: the server checks the parts' shape
     json_format.ParseDict(text_or_parts, content)
-    return pb.ChatMessage(role=str(message["role"]), content=content,
-                          name=str(message.get("name", "")))
+    converted = pb.ChatMessage(role=str(message["role"]), content=content,
+                               name=str(message.get("name", "")),
+                               tool_call_id=str(message.get("tool_call_id", "")))
+    for call in message.get("tool_calls") or []:  # type: ignore[attr-defined]
+        json_format.ParseDict(call, converted.tool_calls.add())
+    return converted
 
 
 def chat_request(

@@ -1,7 +1,8 @@
 """The plain records the Tandem SDK returns, and their conversion from the wire messages.
 
 Owns ``Completion``, ``CompletionChunk``, ``ChatCompletion``, ``ChatCompletionChunk``, their
-choices (``CompletionChoice``, ``ChatChoice``), ``Usage``, ``TokenLogprob`` and ``ModelInfo``.
+choices (``CompletionChoice``, ``ChatChoice``), ``ToolCall``, ``Usage``, ``TokenLogprob`` and
+``ModelInfo``.
 A response's fields are its first choice's (the only one unless the request set ``n``), and
 ``choices`` holds them all, ordered by index; a streamed chunk carries one choice, named by
 ``index``. It does not own the requests (``request_builders``) nor the transport (``client``).
@@ -68,12 +69,24 @@ class CompletionChunk:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function call the model made (``tool_choice``), or in a streamed chunk a piece of
+    one: the first piece of call ``index`` has its id and name, later ones add arguments."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclass(frozen=True)
 class ChatChoice:
     index: int
     role: str
     content: str
     finish_reason: str | None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -88,6 +101,7 @@ class ChatCompletion:
     usage: Usage | None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     choices: list[ChatChoice] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -103,6 +117,7 @@ class ChatCompletionChunk:
     usage: Usage | None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     index: int = 0
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -193,6 +208,8 @@ def _chat_choice(choice: pb.ChatChoice) -> ChatChoice:
         content=choice.message.content,
         finish_reason=_finish_reason(choice),
         logprobs=_chat_logprobs(choice.logprobs),
+        tool_calls=[ToolCall(i, c.id, c.function.name, c.function.arguments)
+                    for i, c in enumerate(choice.message.tool_calls)],
     )
 
 
@@ -210,6 +227,7 @@ def chat_completion_from_pb(response: pb.ChatCompletionResponse) -> ChatCompleti
         usage=usage_from_pb(response),
         logprobs=first.logprobs,
         choices=choices,
+        tool_calls=first.tool_calls,
     )
 
 
@@ -227,6 +245,8 @@ def chat_chunk_from_pb(chunk: pb.ChatCompletionChunk) -> ChatCompletionChunk:
         usage=usage_from_pb(chunk),
         logprobs=_chat_logprobs(choice.logprobs),
         index=choice.index,
+        tool_calls=[ToolCall(c.index, c.id, c.function.name, c.function.arguments)
+                    for c in delta.tool_calls],
     )
 
 

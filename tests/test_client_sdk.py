@@ -15,6 +15,7 @@ from concurrent import futures
 
 import grpc
 import pytest
+from google.protobuf import json_format
 
 import tandem
 from protos.tandem.v1 import generation_pb2 as pb
@@ -144,6 +145,29 @@ def test_token_id_prompts_and_unknown_options(server) -> None:
         assert list(request.stop_token_ids) == [7]
         with pytest.raises(TypeError, match="best_of"):
             client.complete("a", best_of=2)  # type: ignore[call-arg]
+        with pytest.raises(TypeError, match="tools"):
+            client.complete("a", tools=[])  # tools are for chat
+
+
+def test_chat_maps_tools_and_tool_turns(server) -> None:
+    target, servicer = server
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer", "maximum": 3}}}}}
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    with tandem.Client(target) as client:
+        client.chat([{"role": "user", "content": "Hi"},
+                     {"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": "call_1", "content": "3"}],
+                    tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}},
+                    parallel_tool_calls=False)
+    request = servicer.requests[-1]
+    assert [json_format.MessageToDict(t) for t in request.tools] == [tool]
+    assert json_format.MessageToDict(request.tool_choice) == {
+        "type": "function", "function": {"name": "f"}}
+    assert request.HasField("parallel_tool_calls") and not request.parallel_tool_calls
+    assert [json_format.MessageToDict(c) for c in request.messages[1].tool_calls] == [call]
+    assert request.messages[1].content.string_value == ""
+    assert request.messages[2].tool_call_id == "call_1"
 
 
 def test_streams_chat_and_small_calls(server) -> None:

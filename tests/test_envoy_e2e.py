@@ -238,6 +238,25 @@ def test_a_named_tool_choice_forces_that_call(stack: Stack, offline: LLM) -> Non
     assert "".join(d.function.arguments or "" for d in deltas) == want  # type: ignore[union-attr]
     assert chunks[-1].choices[0].finish_reason == "stop"
 
+    # The gRPC SDK through the gateway: the same call (the schema's keys arrive in another
+    # order over gRPC than through Envoy, and must not change the grammar).
+    with Client(stack.gateway, timeout=60) as sdk:
+        answer = sdk.chat(TOOL_MESSAGES, model="tiny", tools=[WEATHER, CLOCK],
+                          tool_choice=choice, max_tokens=48, temperature=0)
+        assert [(c.name, c.arguments) for c in answer.tool_calls] == [("get_weather", want)]
+        assert answer.finish_reason == "stop" and answer.content == ""
+        pieces = list(sdk.chat_stream(TOOL_MESSAGES, model="tiny", tools=[WEATHER, CLOCK],
+                                      tool_choice=choice, max_tokens=48, temperature=0))
+        assert "".join(c.arguments for p in pieces for c in p.tool_calls) == want
+        follow_up = sdk.chat([*TOOL_MESSAGES, {"role": "assistant", "content": None,
+                                               "tool_calls": [{"id": answer.tool_calls[0].id,
+                                                               "type": "function",
+                                                               "function": {"name": "get_weather",
+                                                                            "arguments": want}}]},
+                              {"role": "tool", "tool_call_id": answer.tool_calls[0].id,
+                               "content": "sunny"}], model="tiny", max_tokens=4, temperature=0)
+        assert follow_up.content and not follow_up.tool_calls
+
 
 def test_required_tool_calls_parse_into_calls(stack: Stack, offline: LLM) -> None:
     client = stack.client()
