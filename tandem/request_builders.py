@@ -43,8 +43,9 @@ class GenerationOptions(TypedDict, total=False):
     priority: int
     user: str
     # Chat only: OpenAI's function tools, [{"type": "function", "function": {"name": ...,
-    # "description": ..., "parameters": schema}}], and the call to force: "required" or
-    # {"type": "function", "function": {"name": ...}} ("auto" is refused; "none" ignores them).
+    # "description": ..., "parameters": schema}}], and tool_choice: "auto" (models whose chat
+    # template uses the Hermes <tool_call> format), "required", {"type": "function",
+    # "function": {"name": ...}} to force one, or "none".
     tools: Sequence[Mapping[str, object]]
     tool_choice: str | Mapping[str, object]
     parallel_tool_calls: bool

@@ -5,7 +5,9 @@ SDK, against the offline engine: tests/test_envoy_e2e.py.)"""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,13 @@ from engine_common.input_processor import InputProcessor, InvalidRequestError
 from engine_common.tokenizer import load_tokenizer
 from protos.tandem.v1 import generation_pb2 as pb
 from services.replica.errors import InvalidArgument
-from services.replica.openai_api import chat_messages
+from services.replica.openai_api import (
+    ChoiceDelta,
+    GenerationDelta,
+    chat_chunks,
+    chat_messages,
+    chat_response,
+)
 from services.replica.tool_calls import tool_plan
 from services.replica.validation import struct_to_dict
 
@@ -43,8 +51,10 @@ def test_tool_choice_modes_and_their_constraints() -> None:
     constraint = named.constraint()
     assert constraint is not None
     assert json.loads(constraint.value) == WEATHER["function"]["parameters"]
-    assert named.finish_reason("stop") == "stop" and named.finish_reason("length") == "length"
-    assert [c.function.arguments for c in named.calls('{"city": "Oslo"')] == ['{"city": "Oslo"']
+    assert named.finish_reason("stop", True) == "stop"
+    assert named.finish_reason("length", True) == "length"
+    content, calls = named.split('{"city": "Oslo"')
+    assert content is None and [c.function.arguments for c in calls] == ['{"city": "Oslo"']
 
     required = tool_plan(chat_request(tools=[WEATHER, CLOCK], tool_choice="required"))
     constraint = required.constraint()
@@ -53,13 +63,15 @@ def test_tool_choice_modes_and_their_constraints() -> None:
     assert schema["minItems"] == 1 and "maxItems" not in schema
     # A function without parameters takes any object.
     assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object"}
-    assert required.finish_reason("stop") == "tool_calls"
-    calls = required.calls('[{"name": "get_time", "parameters": {}}, '
-                           '{"name": "get_weather", "parameters": {"city": "Ålesund"}}]')
+    assert required.finish_reason("stop", True) == "tool_calls"
+    assert required.finish_reason("stop", False) == "stop"
+    content, calls = required.split('[{"name": "get_time", "parameters": {}}, '
+                                    '{"name": "get_weather", "parameters": {"city": "Ålesund"}}]')
+    assert content is None
     assert [(c.function.name, c.function.arguments) for c in calls] == [
         ("get_time", "{}"), ("get_weather", '{"city": "Ålesund"}')]
     assert len({c.id for c in calls}) == 2
-    assert required.calls('[{"name": "get_ti') == []
+    assert required.split('[{"name": "get_ti') == ('[{"name": "get_ti', [])
     single = tool_plan(chat_request(tools=[WEATHER], tool_choice="required",
                                     parallel_tool_calls=False)).constraint()
     assert single is not None and json.loads(single.value)["maxItems"] == 1
@@ -81,7 +93,7 @@ def test_the_required_schema_compiles_and_accepts_only_calls(tiny_llama_dir: Pat
 
 @pytest.mark.parametrize("fields, message", [
     ({"tools": [WEATHER]}, 'tool_choice "auto" (the default when tools are given)'),
-    ({"tools": [WEATHER], "tool_choice": "auto"}, "needs a parser"),
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "writes none that Tandem knows"),
     ({"tool_choice": "required"}, 'tool_choice "required" needs tools'),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, 'tool_choice must be "none"'),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
@@ -140,3 +152,77 @@ def test_a_schema_reads_the_same_whatever_order_its_keys_travelled_in() -> None:
     # The required names first, in their list's order; integral numbers stay integers.
     assert list(dicts[0]["properties"]) == ["city", "days", "zone"]
     assert dicts[0]["properties"]["city"] == {"maxLength": 5, "type": "string"}
+
+
+# --------------------------------------------------------------------------- auto (Hermes)
+
+HERMES_TEXTS = [
+    "The weather is fine.",
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+    '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Lima", "days": 2}}</tool_call>',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": ',  # cut off by max_tokens
+    "a < b and <tool_ca is not a tag",
+    '<tool_call>{"arguments": {}}</tool_call>',  # no name: not a call
+]
+
+
+def test_auto_is_served_for_hermes_templates_only(tiny_llama_dir: Path) -> None:
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    inputs = InputProcessor(tokenizer, max_model_len=512, vocab_size=len(tokenizer))
+    assert inputs.tool_call_format is None
+    tokenizer.chat_template = ("{% for m in messages %}{{ m.content }}{% endfor %}"
+                               "{% if tools %}Call tools as <tool_call>{json}</tool_call>"
+                               "{% endif %}")
+    assert inputs.tool_call_format == "hermes"
+    plan = tool_plan(chat_request(tools=[WEATHER]), inputs.tool_call_format)
+    assert plan.mode == "auto" and not plan.forced and plan.constraint() is None
+
+
+def test_hermes_text_splits_into_content_and_calls() -> None:
+    plan = tool_plan(chat_request(tools=[WEATHER, CLOCK]), "hermes")
+    results = [plan.split(text) for text in HERMES_TEXTS]
+    assert results[0] == ("The weather is fine.", [])
+    content, calls = results[1]
+    assert content == "Let me check.\n"
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        ("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]
+    assert results[2][0] is None and results[2][1][0].function.arguments == (
+        '{"city": "Lima", "days": 2}')
+    for text, (content, calls) in zip(HERMES_TEXTS[3:], results[3:], strict=True):
+        assert (content, calls) == (text, [])
+    assert plan.finish_reason("stop", True) == "tool_calls"
+    assert plan.finish_reason("stop", False) == "stop"
+
+
+@pytest.mark.parametrize("text", HERMES_TEXTS)
+@pytest.mark.parametrize("piece", [1, 3, 7])
+def test_a_streamed_auto_choice_says_what_the_response_says(text: str, piece: int) -> None:
+    """Fed in pieces of every size, the stream's content and calls equal the unstreamed
+    response's: content is never shown past a (possibly partial) <tool_call>."""
+    plan = tool_plan(chat_request(tools=[WEATHER, CLOCK]), "hermes")
+    deltas = [GenerationDelta(text[i:i + piece], []) for i in range(0, len(text), piece)]
+    deltas.append(GenerationDelta("", [], finish_reason="stop"))
+
+    async def stream() -> AsyncIterator[ChoiceDelta]:
+        for delta in deltas:
+            yield ChoiceDelta(0, delta)
+
+    async def run() -> tuple[list[pb.ChatCompletionChunk], pb.ChatCompletionResponse]:
+        chunks = [c async for c in chat_chunks(stream(), response_id="r", model="m",
+                                               include_usage=False, tools=plan)]
+        response = await chat_response(stream(), response_id="r", model="m", logprobs=False,
+                                       tools=plan)
+        return chunks, response
+
+    chunks, response = asyncio.run(run())
+    message = response.choices[0].message
+    streamed_content = "".join(c.choices[0].delta.content for c in chunks)
+    assert streamed_content == (message.content if message.HasField("content") else "")
+    streamed_calls = [(d.function.name, d.function.arguments)
+                      for c in chunks for d in c.choices[0].delta.tool_calls]
+    assert streamed_calls == [(c.function.name, c.function.arguments)
+                              for c in message.tool_calls]
+    assert chunks[-1].choices[0].finish_reason == response.choices[0].finish_reason
+    # Nothing of a tag is ever shown as content.
+    assert "<tool_call>" not in streamed_content or not message.tool_calls

@@ -41,7 +41,13 @@ from engine_common.sampling_params import SamplingParams
 from protos.tandem.v1 import generation_pb2 as pb
 from services.replica.errors import InvalidArgument
 from services.replica.served_model import ServedModel
-from services.replica.tool_calls import ToolPlan, new_tool_call, template_tool_calls, tool_plan
+from services.replica.tool_calls import (
+    HermesStream,
+    ToolPlan,
+    new_tool_call,
+    template_tool_calls,
+    tool_plan,
+)
 from services.replica.validation import (
     check_echo,
     check_seed_for_choices,
@@ -208,7 +214,7 @@ def chat_to_engine_request(request: pb.ChatCompletionRequest,
     logprobs: int | None = None
     if request.logprobs:
         logprobs = request.top_logprobs if request.HasField("top_logprobs") else 0
-    tools = tool_plan(request)
+    tools = tool_plan(request, inputs.tool_call_format)
     params = _sampling_params(request, max_tokens, logprobs, tools)
     prompt_token_ids = inputs.tokenize_chat(
         chat_messages(request.messages, inputs.max_model_len), tools.tools)
@@ -415,27 +421,26 @@ async def chat_chunks(
     """ChatCompleteStream's messages; each choice's first chunk carries the role
     "assistant", and the usage (with ``include_usage``) comes last, once. A forced named
     function streams as one tool call: its name first, then its arguments as they come;
-    ``required`` calls come whole when the choice ends (their list must be parsed first)."""
+    ``required`` calls come whole when the choice ends (their list must be parsed first);
+    under ``auto`` the content streams up to the first call, the calls come at the end."""
     tools = tools or ToolPlan()
     created = int(time.time())
     started: set[int] = set()
     lasts: dict[int, GenerationDelta] = {}
-    texts: dict[int, list[str]] = {}
+    texts: dict[int, list[str]] = {}  # "required": each choice's text, parsed at its end
+    streams: dict[int, HermesStream] = {}  # "auto"
     async for choice_delta in choices:
         index, delta = choice_delta.index, choice_delta.delta
         lasts[index] = delta
         first = index not in started
-        if tools.mode == "required":
-            texts.setdefault(index, []).append(delta.text)
-        # Under "required" the text is held: the calls come whole at the end.
-        shows_text = bool(delta.text) and tools.mode != "required"
-        if not (first or shows_text or delta.finish_reason or delta.logprobs):
+        if not (first or delta.text or delta.finish_reason or delta.logprobs):
             continue
         choice = pb.ChatChunkChoice(index=index)
         choice.delta.SetInParent()
         if first:
             choice.delta.role = "assistant"
             started.add(index)
+        made_calls = False
         if tools.mode == "named":
             call = choice.delta.tool_calls.add(index=0)
             call.function.arguments = delta.text
@@ -443,13 +448,29 @@ async def chat_chunks(
                 assert tools.function is not None
                 header = new_tool_call(tools.function, "")
                 call.id, call.type, call.function.name = header.id, header.type, tools.function
-        elif tools.mode == "required":
-            if delta.finish_reason is not None:
-                _add_finished_calls(choice.delta, tools, "".join(texts[index]))
+            made_calls = True
+        elif tools.mode in ("required", "auto"):
+            calls: list[pb.ToolCall] = []
+            if tools.mode == "auto":
+                stream = streams.setdefault(index, HermesStream())
+                content = stream.feed(delta.text)
+                if delta.finish_reason is not None:
+                    rest, calls = stream.finish()
+                    content += rest
+            else:
+                texts.setdefault(index, []).append(delta.text)
+                content = ""
+                if delta.finish_reason is not None:
+                    whole, calls = tools.split("".join(texts[index]))
+                    content = whole or ""
+            _add_call_deltas(choice.delta, calls)
+            made_calls = bool(calls)
+            if content:
+                choice.delta.content = content
         else:
             choice.delta.content = delta.text
         if delta.finish_reason is not None:
-            choice.finish_reason = tools.finish_reason(delta.finish_reason)
+            choice.finish_reason = tools.finish_reason(delta.finish_reason, made_calls)
         if delta.logprobs:
             choice.logprobs.CopyFrom(_chat_logprobs(delta.logprobs))
         yield pb.ChatCompletionChunk(id=response_id, object="chat.completion.chunk",
@@ -459,10 +480,7 @@ async def chat_chunks(
                                      created=created, model=model, usage=_usage(lasts))
 
 
-def _add_finished_calls(delta: pb.ChatDelta, tools: ToolPlan, text: str) -> None:
-    calls = tools.calls(text)
-    if not calls:
-        delta.content = text  # cut off before the list was complete
+def _add_call_deltas(delta: pb.ChatDelta, calls: list[pb.ToolCall]) -> None:
     for i, call in enumerate(calls):
         delta.tool_calls.add(index=i, id=call.id, type=call.type).function.CopyFrom(
             pb.FunctionCallDelta(name=call.function.name, arguments=call.function.arguments))
@@ -477,15 +495,13 @@ async def chat_response(choices: AsyncIterator[ChoiceDelta], *, response_id: str
         id=response_id, object="chat.completion", created=int(time.time()), model=model,
         usage=_usage({index: one.last for index, one in enumerate(collected)}))
     for index, one in enumerate(collected):
-        message = pb.ChatResponseMessage(role="assistant")
-        calls = tools.calls(one.text) if tools.forced else []
-        if calls:
-            message.tool_calls.extend(calls)
-        else:
-            message.content = one.text
+        content, calls = tools.split(one.text)
+        message = pb.ChatResponseMessage(role="assistant", tool_calls=calls)
+        if content is not None:
+            message.content = content
         choice = response.choices.add(index=index, message=message)
         if one.last.finish_reason is not None:
-            choice.finish_reason = tools.finish_reason(one.last.finish_reason)
+            choice.finish_reason = tools.finish_reason(one.last.finish_reason, bool(calls))
         if logprobs:
             choice.logprobs.CopyFrom(_chat_logprobs(one.logprobs))
     return response

@@ -1,13 +1,15 @@
-"""Function calling in the chat API: OpenAI's ``tools`` and ``tool_choice``, when forced.
+"""Function calling in the chat API: OpenAI's ``tools`` and ``tool_choice``.
 
 Owns reading ``tools`` and ``tool_choice`` into a ``ToolPlan``, the tools and earlier turns'
 calls as a chat template takes them, the output constraint that makes the model's text a call
-(a JSON schema, compiled and enforced like any ``response_format``), and turning that text
+(a JSON schema, compiled and enforced like any ``response_format``), and turning the text
 into ``tool_calls``. As in vLLM, a forced call is generated under a schema: a named function
 (``{"type": "function", "function": {"name": ...}}``) gives its arguments object, ``required``
 a JSON list of ``{"name", "parameters"}`` objects, one per call. ``auto`` (the model decides
-whether to call) is refused, as vLLM refuses it without a tool-call parser: deciding needs a
-parser of the model's own call syntax, which differs between model families.
+whether to call) needs a parser of the model's own call syntax, which differs between model
+families: it is served for models whose chat template uses the Hermes format (Qwen2.5,
+Hermes, many others: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, vLLM's
+``hermes`` parser) and refused for the others, as vLLM refuses it without a parser.
 
 It does not own the chat template (``InputProcessor``), sampling or the response messages
 (``openai_api``).
@@ -31,7 +33,10 @@ from services.replica.validation import struct_to_dict
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
-ToolMode = Literal["none", "named", "required"]
+ToolMode = Literal["none", "named", "required", "auto"]
+HERMES_FORMAT = "hermes"
+_HERMES_OPEN = "<tool_call>"
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,7 @@ class ToolPlan:
 
     @property
     def forced(self) -> bool:
-        return self.mode != "none"
+        return self.mode in ("named", "required")
 
     def constraint(self) -> StructuredOutputSpec | None:
         """The JSON schema the output must follow, or None when no call is forced."""
@@ -69,30 +74,98 @@ class ToolPlan:
             if self.single_call:
                 schema["maxItems"] = 1
         else:
-            return None
+            return None  # "auto": the model writes freely, calls are parsed out of its text
         return StructuredOutputSpec("json_schema", json.dumps(schema))
 
-    def finish_reason(self, generated: str) -> str:
-        """OpenAI's: "tool_calls" when ``required`` calls ended normally, "stop" for a named
-        function (as OpenAI reports a forced call); "length" stays."""
-        if generated == "stop" and self.mode == "required":
+    def finish_reason(self, generated: str, made_calls: bool) -> str:
+        """OpenAI's: "tool_calls" when calls ended the choice normally, but "stop" for a
+        named function (as OpenAI reports a forced call); "length" stays."""
+        if generated == "stop" and made_calls and self.mode != "named":
             return "tool_calls"
         return generated
 
-    def calls(self, text: str) -> list[pb.ToolCall]:
-        """The calls in a choice's finished text. A named function's call holds its
+    def split(self, text: str) -> tuple[str | None, list[pb.ToolCall]]:
+        """A choice's finished text as (content, calls). A named function's call holds its
         arguments as generated (cut short when max_tokens ended them, as OpenAI's are); a
-        ``required`` list cut off before it closes gives none, and the text goes back as
-        content."""
+        ``required`` list cut off before it closes, or ``auto`` text whose calls do not
+        parse, gives no calls and the text as content."""
         if self.mode == "named":
             assert self.function is not None
-            return [new_tool_call(self.function, text)]
+            return None, [new_tool_call(self.function, text)]
+        if self.mode == "auto":
+            return split_hermes(text)
+        if self.mode == "none":
+            return text, []
         try:
             parsed = json.loads(text)
         except json.JSONDecodeError:
-            return []
-        return [new_tool_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False))
-                for call in parsed]
+            return text, []
+        return None, [new_tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+                      for c in parsed]
+
+
+def split_hermes(text: str) -> tuple[str | None, list[pb.ToolCall]]:
+    """Hermes-format text as (content, calls): the content is what precedes the first
+    ``<tool_call>`` (None when nothing does); if any call does not parse, there are no calls
+    and the whole text is content (as vLLM's ``hermes`` parser does)."""
+    start = text.find(_HERMES_OPEN)
+    if start < 0:
+        return text, []
+    calls = []
+    for block in _HERMES_CALL.finditer(text, start):
+        try:
+            call = json.loads(block.group(1))
+            name, arguments = call["name"], call.get("arguments", {})
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return text, []
+        if not isinstance(name, str):
+            return text, []
+        calls.append(new_tool_call(name, arguments if isinstance(arguments, str)
+                                   else json.dumps(arguments, ensure_ascii=False)))
+    if not calls:
+        return text, []
+    return text[:start] or None, calls
+
+
+@dataclass
+class HermesStream:
+    """One streamed choice under ``auto``: its text is shown as content up to the first
+    ``<tool_call>``, then held (with any text that may be the start of that tag) until the
+    choice ends and the calls can be parsed, so that a stream says what the unstreamed
+    response says."""
+
+    text: str = ""
+    shown: int = 0
+    holding: bool = False
+
+    def feed(self, piece: str) -> str:
+        """The content this piece lets the stream show now."""
+        self.text += piece
+        if self.holding:
+            return ""
+        start = self.text.find(_HERMES_OPEN, self.shown)
+        if start >= 0:
+            self.holding = True
+            end = start
+        else:
+            end = len(self.text) - _partial_tag_length(self.text)
+        shown, self.shown = self.text[self.shown:end], max(self.shown, end)
+        return shown
+
+    def finish(self) -> tuple[str, list[pb.ToolCall]]:
+        """At the choice's end: the content still to show, and the calls."""
+        content, calls = split_hermes(self.text)
+        if calls:
+            return "", calls  # the content before the first call was shown already
+        return self.text[self.shown:], []
+
+
+def _partial_tag_length(text: str) -> int:
+    """How many characters at the end of ``text`` could begin ``<tool_call>``."""
+    for size in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1):
+        if _HERMES_OPEN.startswith(text[-size:]):
+            return size
+    return 0
 
 
 def new_tool_call(name: str, arguments: str) -> pb.ToolCall:
@@ -100,8 +173,10 @@ def new_tool_call(name: str, arguments: str) -> pb.ToolCall:
                        function=pb.FunctionCall(name=name, arguments=arguments))
 
 
-def tool_plan(request: pb.ChatCompletionRequest) -> ToolPlan:
-    """Checks ``tools``, ``tool_choice`` and ``parallel_tool_calls``; raises InvalidArgument."""
+def tool_plan(request: pb.ChatCompletionRequest, call_format: str | None = None) -> ToolPlan:
+    """Checks ``tools``, ``tool_choice`` and ``parallel_tool_calls`` against a model whose
+    chat template writes calls in ``call_format`` (None: no known format); raises
+    InvalidArgument."""
     tools = [_tool_dict(i, tool) for i, tool in enumerate(request.tools)]
     names = [t["function"]["name"] for t in tools]
     duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -116,10 +191,13 @@ def tool_plan(request: pb.ChatCompletionRequest) -> ToolPlan:
     if not tools:
         raise InvalidArgument(f"tool_choice {json.dumps(choice)} needs tools")
     if choice == "auto":
+        if call_format == HERMES_FORMAT:
+            return ToolPlan("auto", tools)
         raise InvalidArgument(
             'tool_choice "auto" (the default when tools are given) lets the model decide '
-            "whether to call a tool, which needs a parser of this model's tool-call syntax; "
-            'Tandem has none. Send tool_choice "required", or {"type": "function", '
+            "whether to call a tool, which needs a parser of the model's tool-call syntax; "
+            "this model's chat template writes none that Tandem knows (the Hermes "
+            '<tool_call> format). Send tool_choice "required", or {"type": "function", '
             '"function": {"name": ...}} to force one function, or "none"')
     if request.response_format.type not in ("", "text") or request.HasField("structured_outputs"):
         raise InvalidArgument("a forced tool call already constrains the output; drop "
