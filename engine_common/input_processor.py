@@ -53,13 +53,6 @@ class InputProcessor:
                                       f"{error}") from error
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
-    @property
-    def tool_call_format(self) -> str | None:
-        """How this model's chat template has it write tool calls: "hermes" when the template
-        uses ``<tool_call>`` tags (Qwen2.5, Hermes and others), else None (unknown)."""
-        template = getattr(self.tokenizer, "chat_template", None)
-        return "hermes" if isinstance(template, str) and "<tool_call>" in template else None
-
     def detokenize(self, token_ids: Sequence[int]) -> str:
         self.check_token_ids(token_ids)
         return str(self.tokenizer.decode(list(token_ids)))

@@ -26,7 +26,7 @@ from services.replica.openai_api import (
     chat_messages,
     chat_response,
 )
-from services.replica.tool_calls import tool_plan
+from services.replica.tool_calls import chat_template_call_format, tool_plan
 from services.replica.validation import struct_to_dict
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -169,13 +169,13 @@ HERMES_TEXTS = [
 
 def test_auto_is_served_for_hermes_templates_only(tiny_llama_dir: Path) -> None:
     tokenizer = load_tokenizer(tiny_llama_dir)
-    inputs = InputProcessor(tokenizer, max_model_len=512, vocab_size=len(tokenizer))
-    assert inputs.tool_call_format is None
+    assert chat_template_call_format(tokenizer.chat_template) is None
     tokenizer.chat_template = ("{% for m in messages %}{{ m.content }}{% endfor %}"
                                "{% if tools %}Call tools as <tool_call>{json}</tool_call>"
                                "{% endif %}")
-    assert inputs.tool_call_format == "hermes"
-    plan = tool_plan(chat_request(tools=[WEATHER]), inputs.tool_call_format)
+    assert chat_template_call_format(tokenizer.chat_template) == "hermes"
+    plan = tool_plan(chat_request(tools=[WEATHER]), chat_template_call_format(
+        tokenizer.chat_template))
     assert plan.mode == "auto" and not plan.forced and plan.constraint() is None
 
 

@@ -44,7 +44,8 @@ from services.replica.served_model import ServedModel
 from services.replica.tool_calls import (
     HermesStream,
     ToolPlan,
-    new_tool_call,
+    chat_template_call_format,
+    new_tool_call_id,
     template_tool_calls,
     tool_plan,
 )
@@ -214,7 +215,8 @@ def chat_to_engine_request(request: pb.ChatCompletionRequest,
     logprobs: int | None = None
     if request.logprobs:
         logprobs = request.top_logprobs if request.HasField("top_logprobs") else 0
-    tools = tool_plan(request, inputs.tool_call_format)
+    tools = tool_plan(request, chat_template_call_format(
+        getattr(inputs.tokenizer, "chat_template", None)))
     params = _sampling_params(request, max_tokens, logprobs, tools)
     prompt_token_ids = inputs.tokenize_chat(
         chat_messages(request.messages, inputs.max_model_len), tools.tools)
@@ -445,9 +447,8 @@ async def chat_chunks(
             call = choice.delta.tool_calls.add(index=0)
             call.function.arguments = delta.text
             if first:
-                assert tools.function is not None
-                header = new_tool_call(tools.function, "")
-                call.id, call.type, call.function.name = header.id, header.type, tools.function
+                call.id, call.type = new_tool_call_id(), "function"
+                call.function.name = tools.function or ""
             made_calls = True
         elif tools.mode in ("required", "auto"):
             calls: list[pb.ToolCall] = []

@@ -168,9 +168,21 @@ def _partial_tag_length(text: str) -> int:
     return 0
 
 
+def new_tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def new_tool_call(name: str, arguments: str) -> pb.ToolCall:
-    return pb.ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", type="function",
+    return pb.ToolCall(id=new_tool_call_id(), type="function",
                        function=pb.FunctionCall(name=name, arguments=arguments))
+
+
+def chat_template_call_format(chat_template: object) -> str | None:
+    """How a chat template has the model write tool calls: "hermes" when it uses
+    ``<tool_call>`` tags (Qwen2.5, Hermes and others), else None (no format Tandem parses)."""
+    if isinstance(chat_template, str) and _HERMES_OPEN in chat_template:
+        return HERMES_FORMAT
+    return None
 
 
 def tool_plan(request: pb.ChatCompletionRequest, call_format: str | None = None) -> ToolPlan:
