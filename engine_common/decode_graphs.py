@@ -100,6 +100,10 @@ class DecodeGraphRunner:
             for name, buf in self._device.items()
         }
         self._host_np = {name: buf.numpy() for name, buf in self._host.items()}
+        # Marks the end of a step's host-to-device copies, which read the pinned buffers
+        # after ``run`` returns: a step that samples nothing (only non-final one-token
+        # prefill chunks) never syncs, so the next must wait before overwriting them.
+        self._inputs_copied = torch.cuda.Event() if pin else None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         if capture:
@@ -157,6 +161,8 @@ class DecodeGraphRunner:
         size = self.padded_size(n)
         if size is None or width > self.max_blocks_per_seq:
             raise ValueError(f"a decode step of {n} sequences x {width} blocks was not captured")
+        if self._inputs_copied is not None:
+            self._inputs_copied.synchronize()
         host = self._host_np
         host["token_ids"][:n] = inputs.token_ids
         host["token_ids"][n:size] = 0
@@ -168,13 +174,13 @@ class DecodeGraphRunner:
         host["seq_lens"][n:size] = 1
         host["block_tables"][:n, :width] = inputs.block_tables
         host["block_tables"][n:size, :width] = 0
-        device = self._device
-        for name in ("token_ids", "positions", "slot_mapping", "seq_lens"):
-            device[name][:size].copy_(self._host[name][:size], non_blocking=True)
-        # Columns past ``width`` are stale but never read: each row reads only the blocks
-        # its own context length covers.
-        device["block_tables"][:size, :width].copy_(
-            self._host["block_tables"][:size, :width], non_blocking=True)
+        # Whole rows, so each copy is one contiguous pinned range (a [:size, :width] slice
+        # would be staged through pageable memory). Columns past ``width`` are stale but
+        # never read: each row reads only the blocks its own context length covers.
+        for name, buf in self._device.items():
+            buf[:size].copy_(self._host[name][:size], non_blocking=True)
+        if self._inputs_copied is not None:
+            self._inputs_copied.record()
         self.num_steps += 1
         graph = self._graphs.get(size)
         if graph is not None:

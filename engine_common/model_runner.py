@@ -110,15 +110,19 @@ class ModelRunner:
             return cache.num_gpu_blocks_override
         per_block = kv_cache_bytes_per_block(self.arch, self.block_size, self.dtype)
         if self.device.type == "cuda":
+            # Memory the caching allocator holds but no tensor uses (loading's temporaries)
+            # is free for the cache too.
+            torch.cuda.empty_cache()
             free, _total = torch.cuda.mem_get_info(self.device)
             budget = int(free * cache.gpu_memory_utilization)
+            knob = "raise --gpu-memory-utilization or free GPU memory"
         else:
             budget = cache.kv_cache_memory_bytes
+            knob = "raise --kv-cache-memory"
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(
-                f"KV cache budget of {budget} bytes holds no block of {per_block} bytes; "
-                "raise --kv-cache-memory"
+                f"KV cache budget of {budget} bytes holds no block of {per_block} bytes; {knob}"
             )
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
                     num_blocks * per_block / 2**20)

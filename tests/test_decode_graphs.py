@@ -1,7 +1,8 @@
 """The GPU step path off the GPU: the Triton backend inside the engine, and padded static decode.
 
 The engine runs with ``attention_backend="triton"`` (its kernels in Triton's interpreter,
-conftest sets TRITON_INTERPRET=1 without CUDA) and must give Hugging Face's greedy tokens,
+conftest sets TRITON_INTERPRET=1 without CUDA; compiled, on the GPU, where there is one) and
+must give Hugging Face's greedy tokens,
 through chunked prefill and prefix-cache hits. Then decode steps go through
 ``DecodeGraphRunner`` with ``capture=False``: the same static buffers, padded batch sizes
 and fixed split plan that CUDA graph replay uses, run eagerly. Padding rows must write no
@@ -10,6 +11,7 @@ KV and change no real sequence's tokens.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -26,12 +28,16 @@ MAX_TOKENS = 6
 # The reference runs longer, for the requests that generate past MAX_TOKENS.
 REFERENCE_TOKENS = MAX_TOKENS + 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
+# Compiled Triton kernels take CUDA tensors only: on a GPU host these tests run there (still
+# uncaptured; tests/test_gpu_engine.py replays real CUDA graphs).
+DEVICE = ("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+          else "cpu")
 
 
 def triton_engine(model_dir: Path, *, static_decode: bool, budget: int = 512,
                   max_batch_size: int = 256) -> LLM:
     llm = LLM(EngineConfig(
-        model=str(model_dir), dtype="float32", attention_backend="triton",
+        model=str(model_dir), dtype="float32", device=DEVICE, attention_backend="triton",
         cuda_graph_max_batch_size=max_batch_size,
         cache=CacheConfig(block_size=4, num_gpu_blocks_override=256),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16),
@@ -117,7 +123,8 @@ def test_padding_rows_write_no_kv(tiny_llama_dir):
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_warm_up_runs_both_prefill_tilings_and_leaves_the_cache_zeroed(tiny_llama_dir, backend):
-    llm = LLM(EngineConfig(model=str(tiny_llama_dir), dtype="float32", attention_backend=backend,
+    llm = LLM(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device=DEVICE,
+                           attention_backend=backend,
                            cache=CacheConfig(block_size=4, num_gpu_blocks_override=64)))
     runner = llm.core.model_runner
     steps = []

@@ -117,14 +117,16 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        inv_freq = _inverse_frequencies(arch)
-        positions = torch.arange(arch.max_position_embeddings, dtype=torch.int64).float()
-        # float32 like HF, rounded to the model dtype only at the end.
+        inv_freq = _inverse_frequencies(arch).to(device)
+        positions = torch.arange(arch.max_position_embeddings, dtype=torch.int64,
+                                 device=device).float()
+        # float32 like HF, rounded to the model dtype only at the end; on the model's device,
+        # as HF computes cos/sin there (a GPU's cos may differ from the CPU's in the last bit).
         freqs = positions[:, None] * inv_freq[None, :]
         self.cos: torch.Tensor
         self.sin: torch.Tensor
-        self.register_buffer("cos", freqs.cos().to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
         self.half_size = arch.head_size // 2
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
