@@ -29,5 +29,10 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
 def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-mistral"), "mistral")

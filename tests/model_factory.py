@@ -23,6 +23,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 CORPUS_PATH = Path(__file__).parent / "data" / "corpus.txt"
@@ -90,11 +92,13 @@ def build_tiny_model(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
 ) -> Path:
-    """Writes a tiny random ``architecture`` ("llama", "qwen2", "mistral") model to ``out_dir``.
+    """Writes a tiny random ``architecture`` ("llama", "qwen2", "qwen3", "mistral") model to
+    ``out_dir``.
 
     llama: untied head, llama3 rope scaling (original context 64, so positions past 64
     exercise the scaled frequencies), biases on every projection (attention_bias, mlp_bias).
-    qwen2: q/k/v bias, tied embeddings. mistral: a head_dim (32) that is not
+    qwen2: q/k/v bias, tied embeddings. qwen3: per-head q/k RMSNorm (random weights, so it
+    matters), head_dim 32, tied embeddings, no bias (as Qwen3-0.6B). mistral: a head_dim (32) that is not
     hidden_size / num_heads (16).
     """
     out_dir = Path(out_dir)
@@ -102,7 +106,7 @@ def build_tiny_model(
     tokenizer = build_tokenizer(out_dir)
     ids = _token_ids(tokenizer)
     torch.manual_seed(seed)
-    model: LlamaForCausalLM | Qwen2ForCausalLM | MistralForCausalLM
+    model: LlamaForCausalLM | Qwen2ForCausalLM | Qwen3ForCausalLM | MistralForCausalLM
     if architecture == "llama":
         config = LlamaConfig(
             **_COMMON,
@@ -123,6 +127,13 @@ def build_tiny_model(
     elif architecture == "qwen2":
         config = Qwen2Config(**_COMMON, **ids, tie_word_embeddings=True)
         model = Qwen2ForCausalLM(config)
+    elif architecture == "qwen3":
+        config = Qwen3Config(**_COMMON, **ids, head_dim=32, tie_word_embeddings=True)
+        model = Qwen3ForCausalLM(config)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
+                layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
     elif architecture == "mistral":
         config = MistralConfig(
             **_COMMON, **ids, head_dim=32, sliding_window=None, tie_word_embeddings=False

@@ -33,9 +33,9 @@ def engine(model_dir: Path, *, budget: int = 512, num_blocks: int | None = None,
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
-def model_and_prompts(request, tiny_llama_dir, tiny_qwen2_dir):
-    model_dir = tiny_llama_dir if request.param == "llama" else tiny_qwen2_dir
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def model_and_prompts(request):
+    model_dir = request.getfixturevalue(f"tiny_{request.param}_dir")
     llm = engine(model_dir)
     vocab = llm.core.arch.vocab_size
     prompts = random_prompts(vocab, [1, 3, 7, 16, 17, 33, 50, 5], seed=1)

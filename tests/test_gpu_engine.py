@@ -49,10 +49,9 @@ def workload(vocab: int) -> list[list[int]]:
     return prompts + [shared + tail for tail in random_prompts(vocab, [1, 8, 23], seed=13)]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
-def model_dir(request, tiny_llama_dir, tiny_qwen2_dir, tiny_mistral_dir) -> Path:
-    return {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir,
-            "mistral": tiny_mistral_dir}[request.param]
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral"])
+def model_dir(request) -> Path:
+    return request.getfixturevalue(f"tiny_{request.param}_dir")
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])

@@ -34,7 +34,7 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 96
 PROMPT_LENS = [5, 17, 1, 33, 12]
 NUM_DECODE_STEPS = 6
-ARCH_FIXTURES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_mistral_dir"]
+ARCH_FIXTURES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_mistral_dir"]
 
 
 @dataclass
@@ -255,7 +255,7 @@ def test_packed_bf16_weights_give_bitwise_the_same_logits(model_fixture, request
             assert torch.equal(logits, reference.logits[pos]), pos
 
 
-def test_config_reading(tiny_llama_dir, tiny_qwen2_dir, tiny_mistral_dir):
+def test_config_reading(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_mistral_dir):
     llama = ModelArchConfig.from_model_dir(tiny_llama_dir)
     assert (llama.architecture, llama.num_layers, llama.hidden_size) == ("LlamaForCausalLM", 2, 64)
     assert (llama.num_heads, llama.num_kv_heads, llama.head_size) == (4, 2, 16)
@@ -265,6 +265,10 @@ def test_config_reading(tiny_llama_dir, tiny_qwen2_dir, tiny_mistral_dir):
     assert llama.dtype == torch.float32
     qwen2 = ModelArchConfig.from_model_dir(tiny_qwen2_dir)
     assert qwen2.qkv_bias and not qwen2.o_proj_bias and qwen2.tie_word_embeddings
+    assert not qwen2.qk_norm and not llama.qk_norm
+    qwen3 = ModelArchConfig.from_model_dir(tiny_qwen3_dir)
+    assert qwen3.qk_norm and qwen3.head_size == 32 and qwen3.tie_word_embeddings
+    assert not qwen3.qkv_bias and not qwen3.o_proj_bias and qwen3.sliding_window is None
     mistral = ModelArchConfig.from_model_dir(tiny_mistral_dir)
     assert mistral.head_size == 32 and mistral.q_size == 128
 

@@ -1,7 +1,7 @@
 """The decoder architecture a model directory describes, read from its ``config.json``.
 
-Owns turning a Hugging Face ``config.json`` (Llama, Mistral, Qwen2) into one plain record
-the model code builds from, and rejecting what the model code cannot run. It does not own
+Owns turning a Hugging Face ``config.json`` (Llama, Mistral, Qwen2, Qwen3) into one plain
+record the model code builds from, and rejecting what the model code cannot run. It does not own
 weights (the loader) or the tokenizer.
 """
 
@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 _DTYPES_BY_NAME = {
@@ -42,15 +43,17 @@ class ModelArchConfig:
     tie_word_embeddings: bool
     # Bias on the q/k/v projections (Qwen2 always; Llama when ``attention_bias``).
     qkv_bias: bool = False
-    # Bias on o_proj: Llama's ``attention_bias`` covers it, Qwen2 never has one.
+    # Bias on o_proj: Llama's and Qwen3's ``attention_bias`` covers it, Qwen2 never has one.
     o_proj_bias: bool = False
+    # RMSNorm over each query and key head before the rotary embedding (Qwen3).
+    qk_norm: bool = False
     mlp_bias: bool = False
     rope_type: str = "default"
     # The scaling parameters of ``rope_type`` (factor, low/high_freq_factor, ...).
     rope_scaling: dict[str, float] = field(default_factory=dict)
     # The checkpoint's dtype as config.json states it; None when it does not say.
     dtype: torch.dtype | None = None
-    # Sliding-window attention's window (Mistral v0.1, Qwen2 with use_sliding_window); None
+    # Sliding-window attention's window (Mistral v0.1, Qwen with use_sliding_window); None
     # when attention spans the whole context.
     sliding_window: int | None = None
 
@@ -97,10 +100,11 @@ class ModelArchConfig:
         head_size = int(hf.get("head_dim") or hidden_size // num_heads)
         rope_theta, rope_type, rope_scaling = _read_rope(hf)
         is_qwen2 = architecture == "Qwen2ForCausalLM"
+        is_qwen3 = architecture == "Qwen3ForCausalLM"
         attention_bias = bool(hf.get("attention_bias", False))
         sliding_window = hf.get("sliding_window")
-        if is_qwen2 and not hf.get("use_sliding_window", False):
-            sliding_window = None  # Qwen2 configs name a window they do not use
+        if (is_qwen2 or is_qwen3) and not hf.get("use_sliding_window", False):
+            sliding_window = None  # Qwen configs name a window they do not use
         return cls(
             architecture=architecture,
             vocab_size=int(hf["vocab_size"]),
@@ -116,6 +120,7 @@ class ModelArchConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=is_qwen2 or attention_bias,
             o_proj_bias=attention_bias and not is_qwen2,
+            qk_norm=is_qwen3,
             mlp_bias=bool(hf.get("mlp_bias", False)),
             rope_type=rope_type,
             rope_scaling=rope_scaling,

@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 Owns the network: embeddings, RMSNorm, rotary embeddings, fused q/k/v and gate/up
 projections, the decoder layers and the LM head, plus mapping Hugging Face checkpoint
@@ -163,6 +163,11 @@ class LlamaAttention(nn.Module):
             arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.qkv_bias, dtype, device
         )
         self.o_proj = Linear(arch.q_size, arch.hidden_size, arch.o_proj_bias, dtype, device)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(arch.head_size, arch.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(arch.head_size, arch.rms_norm_eps, dtype, device)
         self.backend = backend
 
     def forward(
@@ -177,6 +182,9 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         # q and k are adjacent in the fused output, so one rotary pass covers both.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_size)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk[:, : self.num_heads] = self.q_norm(qk[:, : self.num_heads])
+            qk[:, self.num_heads :] = self.k_norm(qk[:, self.num_heads :])
         rotary.rotate_(qk, cos_sin)
         query = qk[:, : self.num_heads]
         key = qk[:, self.num_heads :]
