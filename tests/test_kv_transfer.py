@@ -367,6 +367,22 @@ def test_local_producer_lease_bookkeeping() -> None:
 # -- faults --------------------------------------------------------------------------------
 
 
+def freeze(pid: int) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it has stopped (kill() returns when the
+    signal is sent; a thread the scheduler has not run yet may still be running)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while True:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat", encoding="ascii") as stat:
+                states.append(stat.read().rsplit(")", 1)[1].split()[0])
+        if all(state in ("T", "t") for state in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop: {states}"
+        time.sleep(0.01)
+
+
 def test_frozen_or_killed_producer_fails_in_time_and_a_restarted_one_is_reconnected() -> None:
     first = ProducerProcess().listen(["bfloat16"])
     port = first.ports["bfloat16"]
@@ -378,7 +394,7 @@ def test_frozen_or_killed_producer_fails_in_time_and_a_restarted_one_is_reconnec
 
         # A frozen producer (connection up, no answers) costs a pull its timeout, no more.
         assert first.process.pid is not None
-        os.kill(first.process.pid, signal.SIGSTOP)
+        freeze(first.process.pid)
         started = time.monotonic()
         with pytest.raises(KvTransferError) as failed:
             consumer.pull(handle, [3], [2], 1.0).result(10)
