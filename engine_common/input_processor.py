@@ -8,6 +8,7 @@ identically. It does not own sampling-parameter ranges (``SamplingParams.validat
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,9 +33,22 @@ class InputProcessor:
         return list(prompt)
 
     def tokenize_chat(self, messages: Sequence[Mapping[str, Any]],
-                      tools: list[dict[str, Any]] | None = None) -> list[int]:
+                      tools: list[dict[str, Any]] | None = None,
+                      template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """The prompt of a chat: the model's template over ``messages`` (OpenAI's dicts) and,
         where the template renders them, ``tools``, with the assistant's turn opened."""
+        return self.tokenize_rendered(self.render_chat(messages, tools, template_kwargs))
+
+    def tokenize_rendered(self, text: str) -> list[int]:
+        """A rendered chat's token ids (the template wrote its special tokens itself)."""
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]],
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None,
+                    add_generation_prompt: bool = True) -> str:
+        """The chat template's text over ``messages``; ``template_kwargs`` are extra template
+        variables (``enable_thinking``, ...), never the ones this call sets itself."""
         if not messages:
             raise InvalidRequestError("messages must contain at least one message")
         for i, message in enumerate(messages):
@@ -44,14 +58,26 @@ class InputProcessor:
                     f"got {message.get('role')!r}")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequestError("this model has no chat template; use the completions API")
+        template_kwargs = dict(template_kwargs or {})
+        reserved = sorted(template_kwargs.keys() & self._reserved_template_names())
+        if reserved:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets "
+                "them from the request")
         try:
-            text = self.tokenizer.apply_chat_template(
-                list(messages), tools=tools or None, add_generation_prompt=True, tokenize=False)
+            return str(self.tokenizer.apply_chat_template(
+                list(messages), tools=tools or None, add_generation_prompt=add_generation_prompt,
+                tokenize=False, **template_kwargs))
         except TemplateError as error:
             # The template's own checks (e.g. "roles must alternate") speak to the caller.
             raise InvalidRequestError(f"the model's chat template refused the messages: "
                                       f"{error}") from error
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def _reserved_template_names(self) -> set[str]:
+        """``apply_chat_template``'s own parameters and the variables it fills in."""
+        parameters = inspect.signature(self.tokenizer.apply_chat_template).parameters
+        named = {name for name, p in parameters.items() if p.kind is not p.VAR_KEYWORD}
+        return named | {"messages"}
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         self.check_token_ids(token_ids)

@@ -49,10 +49,14 @@ class GenerationOptions(TypedDict, total=False):
     tools: Sequence[Mapping[str, object]]
     tool_choice: str | Mapping[str, object]
     parallel_tool_calls: bool
+    # Chat only: extra variables for the model's chat template, e.g. {"enable_thinking":
+    # False} for Qwen3.
+    chat_template_kwargs: Mapping[str, object]
 
 
 _OPTION_NAMES = frozenset(GenerationOptions.__annotations__)
-_CHAT_ONLY_OPTIONS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
+_CHAT_ONLY_OPTIONS = frozenset(
+    {"tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs"})
 
 # {"role": ..., "content": ..., "name": ...}; content is a string or a list of text parts,
 # [{"type": "text", "text": ...}, ...], as in OpenAI's API.
@@ -85,7 +89,8 @@ def _apply_options(
             request.stop_token_ids.extend(value)  # type: ignore[arg-type]
         elif name == "logit_bias":
             request.logit_bias.update(value)  # type: ignore[call-overload]
-        elif name in ("response_format", "structured_outputs", "tool_choice"):
+        elif name in ("response_format", "structured_outputs", "tool_choice",
+                      "chat_template_kwargs"):
             json_format.ParseDict(value, getattr(request, name))  # type: ignore[arg-type]
         elif name == "tools":
             for tool in value:  # type: ignore[attr-defined]

@@ -87,6 +87,9 @@ class ChatChoice:
     finish_reason: str | None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     tool_calls: list[ToolCall] = field(default_factory=list)
+    # A reasoning model's thinking (its <think> block), apart from the content; None when
+    # the model's chat template has no such block.
+    reasoning: str | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,7 @@ class ChatCompletion:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     choices: list[ChatChoice] = field(default_factory=list)
     tool_calls: list[ToolCall] = field(default_factory=list)
+    reasoning: str | None = None
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,7 @@ class ChatCompletionChunk:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     index: int = 0
     tool_calls: list[ToolCall] = field(default_factory=list)
+    reasoning: str = ""  # the piece of the reasoning this chunk adds
 
 
 @dataclass(frozen=True)
@@ -210,6 +215,8 @@ def _chat_choice(choice: pb.ChatChoice) -> ChatChoice:
         logprobs=_chat_logprobs(choice.logprobs),
         tool_calls=[ToolCall(i, c.id, c.function.name, c.function.arguments)
                     for i, c in enumerate(choice.message.tool_calls)],
+        reasoning=(choice.message.reasoning if choice.message.HasField("reasoning")
+                   else None),
     )
 
 
@@ -228,6 +235,7 @@ def chat_completion_from_pb(response: pb.ChatCompletionResponse) -> ChatCompleti
         logprobs=first.logprobs,
         choices=choices,
         tool_calls=first.tool_calls,
+        reasoning=first.reasoning,
     )
 
 
@@ -247,6 +255,7 @@ def chat_chunk_from_pb(chunk: pb.ChatCompletionChunk) -> ChatCompletionChunk:
         index=choice.index,
         tool_calls=[ToolCall(c.index, c.id, c.function.name, c.function.arguments)
                     for c in delta.tool_calls],
+        reasoning=delta.reasoning,
     )
 
 

@@ -33,11 +33,17 @@ BOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 EOS_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = [BOS_TOKEN, IM_START, EOS_TOKEN]
+# ChatML, with a reasoning switch as thinking models have one: ``enable_thinking`` true opens
+# a <think> block for the answer (as DeepSeek-R1's template always does), false closes an
+# empty one (as Qwen3's does), unset leaves the turn plain.
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined %}"
+    "{{ '<think>\n' if enable_thinking else '<think>\n\n</think>\n\n' }}"
+    "{% endif %}{% endif %}"
 )
 
 # Shapes shared by every tiny model: 2 layers, 4 query heads over 2 KV heads (GQA).

@@ -185,6 +185,51 @@ def test_chat_equals_offline_greedy_streamed_or_not(stack: Stack, offline: LLM) 
     assert chat.choices[0].message.content == want.text
 
 
+@pytest.mark.parametrize("thinking", [True, False], ids=["thinking", "not-thinking"])
+def test_reasoning_is_returned_apart_from_the_content(stack: Stack, offline: LLM,
+                                                      thinking: bool) -> None:
+    """chat_template_kwargs reach the template (the tiny template's enable_thinking opens a
+    <think> block for the answer, or closes an empty one); an open block makes the output
+    reasoning (the random model never writes </think>), a closed one content. The openai SDK
+    through Envoy and the gRPC SDK through the gateway, streamed or not, say the same."""
+    kwargs = {"enable_thinking": thinking}
+    prompt = offline.inputs.tokenize_chat(MESSAGES, template_kwargs=kwargs)
+    assert prompt != offline.inputs.tokenize_chat(MESSAGES)
+    want = offline.generate([prompt], greedy(10))[0]
+    assert "</think>" not in want.text and want.text.strip()
+    reasoning, content = (want.text, None) if thinking else (None, want.text)
+
+    client = stack.client()
+    options: dict[str, Any] = {"model": "tiny", "messages": MESSAGES, "max_tokens": 10,
+                               "temperature": 0, "extra_body": {
+                                   "ignore_eos": True, "chat_template_kwargs": kwargs}}
+    chat = client.chat.completions.create(**options)
+    message = chat.choices[0].message
+    assert chat.usage is not None and chat.usage.prompt_tokens == len(prompt)
+    assert (message.content, (message.model_extra or {}).get("reasoning")) == (content, reasoning)
+    chunks = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **options)
+              if c.choices]
+    streamed = "".join((d.model_extra or {}).get("reasoning") or "" for d in chunks)
+    assert streamed == (reasoning or "")
+    assert "".join(d.content or "" for d in chunks) == (content or "")
+
+    with Client(stack.gateway, timeout=60) as sdk:
+        sdk_options: dict[str, Any] = {"max_tokens": 10, "temperature": 0, "ignore_eos": True,
+                                       "chat_template_kwargs": kwargs}
+        answer = sdk.chat(MESSAGES, **sdk_options)
+        assert (answer.reasoning, answer.content) == (reasoning, content or "")
+        pieces = list(sdk.chat_stream(MESSAGES, **sdk_options))
+        assert "".join(p.reasoning for p in pieces) == (reasoning or "")
+        assert "".join(p.content for p in pieces) == (content or "")
+
+
+def test_chat_template_kwargs_may_not_override_the_request(stack: Stack) -> None:
+    with pytest.raises(openai.BadRequestError, match="may not set add_generation_prompt"):
+        stack.client().chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=2,  # type: ignore[arg-type]
+            extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "the weather in a city",
     "parameters": {"type": "object",

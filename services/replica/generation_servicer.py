@@ -81,7 +81,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             return await api.chat_response(
                 choices, response_id=response_id, model=self.model.name,
                 logprobs=chat.engine.params.logprobs is not None,
-                num_choices=chat.engine.params.n, tools=chat.tools)
+                num_choices=chat.engine.params.n, tools=chat.tools, reasoning=chat.reasoning)
 
     @rpc_handler
     async def ChatCompleteStream(self, request: pb.ChatCompletionRequest,  # noqa: N802
@@ -102,7 +102,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         choices = api.generate_choices(self.generate, response_id, chat.engine)
         chunks = api.chat_chunks(choices, response_id=response_id, model=self.model.name,
                                  include_usage=request.stream_options.include_usage,
-                                 tools=chat.tools)
+                                 tools=chat.tools, reasoning=chat.reasoning)
         async with aclosing(choices), aclosing(chunks):
             async for chunk in chunks:
                 yield chunk

@@ -40,6 +40,7 @@ from engine_common.outputs import KvTransferReport
 from engine_common.sampling_params import SamplingParams
 from protos.tandem.v1 import generation_pb2 as pb
 from services.replica.errors import InvalidArgument
+from services.replica.reasoning import ReasoningPlan, ReasoningStream, reasoning_plan
 from services.replica.served_model import ServedModel
 from services.replica.tool_calls import (
     HermesStream,
@@ -50,6 +51,7 @@ from services.replica.tool_calls import (
     tool_plan,
 )
 from services.replica.validation import (
+    chat_template_kwargs,
     check_echo,
     check_seed_for_choices,
     check_text_length,
@@ -196,10 +198,12 @@ def chat_messages(messages: Sequence[pb.ChatMessage],
 
 @dataclass(frozen=True)
 class ChatRequest:
-    """A chat request resolved: what the engine runs, and what its tools make of the output."""
+    """A chat request resolved: what the engine runs, and what its reasoning block and its
+    tools make of the output."""
 
     engine: EngineRequest
     tools: ToolPlan
+    reasoning: ReasoningPlan = ReasoningPlan()
 
 
 def chat_to_engine_request(request: pb.ChatCompletionRequest,
@@ -218,12 +222,15 @@ def chat_to_engine_request(request: pb.ChatCompletionRequest,
     tools = tool_plan(request, chat_template_call_format(
         getattr(inputs.tokenizer, "chat_template", None)))
     params = _sampling_params(request, max_tokens, logprobs, tools)
-    prompt_token_ids = inputs.tokenize_chat(
-        chat_messages(request.messages, inputs.max_model_len), tools.tools)
+    prompt = inputs.render_chat(chat_messages(request.messages, inputs.max_model_len),
+                                tools.tools, chat_template_kwargs(request))
+    prompt_token_ids = inputs.tokenize_rendered(prompt)
     inputs.validate_prompt(prompt_token_ids, params.max_tokens)
+    reasoning = reasoning_plan(getattr(inputs.tokenizer, "chat_template", None), prompt,
+                               constrained=params.structured_output is not None)
     return ChatRequest(
         EngineRequest(prompt_token_ids, params, request.priority, request.cache_salt or None),
-        tools)
+        tools, reasoning)
 
 
 # --------------------------------------------------------------------------- choices (n)
@@ -418,34 +425,45 @@ async def completion_response(choices: AsyncIterator[ChoiceDelta], *, response_i
 
 async def chat_chunks(
     choices: AsyncIterator[ChoiceDelta], *, response_id: str, model: str, include_usage: bool,
-    tools: ToolPlan | None = None,
+    tools: ToolPlan | None = None, reasoning: ReasoningPlan | None = None,
 ) -> AsyncGenerator[pb.ChatCompletionChunk, None]:
     """ChatCompleteStream's messages; each choice's first chunk carries the role
-    "assistant", and the usage (with ``include_usage``) comes last, once. A forced named
+    "assistant", and the usage (with ``include_usage``) comes last, once. A reasoning
+    model's thinking streams as ``reasoning``, what follows it as the content. A forced named
     function streams as one tool call: its name first, then its arguments as they come;
     ``required`` calls come whole when the choice ends (their list must be parsed first);
     under ``auto`` the content streams up to the first call, the calls come at the end."""
     tools = tools or ToolPlan()
+    reasoning = reasoning or ReasoningPlan()
     created = int(time.time())
     started: set[int] = set()
     lasts: dict[int, GenerationDelta] = {}
+    thinking: dict[int, ReasoningStream | None] = {}
     texts: dict[int, list[str]] = {}  # "required": each choice's text, parsed at its end
     streams: dict[int, HermesStream] = {}  # "auto"
     async for choice_delta in choices:
         index, delta = choice_delta.index, choice_delta.delta
         lasts[index] = delta
         first = index not in started
-        if not (first or delta.text or delta.finish_reason or delta.logprobs):
+        thoughts, text = "", delta.text
+        if (split := thinking.setdefault(index, reasoning.stream())) is not None:
+            thoughts, text = split.feed(delta.text)
+            if delta.finish_reason is not None:
+                more_thoughts, more_text = split.finish()
+                thoughts, text = thoughts + more_thoughts, text + more_text
+        if not (first or text or thoughts or delta.finish_reason or delta.logprobs):
             continue
         choice = pb.ChatChunkChoice(index=index)
         choice.delta.SetInParent()
         if first:
             choice.delta.role = "assistant"
             started.add(index)
+        if thoughts:
+            choice.delta.reasoning = thoughts
         made_calls = False
         if tools.mode == "named":
             call = choice.delta.tool_calls.add(index=0)
-            call.function.arguments = delta.text
+            call.function.arguments = text
             if first:
                 call.id, call.type = new_tool_call_id(), "function"
                 call.function.name = tools.function or ""
@@ -454,12 +472,12 @@ async def chat_chunks(
             calls: list[pb.ToolCall] = []
             if tools.mode == "auto":
                 stream = streams.setdefault(index, HermesStream())
-                content = stream.feed(delta.text)
+                content = stream.feed(text)
                 if delta.finish_reason is not None:
                     rest, calls = stream.finish()
                     content += rest
             else:
-                texts.setdefault(index, []).append(delta.text)
+                texts.setdefault(index, []).append(text)
                 content = ""
                 if delta.finish_reason is not None:
                     whole, calls = tools.split("".join(texts[index]))
@@ -468,8 +486,8 @@ async def chat_chunks(
             made_calls = bool(calls)
             if content:
                 choice.delta.content = content
-        else:
-            choice.delta.content = delta.text
+        elif text or not thoughts:
+            choice.delta.content = text
         if delta.finish_reason is not None:
             choice.finish_reason = tools.finish_reason(delta.finish_reason, made_calls)
         if delta.logprobs:
@@ -489,16 +507,21 @@ def _add_call_deltas(delta: pb.ChatDelta, calls: list[pb.ToolCall]) -> None:
 
 async def chat_response(choices: AsyncIterator[ChoiceDelta], *, response_id: str,
                         model: str, logprobs: bool, num_choices: int = 1,
-                        tools: ToolPlan | None = None) -> pb.ChatCompletionResponse:
+                        tools: ToolPlan | None = None,
+                        reasoning: ReasoningPlan | None = None) -> pb.ChatCompletionResponse:
     tools = tools or ToolPlan()
+    reasoning = reasoning or ReasoningPlan()
     collected = await _collect(choices, num_choices)
     response = pb.ChatCompletionResponse(
         id=response_id, object="chat.completion", created=int(time.time()), model=model,
         usage=_usage({index: one.last for index, one in enumerate(collected)}))
     for index, one in enumerate(collected):
-        content, calls = tools.split(one.text)
+        thoughts, text = reasoning.split(one.text)
+        content, calls = tools.split(text)
         message = pb.ChatResponseMessage(role="assistant", tool_calls=calls)
-        if content is not None:
+        if thoughts is not None:
+            message.reasoning = thoughts
+        if content is not None and (content or thoughts is None):
             message.content = content
         choice = response.choices.add(index=index, message=message)
         if one.last.finish_reason is not None:
@@ -524,10 +547,11 @@ def tokenize_response(request: pb.TokenizeRequest, inputs: InputProcessor) -> pb
         messages = chat_messages(request.messages, inputs.max_model_len)
         add_generation_prompt = (request.add_generation_prompt
                                  if request.HasField("add_generation_prompt") else True)
-        if add_generation_prompt:
-            tokens = inputs.tokenize_chat(messages)
-        else:
-            tokens = _render_chat_without_generation_prompt(messages, inputs)
+        # Counting a conversation as it stands needs the template without the assistant's
+        # turn header that generation appends.
+        tokens = inputs.tokenize_rendered(inputs.render_chat(
+            messages, template_kwargs=chat_template_kwargs(request),
+            add_generation_prompt=add_generation_prompt))
     elif request.prompt:
         check_text_length(len(request.prompt), inputs.max_model_len, "prompt")
         add_special_tokens = (request.add_special_tokens
@@ -536,16 +560,6 @@ def tokenize_response(request: pb.TokenizeRequest, inputs: InputProcessor) -> pb
     else:
         raise InvalidArgument("give a prompt or messages to tokenize")
     return pb.TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=inputs.max_model_len)
-
-
-def _render_chat_without_generation_prompt(messages: list[dict[str, Any]],
-                                           inputs: InputProcessor) -> list[int]:
-    # InputProcessor.tokenize_chat always appends the assistant's turn header (what
-    # generation needs); counting a conversation as it stands needs the template without it.
-    inputs.tokenize_chat(messages)  # the same checks on roles and template
-    text = inputs.tokenizer.apply_chat_template(
-        messages, add_generation_prompt=False, tokenize=False)
-    return list(inputs.tokenizer(text, add_special_tokens=False).input_ids)
 
 
 def detokenize_response(request: pb.DetokenizeRequest,

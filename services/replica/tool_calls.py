@@ -28,6 +28,7 @@ from google.protobuf import json_format
 from engine_common.structured_output.spec import StructuredOutputSpec
 from protos.tandem.v1 import generation_pb2 as pb
 from services.replica.errors import InvalidArgument
+from services.replica.streamed_tags import partial_tag_length
 from services.replica.validation import struct_to_dict
 
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -148,7 +149,7 @@ class HermesStream:
             self.holding = True
             end = start
         else:
-            end = len(self.text) - _partial_tag_length(self.text)
+            end = len(self.text) - partial_tag_length(self.text, _HERMES_OPEN)
         shown, self.shown = self.text[self.shown:end], max(self.shown, end)
         return shown
 
@@ -158,14 +159,6 @@ class HermesStream:
         if calls:
             return "", calls  # the content before the first call was shown already
         return self.text[self.shown:], []
-
-
-def _partial_tag_length(text: str) -> int:
-    """How many characters at the end of ``text`` could begin ``<tool_call>``."""
-    for size in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1):
-        if _HERMES_OPEN.startswith(text[-size:]):
-            return size
-    return 0
 
 
 def new_tool_call_id() -> str:

@@ -207,3 +207,10 @@ def check_seed_for_choices(seed: int | None, n: int) -> None:
         raise InvalidArgument(
             f"seed {seed} leaves no room for n={n} choices (choice i samples with seed + i, "
             f"which must not exceed {MAX_SEED}); use a seed of at most {MAX_SEED - n + 1}")
+
+
+def chat_template_kwargs(request: pb.ChatCompletionRequest | pb.TokenizeRequest) -> dict[str, Any]:
+    """A request's extra chat template variables (integral numbers as integers)."""
+    if not request.HasField("chat_template_kwargs"):
+        return {}
+    return struct_to_dict(request.chat_template_kwargs)

@@ -1,0 +1,95 @@
+"""Reasoning output: a thinking model's ``<think> ... </think>`` block apart from its answer.
+
+Models such as Qwen3 and DeepSeek-R1 write their thinking inside ``<think>`` tags before the
+answer. For a chat whose template knows those tags, the chat API returns the thinking as
+``reasoning`` and the rest as ``content`` (vLLM's ``qwen3`` / ``deepseek_r1`` parsers and
+field name). Where the block starts depends on the template: Qwen3's lets the model write
+``<think>`` itself, DeepSeek-R1's (and Qwen3-Thinking's) ends the prompt with it already
+open, and Qwen3's ``enable_thinking: false`` closes an empty block in the prompt. So the
+rendered prompt says the state the output starts in.
+
+Owns deciding whether a chat's output is parsed (``reasoning_plan``) and splitting it, whole
+or streamed; a whole text is split by streaming it in one piece, so a stream always says
+what the response says. An unclosed block (the output ran out of tokens while thinking) is
+all reasoning. It does not own tool calls, which are parsed from the content that follows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.replica.streamed_tags import partial_tag_length
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+
+@dataclass(frozen=True)
+class ReasoningPlan:
+    """Whether a chat's output is split into reasoning and content, and how it starts."""
+
+    # The template marks reasoning with <think> tags and nothing constrains the output.
+    enabled: bool = False
+    # The prompt ends inside an open <think> block: the output starts as reasoning.
+    opened: bool = False
+
+    def stream(self) -> ReasoningStream | None:
+        return ReasoningStream(self.opened) if self.enabled else None
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """(reasoning, content) of a whole output; reasoning None when there is none."""
+        stream = self.stream()
+        if stream is None:
+            return None, text
+        reasoning, content = stream.feed(text)
+        rest_reasoning, rest_content = stream.finish()
+        reasoning += rest_reasoning
+        return reasoning or None, content + rest_content
+
+
+def reasoning_plan(chat_template: object, rendered_prompt: str, constrained: bool) -> ReasoningPlan:
+    """The plan for a chat rendered as ``rendered_prompt``. A constrained output (structured
+    outputs, a forced tool call) follows its grammar from the first token, so it is all
+    content (vLLM instead lets the model think first)."""
+    if constrained or not isinstance(chat_template, str) or THINK_CLOSE not in chat_template:
+        return ReasoningPlan()
+    opened = rendered_prompt.rfind(THINK_OPEN) > rendered_prompt.rfind(THINK_CLOSE)
+    return ReasoningPlan(enabled=True, opened=opened)
+
+
+class ReasoningStream:
+    """One streamed choice's text, split as it comes. Text that may be the start of a tag is
+    held until the next piece (or the end) tells."""
+
+    def __init__(self, opened: bool):
+        self._state = "reasoning" if opened else "start"
+        self._held = ""
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        """(reasoning, content) this piece lets the stream show now."""
+        text, self._held = self._held + piece, ""
+        reasoning = content = ""
+        if self._state == "start":
+            lead = text.lstrip()
+            if not lead or (THINK_OPEN.startswith(lead) and lead != THINK_OPEN):
+                self._held = text  # whitespace, or maybe the opening tag: not yet known
+                return "", ""
+            if lead.startswith(THINK_OPEN):
+                self._state, text = "reasoning", lead[len(THINK_OPEN):]
+            else:
+                self._state = "content"
+        if self._state == "reasoning":
+            end = text.find(THINK_CLOSE)
+            if end < 0:
+                keep = partial_tag_length(text, THINK_CLOSE)
+                self._held = text[len(text) - keep:]
+                return text[: len(text) - keep], ""
+            reasoning, text = text[:end], text[end + len(THINK_CLOSE):]
+            self._state = "content"
+        content = text
+        return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        """At the choice's end: what is still held, as (reasoning, content)."""
+        held, self._held = self._held, ""
+        return (held, "") if self._state == "reasoning" else ("", held)

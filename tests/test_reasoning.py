@@ -1,0 +1,74 @@
+"""Reasoning output: a <think> block split from the content, whole and streamed in pieces.
+
+The expected splits are written out by hand; a stream fed the same text in pieces of 1, 3
+and 7 characters must say what the whole split says, so no piece of a tag ever shows.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from services.replica.reasoning import ReasoningPlan, reasoning_plan
+
+THINKING_TEMPLATE = "{{ messages }}{% if enable_thinking %}<think>\n{% endif %} ... </think>"
+
+# (opened, output, expected reasoning, expected content)
+CASES = [
+    (False, "<think>\nweigh it\n</think>\n\nThe answer.", "\nweigh it\n", "\n\nThe answer."),
+    (False, "  <think>x</think>y", "x", "y"),  # leading whitespace before the block
+    (False, "plain answer", None, "plain answer"),
+    (False, "a <think>late</think> tag", None, "a <think>late</think> tag"),  # not at the start
+    (False, "<thin", None, "<thin"),  # ended on what looked like a tag
+    (False, "   ", None, "   "),
+    (False, "<think>cut off by max_tokens", "cut off by max_tokens", ""),
+    (False, "<think></think>", None, ""),
+    (True, "still thinking</think>Done", "still thinking", "Done"),
+    (True, "never closed </thi", "never closed </thi", ""),
+    (True, "</think>", None, ""),
+    (True, "a</think>b</think>c", "a", "b</think>c"),  # the first close ends it
+]
+
+
+@pytest.mark.parametrize(("opened", "output", "reasoning", "content"), CASES)
+def test_whole_output_split(opened, output, reasoning, content):
+    assert ReasoningPlan(enabled=True, opened=opened).split(output) == (reasoning, content)
+
+
+@pytest.mark.parametrize("size", [1, 3, 7])
+@pytest.mark.parametrize(("opened", "output", "reasoning", "content"), CASES)
+def test_stream_in_pieces_says_what_the_whole_split_says(opened, output, reasoning, content,
+                                                         size):
+    stream = ReasoningPlan(enabled=True, opened=opened).stream()
+    assert stream is not None
+    shown_reasoning, shown_content = [], []
+    for start in range(0, len(output), size):
+        piece_reasoning, piece_content = stream.feed(output[start:start + size])
+        shown_reasoning.append(piece_reasoning)
+        shown_content.append(piece_content)
+    rest_reasoning, rest_content = stream.finish()
+    assert "".join(shown_reasoning) + rest_reasoning == (reasoning or "")
+    assert "".join(shown_content) + rest_content == content
+
+
+def test_reasoning_streams_before_the_block_closes():
+    stream = ReasoningPlan(enabled=True, opened=False).stream()
+    assert stream is not None
+    assert stream.feed("<think>first ") == ("first ", "")
+    assert stream.feed("second</th") == ("second", "")  # a possible close tag is held
+    assert stream.feed("ink>answer") == ("", "answer")
+
+
+def test_plan_from_the_template_and_the_rendered_prompt():
+    assert reasoning_plan(THINKING_TEMPLATE, "user: hi\n<think>\n", constrained=False) \
+        == ReasoningPlan(enabled=True, opened=True)
+    # Thinking switched off: the prompt closes an empty block, the output is the answer.
+    assert reasoning_plan(THINKING_TEMPLATE, "hi\n<think>\n\n</think>\n\n", constrained=False) \
+        == ReasoningPlan(enabled=True, opened=False)
+    assert reasoning_plan(THINKING_TEMPLATE, "hi\n", constrained=False) \
+        == ReasoningPlan(enabled=True, opened=False)
+    # A grammar rules the output from its first token; a template without the tags has no
+    # reasoning to parse.
+    assert not reasoning_plan(THINKING_TEMPLATE, "hi\n<think>\n", constrained=True).enabled
+    assert not reasoning_plan("{{ messages }}", "hi", constrained=False).enabled
+    assert not reasoning_plan(None, "hi", constrained=False).enabled
+    assert ReasoningPlan().split("<think>x</think>y") == (None, "<think>x</think>y")
