@@ -61,8 +61,9 @@ def test_tool_choice_modes_and_their_constraints() -> None:
     assert constraint is not None
     schema = json.loads(constraint.value)
     assert schema["minItems"] == 1 and "maxItems" not in schema
-    # A function without parameters takes any object.
-    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object"}
+    # A function without parameters takes an empty object (OpenAI: an empty parameter list).
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {
+        "type": "object", "properties": {}, "additionalProperties": False}
     assert required.finish_reason("stop", True) == "tool_calls"
     assert required.finish_reason("stop", False) == "stop"
     content, calls = required.split('[{"name": "get_time", "parameters": {}}, '
@@ -89,6 +90,11 @@ def test_the_required_schema_compiles_and_accepts_only_calls(tiny_llama_dir: Pat
     assert not matcher.accept_string(",")  # the list is complete
     matcher.reset()
     assert not matcher.accept_string('[{"name": "get_date"')
+    # A function without parameters is called with an empty object, nothing else.
+    matcher.reset()
+    assert matcher.accept_string('[{"name": "get_time", "parameters": {')
+    assert not matcher.accept_string('"')
+    assert matcher.accept_string('}}]')
 
 
 @pytest.mark.parametrize("fields, message", [

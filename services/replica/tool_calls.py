@@ -32,7 +32,11 @@ from services.replica.streamed_tags import partial_tag_length
 from services.replica.validation import struct_to_dict
 
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# OpenAI: "omitting parameters defines a function with an empty parameter list". An empty
+# object, not any object: under a forced call the grammar then ends the arguments at "{}"
+# instead of letting the model invent properties until max_tokens.
+_NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {},
+                                  "additionalProperties": False}
 
 ToolMode = Literal["none", "named", "required", "auto"]
 HERMES_FORMAT = "hermes"
@@ -232,7 +236,7 @@ def _tool_dict(index: int, tool: pb.Tool) -> dict[str, Any]:
         raise InvalidArgument(f"{where}.function.name must be 1 to 64 letters, digits, _ or -; "
                               f"got {function.name!r}")
     parameters = (struct_to_dict(function.parameters) if function.HasField("parameters")
-                  else dict(_ANY_OBJECT))
+                  else dict(_NO_PARAMETERS))
     definition: dict[str, Any] = {"name": function.name, "parameters": parameters}
     if function.description:
         definition["description"] = function.description
