@@ -6,9 +6,15 @@ and 7 characters must say what the whole split says, so no piece of a tag ever s
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+
 import pytest
 
+from protos.tandem.v1 import generation_pb2 as pb
+from services.replica.openai_api import ChoiceDelta, GenerationDelta, chat_chunks, chat_response
 from services.replica.reasoning import ReasoningPlan, reasoning_plan
+from services.replica.tool_calls import ToolPlan
 
 THINKING_TEMPLATE = "{{ messages }}{% if enable_thinking %}<think>\n{% endif %} ... </think>"
 
@@ -72,3 +78,39 @@ def test_plan_from_the_template_and_the_rendered_prompt():
     assert not reasoning_plan("{{ messages }}", "hi", constrained=False).enabled
     assert not reasoning_plan(None, "hi", constrained=False).enabled
     assert ReasoningPlan().split("<think>x</think>y") == (None, "<think>x</think>y")
+
+
+@pytest.mark.parametrize("size", [1, 4])
+def test_a_thinking_model_calls_tools_after_its_reasoning(size):
+    """The reasoning is split off first; the content after it is parsed for Hermes calls,
+    streamed or not alike."""
+    text = ('<think>the user wants the time</think>\n\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>')
+    tools = ToolPlan("auto", [{"type": "function", "function": {"name": "get_time"}}])
+    reasoning = ReasoningPlan(enabled=True, opened=False)
+    deltas = [GenerationDelta(text[i:i + size], []) for i in range(0, len(text), size)]
+    deltas.append(GenerationDelta("", [], finish_reason="stop"))
+
+    async def stream() -> AsyncIterator[ChoiceDelta]:
+        for delta in deltas:
+            yield ChoiceDelta(0, delta)
+
+    async def run() -> tuple[list[pb.ChatCompletionChunk], pb.ChatCompletionResponse]:
+        chunks = [c async for c in chat_chunks(stream(), response_id="r", model="m",
+                                               include_usage=False, tools=tools,
+                                               reasoning=reasoning)]
+        response = await chat_response(stream(), response_id="r", model="m", logprobs=False,
+                                       tools=tools, reasoning=reasoning)
+        return chunks, response
+
+    chunks, response = asyncio.run(run())
+    message = response.choices[0].message
+    assert message.reasoning == "the user wants the time" and message.content == "\n\n"
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [
+        ("get_time", '{"zone": "UTC"}')]
+    assert response.choices[0].finish_reason == "tool_calls"
+    assert "".join(c.choices[0].delta.reasoning for c in chunks) == message.reasoning
+    assert "".join(c.choices[0].delta.content for c in chunks) == message.content
+    assert "".join(d.function.arguments for c in chunks
+                   for d in c.choices[0].delta.tool_calls) == '{"zone": "UTC"}'
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"

@@ -170,6 +170,11 @@ HERMES_TEXTS = [
     '<tool_call>{"name": "get_weather", "arguments": {"city": ',  # cut off by max_tokens
     "a < b and <tool_ca is not a tag",
     '<tool_call>{"arguments": {}}</tool_call>',  # no name: not a call
+    # Arguments as written (compact, braces inside strings); a block in another key order,
+    # parsed whole; arguments sent as a JSON string, decoded.
+    'On it.<tool_call>{"name":"get_weather","arguments":{"city":"}{ Lima","days":3} }'
+    '</tool_call><tool_call>{"arguments": {"zone": "CET"}, "name": "get_time"}</tool_call>'
+    '<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}</tool_call>',
 ]
 
 
@@ -195,8 +200,18 @@ def test_hermes_text_splits_into_content_and_calls() -> None:
         ("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]
     assert results[2][0] is None and results[2][1][0].function.arguments == (
         '{"city": "Lima", "days": 2}')
-    for text, (content, calls) in zip(HERMES_TEXTS[3:], results[3:], strict=True):
+    # Cut off by max_tokens: the call keeps its cut arguments (finish_reason stays "length").
+    assert results[3][0] is None
+    assert [(c.function.name, c.function.arguments) for c in results[3][1]] == [
+        ("get_weather", '{"city": ')]
+    for text, (content, calls) in zip(HERMES_TEXTS[4:6], results[4:6], strict=True):
         assert (content, calls) == (text, [])
+    content, calls = results[6]
+    assert content == "On it."
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        ("get_weather", '{"city":"}{ Lima","days":3}'), ("get_time", '{"zone": "CET"}'),
+        ("get_time", '{"zone": "UTC"}')]
+    assert len({c.id for c in calls}) == 3
     assert plan.finish_reason("stop", True) == "tool_calls"
     assert plan.finish_reason("stop", False) == "stop"
 
@@ -225,10 +240,15 @@ def test_a_streamed_auto_choice_says_what_the_response_says(text: str, piece: in
     message = response.choices[0].message
     streamed_content = "".join(c.choices[0].delta.content for c in chunks)
     assert streamed_content == (message.content if message.HasField("content") else "")
-    streamed_calls = [(d.function.name, d.function.arguments)
-                      for c in chunks for d in c.choices[0].delta.tool_calls]
-    assert streamed_calls == [(c.function.name, c.function.arguments)
-                              for c in message.tool_calls]
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls]
+    streamed_calls: dict[int, list[str]] = {}
+    for d in deltas:  # a call's first delta has its id and name, the others its arguments
+        assert bool(d.id) == (d.index not in streamed_calls) == bool(d.function.name)
+        streamed_calls.setdefault(d.index, [d.function.name, ""])[1] += d.function.arguments
+    assert [tuple(call) for call in streamed_calls.values()] == [
+        (c.function.name, c.function.arguments) for c in message.tool_calls]
+    if piece == 1 and message.tool_calls and '"days": 2' in text:
+        assert len(deltas) > 10  # the arguments came as they were written, not at the end
     assert chunks[-1].choices[0].finish_reason == response.choices[0].finish_reason
     # Nothing of a tag is ever shown as content.
     assert "<tool_call>" not in streamed_content or not message.tool_calls

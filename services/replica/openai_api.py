@@ -432,7 +432,8 @@ async def chat_chunks(
     model's thinking streams as ``reasoning``, what follows it as the content. A forced named
     function streams as one tool call: its name first, then its arguments as they come;
     ``required`` calls come whole when the choice ends (their list must be parsed first);
-    under ``auto`` the content streams up to the first call, the calls come at the end."""
+    under ``auto`` the content streams up to the first call, then each call as it comes
+    (``HermesStream``)."""
     tools = tools or ToolPlan()
     reasoning = reasoning or ReasoningPlan()
     created = int(time.time())
@@ -469,21 +470,22 @@ async def chat_chunks(
                 call.function.name = tools.function or ""
             made_calls = True
         elif tools.mode in ("required", "auto"):
-            calls: list[pb.ToolCall] = []
             if tools.mode == "auto":
                 stream = streams.setdefault(index, HermesStream())
-                content = stream.feed(text)
+                content, call_deltas = stream.feed(text)
                 if delta.finish_reason is not None:
-                    rest, calls = stream.finish()
-                    content += rest
+                    rest, more = stream.finish()
+                    content, call_deltas = content + rest, call_deltas + more
+                choice.delta.tool_calls.extend(call_deltas)
+                made_calls = stream.num_calls > 0
             else:
                 texts.setdefault(index, []).append(text)
                 content = ""
                 if delta.finish_reason is not None:
                     whole, calls = tools.split("".join(texts[index]))
                     content = whole or ""
-            _add_call_deltas(choice.delta, calls)
-            made_calls = bool(calls)
+                    _add_call_deltas(choice.delta, calls)
+                    made_calls = bool(calls)
             if content:
                 choice.delta.content = content
         elif text or not thoughts:

@@ -41,7 +41,7 @@ _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {},
 ToolMode = Literal["none", "named", "required", "auto"]
 HERMES_FORMAT = "hermes"
 _HERMES_OPEN = "<tool_call>"
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_HERMES_CLOSE = "</tool_call>"
 
 
 @dataclass(frozen=True)
@@ -109,60 +109,163 @@ class ToolPlan:
                       for c in parsed]
 
 
+# A call's JSON as Hermes models write it, up to where its arguments begin: their text can
+# then be streamed as it comes.
+_HERMES_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+# The end of a call's text that may be the object's closing brace (and the space around it),
+# not its arguments: held back until what follows says.
+_CLOSING_BRACE = re.compile(r"(\s*\})?\s*$")
+
+
 def split_hermes(text: str) -> tuple[str | None, list[pb.ToolCall]]:
-    """Hermes-format text as (content, calls): the content is what precedes the first
-    ``<tool_call>`` (None when nothing does); if any call does not parse, there are no calls
-    and the whole text is content (as vLLM's ``hermes`` parser does)."""
-    start = text.find(_HERMES_OPEN)
-    if start < 0:
-        return text, []
-    calls = []
-    for block in _HERMES_CALL.finditer(text, start):
-        try:
-            call = json.loads(block.group(1))
-            name, arguments = call["name"], call.get("arguments", {})
-        except (json.JSONDecodeError, KeyError, TypeError):
-            return text, []
-        if not isinstance(name, str):
-            return text, []
-        calls.append(new_tool_call(name, arguments if isinstance(arguments, str)
-                                   else json.dumps(arguments, ensure_ascii=False)))
-    if not calls:
-        return text, []
-    return text[:start] or None, calls
+    """Hermes-format text as (content, calls), as ``HermesStream`` streams it (fed in one
+    piece): the content is what precedes the first ``<tool_call>`` (None when nothing does
+    and there are calls); without any call, the whole text is content."""
+    stream = HermesStream()
+    content, deltas = stream.feed(text)
+    rest, more = stream.finish()
+    calls: list[pb.ToolCall] = []
+    for delta in deltas + more:
+        if delta.index == len(calls):
+            calls.append(pb.ToolCall(id=delta.id, type=delta.type,
+                                     function=pb.FunctionCall(name=delta.function.name)))
+        calls[delta.index].function.arguments += delta.function.arguments
+    content += rest
+    return (content or None) if calls else content, calls
 
 
 @dataclass
+class _OpenCall:
+    """The call of the block being read: where its arguments begin, what was streamed."""
+
+    index: int
+    arguments_at: int  # offset of the arguments in the block's text
+    streamed: str = ""
+
+
 class HermesStream:
-    """One streamed choice under ``auto``: its text is shown as content up to the first
-    ``<tool_call>``, then held (with any text that may be the start of that tag) until the
-    choice ends and the calls can be parsed, so that a stream says what the unstreamed
-    response says."""
+    """One choice's text under ``auto``, turned into content and tool-call deltas as it comes
+    (vLLM's ``hermes`` parser). The content is the text before the first ``<tool_call>``
+    (never a piece of that tag); each block then becomes a call: its header (id and name)
+    once ``{"name": ..., "arguments": `` is read, then its arguments as written, holding
+    back only what may be the object's closing brace or the closing tag. A block in another
+    shape is parsed whole when it closes (dropped if it is no call). A choice that made no
+    call shows its whole text as content at the end. The arguments are the model's text:
+    cut short when max_tokens cut the call, as OpenAI's may be."""
 
-    text: str = ""
-    shown: int = 0
-    holding: bool = False
+    def __init__(self) -> None:
+        self._text = ""
+        self._shown = 0  # content characters shown
+        self._in_calls = False  # a <tool_call> was seen: no more content
+        self._block: int | None = None  # where the open block's text begins
+        self._scan = 0  # where to look for the next block
+        self._call: _OpenCall | None = None
+        self.num_calls = 0
 
-    def feed(self, piece: str) -> str:
-        """The content this piece lets the stream show now."""
-        self.text += piece
-        if self.holding:
-            return ""
-        start = self.text.find(_HERMES_OPEN, self.shown)
-        if start >= 0:
-            self.holding = True
-            end = start
+    def feed(self, piece: str) -> tuple[str, list[pb.ToolCallDelta]]:
+        """The content and the call deltas this piece lets the stream show now."""
+        self._text += piece
+        return self._advance(final=False)
+
+    def finish(self) -> tuple[str, list[pb.ToolCallDelta]]:
+        """At the choice's end: what is still to show."""
+        content, deltas = self._advance(final=True)
+        if not self.num_calls:
+            content += self._text[self._shown:]  # no call after all: the tags were content
+            self._shown = len(self._text)
+        return content, deltas
+
+    def _advance(self, final: bool) -> tuple[str, list[pb.ToolCallDelta]]:
+        text, content = self._text, ""
+        deltas: list[pb.ToolCallDelta] = []
+        if not self._in_calls:
+            start = text.find(_HERMES_OPEN, self._shown)
+            if start < 0:
+                end = len(text) if final else len(text) - partial_tag_length(text, _HERMES_OPEN)
+                content, self._shown = text[self._shown:end], max(self._shown, end)
+                return content, deltas
+            content, self._shown = text[self._shown:start], start
+            self._in_calls, self._scan = True, start
+        while True:
+            if self._block is None:
+                start = text.find(_HERMES_OPEN, self._scan)
+                if start < 0:
+                    return content, deltas
+                self._block = start + len(_HERMES_OPEN)
+            close = text.find(_HERMES_CLOSE, self._block)
+            body = text[self._block:] if close < 0 else text[self._block:close]
+            deltas += self._read_block(body, closed=close >= 0 or final)
+            if close < 0:
+                return content, deltas
+            self._block, self._call, self._scan = None, None, close + len(_HERMES_CLOSE)
+
+    def _read_block(self, body: str, closed: bool) -> list[pb.ToolCallDelta]:
+        deltas: list[pb.ToolCallDelta] = []
+        if self._call is None:
+            header = _HERMES_HEADER.match(body)
+            name = _json_string(header.group(1)) if header else None
+            if header is None or name is None:
+                return self._whole_call(body) if closed else []
+            self._call = _OpenCall(self.num_calls, header.end())
+            self.num_calls += 1
+            deltas.append(pb.ToolCallDelta(
+                index=self._call.index, id=new_tool_call_id(), type="function",
+                function=pb.FunctionCallDelta(name=name)))
+        call = self._call
+        # The header's match may end before the space that follows "arguments": in a later
+        # piece: the arguments begin at their first non-space character.
+        arguments = body[call.arguments_at:].lstrip()
+        if closed:
+            shown = _final_arguments(arguments)
+        elif arguments.lstrip().startswith('"'):
+            shown = ""  # arguments as a JSON string: decoded when the block closes
         else:
-            end = len(self.text) - partial_tag_length(self.text, _HERMES_OPEN)
-        shown, self.shown = self.text[self.shown:end], max(self.shown, end)
-        return shown
+            visible = arguments[:len(arguments) - partial_tag_length(arguments, _HERMES_CLOSE)]
+            brace = _CLOSING_BRACE.search(visible)
+            shown = visible[:brace.start()] if brace else visible
+        if len(shown) > len(call.streamed) and shown.startswith(call.streamed):
+            deltas.append(pb.ToolCallDelta(index=call.index, function=pb.FunctionCallDelta(
+                arguments=shown[len(call.streamed):])))
+            call.streamed = shown
+        return deltas
 
-    def finish(self) -> tuple[str, list[pb.ToolCall]]:
-        """At the choice's end: the content still to show, and the calls."""
-        content, calls = split_hermes(self.text)
-        if calls:
-            return "", calls  # the content before the first call was shown already
-        return self.text[self.shown:], []
+    def _whole_call(self, body: str) -> list[pb.ToolCallDelta]:
+        """A closed block not in the streamable shape: a call if it parses as one."""
+        try:
+            call = json.loads(body)
+            name, arguments = call["name"], call.get("arguments", {})
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            return []
+        if not isinstance(name, str):
+            return []
+        index, self.num_calls = self.num_calls, self.num_calls + 1
+        return [pb.ToolCallDelta(index=index, id=new_tool_call_id(), type="function",
+                                 function=pb.FunctionCallDelta(name=name, arguments=(
+                                     arguments if isinstance(arguments, str)
+                                     else json.dumps(arguments, ensure_ascii=False))))]
+
+
+def _json_string(escaped: str) -> str | None:
+    """The text of a JSON string's inside (escapes decoded); None if it is not one."""
+    try:
+        value = json.loads(f'"{escaped}"')
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, str) else None
+
+
+def _final_arguments(text: str) -> str:
+    """A closed (or cut-off) call's arguments from the text after ``"arguments":``: the JSON
+    value without the call object's closing brace, a JSON string decoded, or the text as it
+    is when it is not JSON (cut short)."""
+    without_brace = re.sub(r"\s*\}\s*$", "", text)
+    for candidate in (without_brace, text.rstrip()):
+        try:
+            value = json.loads(candidate)
+        except json.JSONDecodeError:
+            continue
+        return value if isinstance(value, str) else candidate
+    return text
 
 
 def new_tool_call_id() -> str:
