@@ -127,19 +127,22 @@ def completion_request(
 
 def chat_message(message: Mapping[str, object]) -> pb.ChatMessage:
     """A ChatMessage from an OpenAI-style ``{"role": ..., "content": ..., "name": ...}`` (an
-    assistant turn may carry ``tool_calls``, a "tool" turn its ``tool_call_id``)."""
-    unknown = set(message) - {"role", "content", "name", "tool_calls", "tool_call_id"}
+    assistant turn may carry ``tool_calls`` and ``reasoning``, a "tool" turn its
+    ``tool_call_id``)."""
+    unknown = set(message) - {"role", "content", "name", "tool_calls", "tool_call_id",
+                              "reasoning"}
     if unknown or "role" not in message:
         raise TypeError(
             "a chat message needs 'role' and 'content' (and maybe 'name', 'tool_calls', "
-            f"'tool_call_id'): {message!r}"
+            f"'tool_call_id', 'reasoning'): {message!r}"
         )
     text_or_parts: Any = message.get("content") or ""
     content = struct_pb2.Value()  # any JSON value: the server checks the parts' shape
     json_format.ParseDict(text_or_parts, content)
     converted = pb.ChatMessage(role=str(message["role"]), content=content,
                                name=str(message.get("name", "")),
-                               tool_call_id=str(message.get("tool_call_id", "")))
+                               tool_call_id=str(message.get("tool_call_id", "")),
+                               reasoning=str(message.get("reasoning") or ""))
     for call in message.get("tool_calls") or []:  # type: ignore[attr-defined]
         json_format.ParseDict(call, converted.tool_calls.add())
     return converted

@@ -28,6 +28,7 @@ from services.replica.openai_api import (
 )
 from services.replica.tool_calls import chat_template_call_format, tool_plan
 from services.replica.validation import struct_to_dict
+from tandem.request_builders import chat_message
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -118,11 +119,12 @@ def test_unservable_tools_are_invalid_argument(fields: dict[str, Any], message: 
     assert message in str(raised.value)
 
 
-def test_tools_and_earlier_calls_reach_the_chat_template(tiny_llama_dir: Path) -> None:
+def test_tools_and_earlier_calls_and_reasoning_reach_the_chat_template(tiny_llama_dir: Path) -> None:
     tokenizer = load_tokenizer(tiny_llama_dir)
     tokenizer.chat_template = (
         "{% if tools %}TOOLS {{ tools | map(attribute='function.name') | join(',') }}"
         "{{ '\\n' }}{% endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}"
+        "{% if m.reasoning_content %}THOUGHT {{ m.reasoning_content }} {% endif %}"
         "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }} "
         "city={{ c.function.arguments.city }}{% endfor %}"
         "{% if m.tool_call_id %} (answers {{ m.tool_call_id }}){% endif %}{{ '\\n' }}"
@@ -131,15 +133,21 @@ def test_tools_and_earlier_calls_reach_the_chat_template(tiny_llama_dir: Path) -
     inputs = InputProcessor(tokenizer, max_model_len=512, vocab_size=len(tokenizer))
     request = chat_request(
         messages=[{"role": "user", "content": "weather?"},
-                  {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
+                  {"role": "assistant", "reasoning": "ask the weather tool",
+                   "tool_calls": [{"id": "call_1", "type": "function",
                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
                   {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}],
         tools=[WEATHER, CLOCK], tool_choice="required")
     prompt = inputs.tokenize_chat(chat_messages(request.messages, 512), tool_plan(request).tools)
     # Arguments reach the template as an object, as templates index into them.
     assert tokenizer.decode(prompt) == (
-        "TOOLS get_weather,get_time\nuser: weather?\nassistant: CALL get_weather city=Oslo\n"
+        "TOOLS get_weather,get_time\nuser: weather?\n"
+        "assistant: THOUGHT ask the weather tool CALL get_weather city=Oslo\n"
         "tool: sunny (answers call_1)\nassistant:")
+    # The gRPC SDK sends an earlier turn's reasoning the same way.
+    assert chat_message({"role": "assistant", "content": "x", "reasoning": "why"}) \
+        == pb.ChatMessage(role="assistant", reasoning="why",
+                          content=struct_pb2.Value(string_value="x"))
     tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(InvalidRequestError, match="chat template refused.*roles must alternate"):
         inputs.tokenize_chat([{"role": "user", "content": "hi"}])

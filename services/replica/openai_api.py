@@ -178,8 +178,8 @@ def completion_to_engine_request(request: pb.CompletionRequest,
 def chat_messages(messages: Sequence[pb.ChatMessage],
                   max_model_len: int) -> list[dict[str, Any]]:
     """OpenAI-style message dicts for the chat template, their contents as plain strings (an
-    assistant turn's tool calls and a tool turn's call id kept); rejects contents too long to
-    fit the context before the template runs over them."""
+    assistant turn's tool calls and reasoning, a tool turn's call id kept); rejects contents
+    too long to fit the context before the template runs over them."""
     converted = []
     for i, message in enumerate(messages):
         entry: dict[str, Any] = {
@@ -191,6 +191,8 @@ def chat_messages(messages: Sequence[pb.ChatMessage],
             entry["tool_calls"] = template_tool_calls(list(message.tool_calls))
         if message.tool_call_id:
             entry["tool_call_id"] = message.tool_call_id
+        if message.reasoning:
+            entry["reasoning_content"] = message.reasoning
         converted.append(entry)
     check_text_length(sum(len(m["content"]) for m in converted), max_model_len, "messages")
     return converted
