@@ -72,6 +72,11 @@ class InputProcessor:
             # The template's own checks (e.g. "roles must alternate") speak to the caller.
             raise InvalidRequestError(f"the model's chat template refused the messages: "
                                       f"{error}") from error
+        except (TypeError, ValueError, KeyError, AttributeError) as error:
+            # The template ran into a value of the request it cannot handle (a
+            # chat_template_kwargs value of the wrong type, say).
+            raise InvalidRequestError(f"the model's chat template failed on this request: "
+                                      f"{type(error).__name__}: {error}") from error
 
     def _reserved_template_names(self) -> set[str]:
         """``apply_chat_template``'s own parameters and the variables it fills in."""

@@ -212,6 +212,11 @@ def test_reasoning_is_returned_apart_from_the_content(stack: Stack, offline: LLM
     streamed = "".join((d.model_extra or {}).get("reasoning") or "" for d in chunks)
     assert streamed == (reasoning or "")
     assert "".join(d.content or "" for d in chunks) == (content or "")
+    # include_reasoning false (vLLM's): the thinking is split off and left out.
+    options["extra_body"]["include_reasoning"] = False
+    message = client.chat.completions.create(**options).choices[0].message
+    assert ((message.model_extra or {}).get("reasoning"), message.content or "") == (
+        None, content or "")
 
     with Client(stack.gateway, timeout=60) as sdk:
         sdk_options: dict[str, Any] = {"max_tokens": 10, "temperature": 0, "ignore_eos": True,

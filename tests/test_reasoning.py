@@ -56,6 +56,12 @@ def test_stream_in_pieces_says_what_the_whole_split_says(opened, output, reasoni
     assert "".join(shown_content) + rest_content == content
 
 
+@pytest.mark.parametrize(("opened", "output", "reasoning", "content"), CASES)
+def test_left_out_reasoning_leaves_the_content_alone(opened, output, reasoning, content):
+    plan = ReasoningPlan(enabled=True, opened=opened, include=False)
+    assert plan.split(output) == (None, content)
+
+
 def test_reasoning_streams_before_the_block_closes():
     stream = ReasoningPlan(enabled=True, opened=False).stream()
     assert stream is not None

@@ -151,6 +151,14 @@ def test_tools_and_earlier_calls_and_reasoning_reach_the_chat_template(tiny_llam
     tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(InvalidRequestError, match="chat template refused.*roles must alternate"):
         inputs.tokenize_chat([{"role": "user", "content": "hi"}])
+    # A template variable of the wrong type (chat_template_kwargs come from the client).
+    tokenizer.chat_template = "{{ messages[0].content }}{{ 1 + depth }}"
+    assert inputs.tokenize_chat([{"role": "user", "content": "hi"}], template_kwargs={"depth": 2})
+    with pytest.raises(InvalidRequestError, match="template failed on this request: TypeError"):
+        inputs.tokenize_chat([{"role": "user", "content": "hi"}], template_kwargs={"depth": "x"})
+    with pytest.raises(InvalidRequestError, match="may not set add_generation_prompt, tools"):
+        inputs.tokenize_chat([{"role": "user", "content": "hi"}],
+                             template_kwargs={"tools": [], "add_generation_prompt": False})
 
 
 def test_a_schema_reads_the_same_whatever_order_its_keys_travelled_in() -> None:

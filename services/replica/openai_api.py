@@ -228,8 +228,10 @@ def chat_to_engine_request(request: pb.ChatCompletionRequest,
                                 tools.tools, chat_template_kwargs(request))
     prompt_token_ids = inputs.tokenize_rendered(prompt)
     inputs.validate_prompt(prompt_token_ids, params.max_tokens)
-    reasoning = reasoning_plan(getattr(inputs.tokenizer, "chat_template", None), prompt,
-                               constrained=params.structured_output is not None)
+    reasoning = reasoning_plan(
+        getattr(inputs.tokenizer, "chat_template", None), prompt,
+        constrained=params.structured_output is not None,
+        include=request.include_reasoning if request.HasField("include_reasoning") else True)
     return ChatRequest(
         EngineRequest(prompt_token_ids, params, request.priority, request.cache_salt or None),
         tools, reasoning)

@@ -32,9 +32,11 @@ class ReasoningPlan:
     enabled: bool = False
     # The prompt ends inside an open <think> block: the output starts as reasoning.
     opened: bool = False
+    # false: the reasoning is split off and dropped (the request's include_reasoning).
+    include: bool = True
 
     def stream(self) -> ReasoningStream | None:
-        return ReasoningStream(self.opened) if self.enabled else None
+        return ReasoningStream(self.opened, self.include) if self.enabled else None
 
     def split(self, text: str) -> tuple[str | None, str]:
         """(reasoning, content) of a whole output; reasoning None when there is none."""
@@ -47,26 +49,32 @@ class ReasoningPlan:
         return reasoning or None, content + rest_content
 
 
-def reasoning_plan(chat_template: object, rendered_prompt: str, constrained: bool) -> ReasoningPlan:
+def reasoning_plan(chat_template: object, rendered_prompt: str, constrained: bool,
+                   include: bool = True) -> ReasoningPlan:
     """The plan for a chat rendered as ``rendered_prompt``. A constrained output (structured
     outputs, a forced tool call) follows its grammar from the first token, so it is all
     content (vLLM instead lets the model think first)."""
     if constrained or not isinstance(chat_template, str) or THINK_CLOSE not in chat_template:
         return ReasoningPlan()
     opened = rendered_prompt.rfind(THINK_OPEN) > rendered_prompt.rfind(THINK_CLOSE)
-    return ReasoningPlan(enabled=True, opened=opened)
+    return ReasoningPlan(enabled=True, opened=opened, include=include)
 
 
 class ReasoningStream:
     """One streamed choice's text, split as it comes. Text that may be the start of a tag is
     held until the next piece (or the end) tells."""
 
-    def __init__(self, opened: bool):
+    def __init__(self, opened: bool, include: bool = True):
         self._state = "reasoning" if opened else "start"
         self._held = ""
+        self._include = include
 
     def feed(self, piece: str) -> tuple[str, str]:
         """(reasoning, content) this piece lets the stream show now."""
+        reasoning, content = self._split(piece)
+        return (reasoning if self._include else ""), content
+
+    def _split(self, piece: str) -> tuple[str, str]:
         text, self._held = self._held + piece, ""
         reasoning = content = ""
         if self._state == "start":
@@ -92,4 +100,6 @@ class ReasoningStream:
     def finish(self) -> tuple[str, str]:
         """At the choice's end: what is still held, as (reasoning, content)."""
         held, self._held = self._held, ""
-        return (held, "") if self._state == "reasoning" else ("", held)
+        if self._state != "reasoning":
+            return "", held
+        return (held if self._include else ""), ""
