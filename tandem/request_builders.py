@@ -52,11 +52,13 @@ class GenerationOptions(TypedDict, total=False):
     # Chat only: extra variables for the model's chat template, e.g. {"enable_thinking":
     # False} for Qwen3.
     chat_template_kwargs: Mapping[str, object]
+    # Chat only: False leaves a reasoning model's thinking out of the response.
+    include_reasoning: bool
 
 
 _OPTION_NAMES = frozenset(GenerationOptions.__annotations__)
 _CHAT_ONLY_OPTIONS = frozenset(
-    {"tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs"})
+    {"tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "include_reasoning"})
 
 # {"role": ..., "content": ..., "name": ...}; content is a string or a list of text parts,
 # [{"type": "text", "text": ...}, ...], as in OpenAI's API.

@@ -226,6 +226,7 @@ def test_reasoning_is_returned_apart_from_the_content(stack: Stack, offline: LLM
         pieces = list(sdk.chat_stream(MESSAGES, **sdk_options))
         assert "".join(p.reasoning for p in pieces) == (reasoning or "")
         assert "".join(p.content for p in pieces) == (content or "")
+        assert sdk.chat(MESSAGES, include_reasoning=False, **sdk_options).reasoning is None
 
 
 def test_chat_template_kwargs_may_not_override_the_request(stack: Stack) -> None:
