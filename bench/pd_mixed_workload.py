@@ -24,7 +24,10 @@ import random
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -93,12 +96,28 @@ async def workload(target: str, args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+def gateway_picks(metrics_url: str) -> dict[str, dict[str, float]]:
+    """How often the gateway picked each replica, by the part it played (decode, prefill)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    picks: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "tandem:gateway_picks_total":
+                picks.setdefault(sample.labels["replica"], {})[sample.labels["as_role"]] = (
+                    sample.value)
+    return picks
+
+
 def run_layout(name: str, cfg: SuiteConfig, args: argparse.Namespace) -> dict[str, object]:
     suite = plan_suite(cfg)
     supervisor = Supervisor(suite, Path(tempfile.mkdtemp(prefix=f"pd-bench-{name}-")))
     supervisor.start()
     try:
         result = asyncio.run(workload(f"{cfg.host}:{cfg.gateway_port}", args))
+        # Where the requests went: with two ``both`` replicas, whether the gateway put the
+        # long prompts beside the steady streams or apart from them.
+        result["gateway_picks"] = gateway_picks(suite.endpoints["gateway (metrics)"])
     finally:
         supervisor.stop()
     print(f"{name}: {json.dumps(result)}", flush=True)

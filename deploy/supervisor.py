@@ -121,6 +121,8 @@ def plan_suite(cfg: SuiteConfig) -> Suite:
             grpc_target=gw_target,
         ))
         endpoints["gateway (gRPC, tandem.v1.Generation)"] = gw_target
+        endpoints["gateway (metrics)"] = (
+            f"http://{cfg.host}:{cfg.metrics_base_port + len(roles)}/metrics")
     if cfg.envoy:
         upstream = f"{cfg.host}:{cfg.gateway_port}" if cfg.gateway else replica_targets[0]
         specs.append(ProcessSpec(
