@@ -76,7 +76,7 @@ class ReasoningStream:
 
     def _split(self, piece: str) -> tuple[str, str]:
         text, self._held = self._held + piece, ""
-        reasoning = content = ""
+        reasoning = ""
         if self._state == "start":
             lead = text.lstrip()
             if not lead or (THINK_OPEN.startswith(lead) and lead != THINK_OPEN):
@@ -94,8 +94,7 @@ class ReasoningStream:
                 return text[: len(text) - keep], ""
             reasoning, text = text[:end], text[end + len(THINK_CLOSE):]
             self._state = "content"
-        content = text
-        return reasoning, content
+        return reasoning, text
 
     def finish(self) -> tuple[str, str]:
         """At the choice's end: what is still held, as (reasoning, content)."""

@@ -92,8 +92,8 @@ class ToolPlan:
     def split(self, text: str) -> tuple[str | None, list[pb.ToolCall]]:
         """A choice's finished text as (content, calls). A named function's call holds its
         arguments as generated (cut short when max_tokens ended them, as OpenAI's are); a
-        ``required`` list cut off before it closes, or ``auto`` text whose calls do not
-        parse, gives no calls and the text as content."""
+        ``required`` list cut off before it closes, or ``auto`` text with no call in it
+        (``split_hermes``), gives no calls and the text as content."""
         if self.mode == "named":
             assert self.function is not None
             return None, [new_tool_call(self.function, text)]
@@ -217,7 +217,7 @@ class HermesStream:
         arguments = body[call.arguments_at:].lstrip()
         if closed:
             shown = _final_arguments(arguments)
-        elif arguments.lstrip().startswith('"'):
+        elif arguments.startswith('"'):
             shown = ""  # arguments as a JSON string: decoded when the block closes
         else:
             visible = arguments[:len(arguments) - partial_tag_length(arguments, _HERMES_CLOSE)]
