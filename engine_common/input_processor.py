@@ -84,6 +84,11 @@ class InputProcessor:
         named = {name for name, p in parameters.items() if p.kind is not p.VAR_KEYWORD}
         return named | {"messages"}
 
+    def single_token(self, text: str) -> int | None:
+        """The id of the one token ``text`` encodes to, or None if it takes several."""
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        return int(ids[0]) if len(ids) == 1 else None
+
     def detokenize(self, token_ids: Sequence[int]) -> str:
         self.check_token_ids(token_ids)
         return str(self.tokenizer.decode(list(token_ids)))

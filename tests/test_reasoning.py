@@ -11,10 +11,20 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from engine_common.input_processor import InputProcessor
+from engine_common.tokenizer import load_tokenizer
 from protos.tandem.v1 import generation_pb2 as pb
-from services.replica.openai_api import ChoiceDelta, GenerationDelta, chat_chunks, chat_response
+from services.replica.openai_api import (
+    ChatRequest,
+    ChoiceDelta,
+    GenerationDelta,
+    chat_chunks,
+    chat_response,
+    chat_to_engine_request,
+)
 from services.replica.reasoning import ReasoningPlan, reasoning_plan
 from services.replica.tool_calls import ToolPlan
+from tandem.request_builders import chat_message
 
 THINKING_TEMPLATE = "{{ messages }}{% if enable_thinking %}<think>\n{% endif %} ... </think>"
 
@@ -78,9 +88,18 @@ def test_plan_from_the_template_and_the_rendered_prompt():
         == ReasoningPlan(enabled=True, opened=False)
     assert reasoning_plan(THINKING_TEMPLATE, "hi\n", constrained=False) \
         == ReasoningPlan(enabled=True, opened=False)
-    # A grammar rules the output from its first token; a template without the tags has no
-    # reasoning to parse.
+    # Constrained: where </think> is one token, the model thinks first and the grammar
+    # starts after that token, unless the prompt closed the block (thinking off); where it
+    # is several tokens, the grammar rules the output from its first token.
+    assert reasoning_plan(THINKING_TEMPLATE, "hi\n<think>\n", constrained=True,
+                          think_end_token=7) \
+        == ReasoningPlan(enabled=True, opened=True, constraint_starts_after=7)
+    assert reasoning_plan(THINKING_TEMPLATE, "hi\n", constrained=True, think_end_token=7) \
+        == ReasoningPlan(enabled=True, opened=False, constraint_starts_after=7)
+    assert not reasoning_plan(THINKING_TEMPLATE, "hi\n<think>\n\n</think>\n\n",
+                              constrained=True, think_end_token=7).enabled
     assert not reasoning_plan(THINKING_TEMPLATE, "hi\n<think>\n", constrained=True).enabled
+    # A template without the tags has no reasoning to parse.
     assert not reasoning_plan("{{ messages }}", "hi", constrained=False).enabled
     assert not reasoning_plan(None, "hi", constrained=False).enabled
     assert ReasoningPlan().split("<think>x</think>y") == (None, "<think>x</think>y")
@@ -120,3 +139,34 @@ def test_a_thinking_model_calls_tools_after_its_reasoning(size):
     assert "".join(d.function.arguments for c in chunks
                    for d in c.choices[0].delta.tool_calls) == '{"zone": "UTC"}'
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_constrained_chat_of_a_thinking_model_defers_its_grammar(tiny_llama_dir):
+    """With </think> a token of its own (as in Qwen3's vocabulary), a constrained chat's
+    grammar starts after it unless the prompt switched thinking off; without one it starts
+    at once."""
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    multi_token = InputProcessor(tokenizer, 512, len(tokenizer))
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    inputs = InputProcessor(tokenizer, 512, len(tokenizer))
+    think_end = tokenizer.convert_tokens_to_ids("</think>")
+
+    def chat(processor: InputProcessor, thinking: bool | None) -> ChatRequest:
+        request = pb.ChatCompletionRequest(
+            messages=[chat_message({"role": "user", "content": "hi"})],
+            response_format=pb.ResponseFormat(type="json_object"))
+        if thinking is not None:
+            request.chat_template_kwargs.update({"enable_thinking": thinking})
+        return chat_to_engine_request(request, processor)
+
+    for thinking, opened in ((True, True), (None, False)):
+        resolved = chat(inputs, thinking)
+        assert resolved.engine.params.structured_output is not None
+        assert resolved.engine.params.structured_output.starts_after == (think_end,)
+        assert resolved.reasoning == ReasoningPlan(enabled=True, opened=opened,
+                                                   constraint_starts_after=think_end)
+    for resolved in (chat(inputs, False), chat(multi_token, True)):
+        assert resolved.engine.params.structured_output is not None
+        assert resolved.engine.params.structured_output.starts_after == ()
+        assert not resolved.reasoning.enabled

@@ -313,8 +313,49 @@ def test_resumed_output_is_accepted_first(llm, prompts, hf_expected) -> None:
 
 
 def test_engine_messages_carry_the_constraint() -> None:
-    params = SamplingParams(temperature=0.0, structured_output=CHOICE_SPEC)
-    assert sampling_params_from_pb(sampling_params_to_pb(params)) == params
+    for spec in (CHOICE_SPEC, StructuredOutputSpec.parse("regex", REGEX, starts_after=(7, 9))):
+        params = SamplingParams(temperature=0.0, structured_output=spec)
+        assert sampling_params_from_pb(sampling_params_to_pb(params)) == params
+
+
+def test_a_constraint_that_starts_after_a_token_lets_the_output_run_free_until_then(
+        llm, prompts) -> None:
+    """A reasoning model's answer is constrained only after its end-of-thinking token: until
+    that token the output is exactly the unconstrained one, after it the grammar holds (and
+    ends the request), also when the trigger came before a resumed stream's cut."""
+    prompt = prompts[1]
+    free = llm.generate([prompt], greedy(None, max_tokens=12, ignore_eos=True))[0].token_ids
+    # A token the model writes by itself, after a few others (not EOS: the run ignores it
+    # until the grammar ends, which a grammar does even under ignore_eos).
+    start = next(i for i in range(3, len(free))
+                 if free[i] not in llm.core.eos_token_ids and free[i] not in free[:i]) + 1
+    trigger = free[start - 1]
+    spec = StructuredOutputSpec.parse("regex", REGEX, starts_after=(trigger,))
+    result = llm.generate([prompt], greedy(spec, max_tokens=40, ignore_eos=True))[0]
+    assert result.token_ids[:start] == free[:start]
+    answer = llm.tokenizer.decode(result.token_ids[start:], skip_special_tokens=True)
+    assert re.fullmatch(REGEX, answer), answer
+    assert result.finish_reason == "stop"
+    # Two-token trigger: the grammar waits for the pair, in a row.
+    spec = StructuredOutputSpec.parse("regex", REGEX, starts_after=(free[start - 2], trigger))
+    paired = llm.generate([prompt], greedy(spec, max_tokens=40, ignore_eos=True))[0]
+    assert paired.token_ids == result.token_ids
+    # A trigger that never comes: the output is the unconstrained one.
+    spec = StructuredOutputSpec.parse("regex", REGEX, starts_after=(trigger, trigger, trigger))
+    assert llm.generate([prompt], greedy(spec, max_tokens=12, ignore_eos=True))[0].token_ids \
+        == free
+    # Resumed past the trigger: the matcher replays the tokens and constrains what follows.
+    core = llm.core
+    k = start + 1
+    core.add_request(EngineCoreRequest("resumed-after-trigger", prompt + result.token_ids[:k],
+                                       greedy(StructuredOutputSpec.parse(
+                                           "regex", REGEX, starts_after=(trigger,)),
+                                           max_tokens=40 - k, ignore_eos=True), time.monotonic(),
+                                       num_resumed_tokens=k))
+    rest: list[int] = []
+    while core.has_unfinished_requests():
+        rest += [t for o in core.step().outputs for t in o.new_token_ids]
+    assert result.token_ids[:k] + rest == result.token_ids
 
 
 # --------------------------------------------------------------------------- P/D

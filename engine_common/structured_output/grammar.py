@@ -101,7 +101,7 @@ class GrammarCompiler:
         """A new matcher for ``spec`` that has accepted ``accepted_token_ids`` (output
         tokens sampled before this engine saw the request: a P/D first token, a resumed
         stream); raises StructuredOutputError if the grammar rejects one of them."""
-        grammar = RequestGrammar(xgr.GrammarMatcher(self.compile(spec)))
+        grammar = RequestGrammar(xgr.GrammarMatcher(self.compile(spec)), spec.starts_after)
         for i, token_id in enumerate(accepted_token_ids):
             if not grammar.accept(token_id):
                 raise StructuredOutputError(
@@ -117,19 +117,28 @@ def _choice_ebnf(choices: Sequence[str]) -> str:
 
 
 class RequestGrammar:
-    """One request's position in its grammar: which tokens may come next."""
+    """One request's position in its grammar: which tokens may come next. With
+    ``starts_after``, the grammar waits (``active`` False: any token goes, none is masked)
+    until the output has those tokens in a row, and holds from the next token on."""
 
-    def __init__(self, matcher: xgr.GrammarMatcher):
+    def __init__(self, matcher: xgr.GrammarMatcher, starts_after: Sequence[int] = ()):
         self._matcher = matcher
+        self._trigger = tuple(starts_after)
+        self._recent: tuple[int, ...] = ()
+        self.active = not self._trigger
 
     def accept(self, token_id: int) -> bool:
         """Advance past ``token_id``; False (state unchanged) if the grammar forbids it."""
+        if not self.active:
+            self._recent = (*self._recent, token_id)[-len(self._trigger):]
+            self.active = self._recent == self._trigger
+            return True
         return bool(self._matcher.accept_token(token_id))
 
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and has accepted a stop token: nothing may follow."""
-        return bool(self._matcher.is_terminated())
+        return self.active and bool(self._matcher.is_terminated())
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)

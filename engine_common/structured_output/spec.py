@@ -24,18 +24,24 @@ class StructuredOutputError(ValueError):
 @dataclass(frozen=True)
 class StructuredOutputSpec:
     """``kind`` and its ``value``: a JSON schema as JSON text, nothing for ``json_object``, a
-    regular expression, a JSON list of strings for ``choice``, or an EBNF grammar."""
+    regular expression, a JSON list of strings for ``choice``, or an EBNF grammar.
+
+    ``starts_after``: token ids after which, once the output has them in a row, the
+    constraint begins (a reasoning model's end-of-thinking token: it thinks freely, then
+    answers under the grammar, as vLLM does); empty: from the first output token."""
 
     kind: StructuredOutputKind
     value: str = ""
+    starts_after: tuple[int, ...] = ()
 
     @classmethod
-    def parse(cls, kind: str, value: str) -> StructuredOutputSpec:
+    def parse(cls, kind: str, value: str,
+              starts_after: tuple[int, ...] = ()) -> StructuredOutputSpec:
         """Checks ``kind`` and the shape of ``value``; raises StructuredOutputError."""
         if kind not in KINDS:
             raise StructuredOutputError(
                 f"unknown structured output kind {kind!r}; use one of {', '.join(KINDS)}")
-        spec = cls(cast(StructuredOutputKind, kind), value)
+        spec = cls(cast(StructuredOutputKind, kind), value, tuple(starts_after))
         if kind == "json_schema":
             try:
                 schema = json.loads(value)

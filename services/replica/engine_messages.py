@@ -37,8 +37,9 @@ def sampling_params_from_pb(message: epb.SamplingParams) -> SamplingParams:
             kwargs[f.name] = dict(message.logit_bias)
         elif f.name == "structured_output":
             if message.HasField(f.name):
-                kwargs[f.name] = StructuredOutputSpec.parse(message.structured_output.kind,
-                                                            message.structured_output.value)
+                wanted = message.structured_output
+                kwargs[f.name] = StructuredOutputSpec.parse(wanted.kind, wanted.value,
+                                                            tuple(wanted.starts_after))
         elif message.HasField(f.name):
             kwargs[f.name] = getattr(message, f.name)
     return SamplingParams(**kwargs)
@@ -58,6 +59,7 @@ def sampling_params_to_pb(params: SamplingParams) -> epb.SamplingParams:
             if value is not None:
                 message.structured_output.kind = value.kind
                 message.structured_output.value = value.value
+                message.structured_output.starts_after.extend(value.starts_after)
         elif value is not None:
             setattr(message, f.name, value)
     return message

@@ -40,7 +40,12 @@ from engine_common.outputs import KvTransferReport
 from engine_common.sampling_params import SamplingParams
 from protos.tandem.v1 import generation_pb2 as pb
 from services.replica.errors import InvalidArgument
-from services.replica.reasoning import ReasoningPlan, ReasoningStream, reasoning_plan
+from services.replica.reasoning import (
+    THINK_CLOSE,
+    ReasoningPlan,
+    ReasoningStream,
+    reasoning_plan,
+)
 from services.replica.served_model import ServedModel
 from services.replica.tool_calls import (
     HermesStream,
@@ -231,7 +236,11 @@ def chat_to_engine_request(request: pb.ChatCompletionRequest,
     reasoning = reasoning_plan(
         getattr(inputs.tokenizer, "chat_template", None), prompt,
         constrained=params.structured_output is not None,
-        include=request.include_reasoning if request.HasField("include_reasoning") else True)
+        include=request.include_reasoning if request.HasField("include_reasoning") else True,
+        think_end_token=inputs.single_token(THINK_CLOSE))
+    if params.structured_output is not None and reasoning.constraint_starts_after is not None:
+        params = replace(params, structured_output=replace(
+            params.structured_output, starts_after=(reasoning.constraint_starts_after,)))
     return ChatRequest(
         EngineRequest(prompt_token_ids, params, request.priority, request.cache_salt or None),
         tools, reasoning)
