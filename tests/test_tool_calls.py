@@ -144,6 +144,9 @@ def test_tools_and_earlier_calls_and_reasoning_reach_the_chat_template(tiny_llam
         "TOOLS get_weather,get_time\nuser: weather?\n"
         "assistant: THOUGHT ask the weather tool CALL get_weather city=Oslo\n"
         "tool: sunny (answers call_1)\nassistant:")
+    # Under its older name too (DeepSeek's API).
+    request.messages[1].reasoning_content, request.messages[1].reasoning = "why not", ""
+    assert chat_messages(request.messages, 512)[1]["reasoning_content"] == "why not"
     # The gRPC SDK sends an earlier turn's reasoning the same way.
     assert chat_message({"role": "assistant", "content": "x", "reasoning": "why"}) \
         == pb.ChatMessage(role="assistant", reasoning="why",

@@ -196,8 +196,8 @@ def chat_messages(messages: Sequence[pb.ChatMessage],
             entry["tool_calls"] = template_tool_calls(list(message.tool_calls))
         if message.tool_call_id:
             entry["tool_call_id"] = message.tool_call_id
-        if message.reasoning:
-            entry["reasoning_content"] = message.reasoning
+        if message.reasoning or message.reasoning_content:
+            entry["reasoning_content"] = message.reasoning or message.reasoning_content
         converted.append(entry)
     check_text_length(sum(len(m["content"]) for m in converted), max_model_len, "messages")
     return converted
