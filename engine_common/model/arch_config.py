@@ -1,8 +1,8 @@
 """The decoder architecture a model directory describes, read from its ``config.json``.
 
 Owns turning a Hugging Face ``config.json`` (Llama, Mistral, Qwen2, Qwen3) into one plain
-record the model code builds from, and rejecting what the model code cannot run. It does not own
-weights (the loader) or the tokenizer.
+record the model code builds from, and rejecting what the model code cannot run. It does
+not own weights (the loader) or the tokenizer.
 """
 
 from __future__ import annotations
