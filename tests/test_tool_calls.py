@@ -26,7 +26,8 @@ from services.replica.openai_api import (
     chat_messages,
     chat_response,
 )
-from services.replica.tool_calls import chat_template_call_format, tool_plan
+from services.replica.tool_call_parsers import chat_template_call_format
+from services.replica.tool_calls import tool_plan
 from services.replica.validation import struct_to_dict
 from tandem.request_builders import chat_message
 
@@ -197,7 +198,30 @@ HERMES_TEXTS = [
 ]
 
 
-def test_auto_is_served_for_hermes_templates_only(tiny_llama_dir: Path) -> None:
+LLAMA3_TEXTS = [
+    "The weather is fine.",
+    '{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+    '{"name": "get_time", "parameters": {}}',
+    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Lima", "days": 2}}',
+    '  {"name": "get_weather", "parameters": {"city": ',  # cut off by max_tokens
+    "<|python_ta is not the tag",
+    '{"parameters": {}}',  # no name: not a call
+    '{"name":"get_weather","parameters":{"city":"}{ Lima","days":3} };'
+    '{"parameters": {"zone": "CET"}, "name": "get_time"}',
+]
+# (content, [(name, arguments)]) of each text above.
+LLAMA3_SPLITS = [
+    ("The weather is fine.", []),
+    (None, [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]),
+    (None, [("get_weather", '{"city": "Lima", "days": 2}')]),
+    (None, [("get_weather", '{"city": ')]),
+    ("<|python_ta is not the tag", []),
+    ('{"parameters": {}}', []),
+    (None, [("get_weather", '{"city":"}{ Lima","days":3}'), ("get_time", '{"zone": "CET"}')]),
+]
+
+
+def test_auto_is_served_for_templates_whose_call_syntax_is_known(tiny_llama_dir: Path) -> None:
     tokenizer = load_tokenizer(tiny_llama_dir)
     assert chat_template_call_format(tokenizer.chat_template) is None
     tokenizer.chat_template = ("{% for m in messages %}{{ m.content }}{% endfor %}"
@@ -207,6 +231,20 @@ def test_auto_is_served_for_hermes_templates_only(tiny_llama_dir: Path) -> None:
     plan = tool_plan(chat_request(tools=[WEATHER]), chat_template_call_format(
         tokenizer.chat_template))
     assert plan.mode == "auto" and not plan.forced and plan.constraint() is None
+    # Llama 3.1-3.3's templates describe the call in these words.
+    llama3 = ('Respond in the format {"name": function name, "parameters": dictionary of '
+              'argument name and its value}. Do not use variables.')
+    assert chat_template_call_format(llama3) == "llama3_json"
+    assert tool_plan(chat_request(tools=[WEATHER]), "llama3_json").call_format == "llama3_json"
+
+
+def test_llama3_json_text_splits_into_content_and_calls() -> None:
+    plan = tool_plan(chat_request(tools=[WEATHER, CLOCK]), "llama3_json")
+    for text, (content, calls) in zip(LLAMA3_TEXTS, LLAMA3_SPLITS, strict=True):
+        got_content, got_calls = plan.split(text)
+        assert (got_content, [(c.function.name, c.function.arguments) for c in got_calls]) \
+            == (content, calls), text
+        assert all(c.id.startswith("call_") for c in got_calls)
 
 
 def test_hermes_text_splits_into_content_and_calls() -> None:
@@ -235,12 +273,15 @@ def test_hermes_text_splits_into_content_and_calls() -> None:
     assert plan.finish_reason("stop", False) == "stop"
 
 
-@pytest.mark.parametrize("text", HERMES_TEXTS)
+@pytest.mark.parametrize(("call_format", "text"), [
+    *(("hermes", text) for text in HERMES_TEXTS),
+    *(("llama3_json", text) for text in LLAMA3_TEXTS)])
 @pytest.mark.parametrize("piece", [1, 3, 7])
-def test_a_streamed_auto_choice_says_what_the_response_says(text: str, piece: int) -> None:
+def test_a_streamed_auto_choice_says_what_the_response_says(call_format: str, text: str,
+                                                            piece: int) -> None:
     """Fed in pieces of every size, the stream's content and calls equal the unstreamed
     response's: content is never shown past a (possibly partial) <tool_call>."""
-    plan = tool_plan(chat_request(tools=[WEATHER, CLOCK]), "hermes")
+    plan = tool_plan(chat_request(tools=[WEATHER, CLOCK]), call_format)
     deltas = [GenerationDelta(text[i:i + piece], []) for i in range(0, len(text), piece)]
     deltas.append(GenerationDelta("", [], finish_reason="stop"))
 
@@ -268,6 +309,8 @@ def test_a_streamed_auto_choice_says_what_the_response_says(text: str, piece: in
         (c.function.name, c.function.arguments) for c in message.tool_calls]
     if piece == 1 and message.tool_calls and '"days": 2' in text:
         assert len(deltas) > 10  # the arguments came as they were written, not at the end
+    # Nothing of a tag is ever shown as content.
+    assert "<|python_tag|>" not in streamed_content
     assert chunks[-1].choices[0].finish_reason == response.choices[0].finish_reason
     # Nothing of a tag is ever shown as content.
     assert "<tool_call>" not in streamed_content or not message.tool_calls

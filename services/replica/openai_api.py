@@ -47,14 +47,12 @@ from services.replica.reasoning import (
     reasoning_plan,
 )
 from services.replica.served_model import ServedModel
-from services.replica.tool_calls import (
-    HermesStream,
-    ToolPlan,
+from services.replica.tool_call_parsers import (
+    CallStream,
     chat_template_call_format,
     new_tool_call_id,
-    template_tool_calls,
-    tool_plan,
 )
+from services.replica.tool_calls import ToolPlan, template_tool_calls, tool_plan
 from services.replica.validation import (
     chat_template_kwargs,
     check_echo,
@@ -446,7 +444,7 @@ async def chat_chunks(
     function streams as one tool call: its name first, then its arguments as they come;
     ``required`` calls come whole when the choice ends (their list must be parsed first);
     under ``auto`` the content streams up to the first call, then each call as it comes
-    (``HermesStream``)."""
+    (``tool_call_parsers``)."""
     tools = tools or ToolPlan()
     reasoning = reasoning or ReasoningPlan()
     created = int(time.time())
@@ -454,7 +452,7 @@ async def chat_chunks(
     lasts: dict[int, GenerationDelta] = {}
     thinking: dict[int, ReasoningStream | None] = {}
     texts: dict[int, list[str]] = {}  # "required": each choice's text, parsed at its end
-    streams: dict[int, HermesStream] = {}  # "auto"
+    streams: dict[int, CallStream] = {}  # "auto"
     async for choice_delta in choices:
         index, delta = choice_delta.index, choice_delta.delta
         lasts[index] = delta
@@ -484,7 +482,7 @@ async def chat_chunks(
             made_calls = True
         elif tools.mode in ("required", "auto"):
             if tools.mode == "auto":
-                stream = streams.setdefault(index, HermesStream())
+                stream = streams.setdefault(index, tools.call_stream())
                 content, call_deltas = stream.feed(text)
                 if delta.finish_reason is not None:
                     rest, more = stream.finish()
