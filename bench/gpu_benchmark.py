@@ -136,7 +136,8 @@ def build_padded_tokenizer(out_dir: Path, vocab_size: int) -> Any:
     from transformers import PreTrainedTokenizerFast
 
     factory = load_model_factory()
-    factory.build_tokenizer(out_dir)
+    # Without the added <think> tokens: their ids would sit past the padded range.
+    factory.build_tokenizer(out_dir, think_tokens=False)
     path = out_dir / "tokenizer.json"
     spec = json.loads(path.read_text(encoding="utf-8"))
     vocab: dict[str, int] = spec["model"]["vocab"]

@@ -221,7 +221,7 @@ class ModelRunner:
             hidden = hidden[logits_indices]
         logits = self.model.compute_logits(hidden)
         grammars = [(row, grammar) for row, i in enumerate(sample_items)
-                    if (grammar := scheduled[i].request.grammar) is not None and grammar.active]
+                    if (grammar := scheduled[i].request.grammar) is not None and grammar.masks]
         bitmask = None
         if grammars:
             # Masked in place (the logits are this step's own), before anything samples:
@@ -241,7 +241,7 @@ class ModelRunner:
                 eos = frozenset() if params.ignore_eos else self.eos_token_ids
                 suppress = eos | frozenset(params.stop_token_ids)
                 if (bitmask is not None and request.grammar is not None
-                        and request.grammar.active
+                        and request.grammar.masks
                         and not bitmask.allows_other_than(row, suppress)):
                     # The grammar can only end here: it wins over min_tokens, or no
                     # token would be left to sample.

@@ -33,17 +33,20 @@ BOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 EOS_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = [BOS_TOKEN, IM_START, EOS_TOKEN]
+# Reasoning tags as tokens of their own that decode as text (not special), as in Qwen3's and
+# DeepSeek-R1's vocabularies; the vocabulary stays TOKENIZER_VOCAB_SIZE in all.
+THINK_TOKENS = ["<think>", "</think>"]
 # ChatML, with a reasoning switch as thinking models have one: ``enable_thinking`` true opens
-# a <think> block for the answer (as DeepSeek-R1's template always does), false closes an
-# empty one (as Qwen3's does), unset leaves the turn plain.
+# a <think> block for the answer (as DeepSeek-R1's template always does); otherwise an empty
+# one is closed (as Qwen3's does with thinking off), so the random test models answer at once.
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-    "{% if enable_thinking is defined %}"
-    "{{ '<think>\n' if enable_thinking else '<think>\n\n</think>\n\n' }}"
-    "{% endif %}{% endif %}"
+    "{{ '<think>\n' if enable_thinking is defined and enable_thinking "
+    "else '<think>\n\n</think>\n\n' }}"
+    "{% endif %}"
 )
 
 # Shapes shared by every tiny model: 2 layers, 4 query heads over 2 KV heads (GQA).
@@ -59,13 +62,14 @@ _COMMON = dict(
 )
 
 
-def build_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
-    """Trains a byte-level BPE tokenizer on the test corpus and saves it to ``out_dir``."""
+def build_tokenizer(out_dir: Path, think_tokens: bool = True) -> PreTrainedTokenizerFast:
+    """Trains a byte-level BPE tokenizer on the test corpus (plus ``THINK_TOKENS``, unless
+    ``think_tokens`` is false) and saves it to ``out_dir``."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB_SIZE,
+        vocab_size=TOKENIZER_VOCAB_SIZE - len(THINK_TOKENS),
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -78,6 +82,8 @@ def build_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
         pad_token=BOS_TOKEN,
         unk_token=None,
     )
+    if think_tokens:
+        fast.add_tokens(THINK_TOKENS)
     fast.chat_template = CHATML_TEMPLATE
     fast.save_pretrained(out_dir)
     return fast

@@ -34,9 +34,11 @@ from engine_common.config import CacheConfig, EngineConfig
 from engine_common.llm import LLM
 from engine_common.sampling_params import SamplingParams
 from protos.tandem.v1 import generation_pb2
+from services.replica.openai_api import chat_to_engine_request
 from services.replica.tool_calls import tool_plan
 from tandem.client import Client
 from tandem.errors import AuthenticationError
+from tandem.request_builders import chat_request
 from tests.replica_process import (
     ReplicaProcess,
     envoy_answers,
@@ -189,12 +191,12 @@ def test_chat_equals_offline_greedy_streamed_or_not(stack: Stack, offline: LLM) 
 def test_reasoning_is_returned_apart_from_the_content(stack: Stack, offline: LLM,
                                                       thinking: bool) -> None:
     """chat_template_kwargs reach the template (the tiny template's enable_thinking opens a
-    <think> block for the answer, or closes an empty one); an open block makes the output
+    <think> block for the answer; by default it closes an empty one); an open block makes the output
     reasoning (the random model never writes </think>), a closed one content. The openai SDK
     through Envoy and the gRPC SDK through the gateway, streamed or not, say the same."""
     kwargs = {"enable_thinking": thinking}
     prompt = offline.inputs.tokenize_chat(MESSAGES, template_kwargs=kwargs)
-    assert prompt != offline.inputs.tokenize_chat(MESSAGES)
+    assert (prompt != offline.inputs.tokenize_chat(MESSAGES)) == thinking
     want = offline.generate([prompt], greedy(10))[0]
     assert "</think>" not in want.text and want.text.strip()
     reasoning, content = (want.text, None) if thinking else (None, want.text)
@@ -227,6 +229,46 @@ def test_reasoning_is_returned_apart_from_the_content(stack: Stack, offline: LLM
         assert "".join(p.reasoning for p in pieces) == (reasoning or "")
         assert "".join(p.content for p in pieces) == (content or "")
         assert sdk.chat(MESSAGES, include_reasoning=False, **sdk_options).reasoning is None
+
+
+CITY_SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]},
+                                               "days": {"type": "integer"}},
+               "required": ["city", "days"], "additionalProperties": False}
+
+
+def test_a_thinking_model_reasons_before_its_constrained_answer(stack: Stack,
+                                                              offline: LLM) -> None:
+    """Thinking on (the prompt opens <think>) and a JSON schema: the model thinks freely
+    until it writes the </think> token (a bias makes the random model do so soon), then
+    answers under the schema; through Envoy and the gateway, as the offline engine does
+    with the same resolved request."""
+    think_end = offline.inputs.single_token("</think>")
+    assert think_end is not None
+    options: dict[str, Any] = {
+        "max_tokens": 48, "temperature": 0, "ignore_eos": True, "logit_bias": {think_end: 3.0},
+        "chat_template_kwargs": {"enable_thinking": True},
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "trip", "schema": CITY_SCHEMA}}}
+    resolved = chat_to_engine_request(chat_request(
+        MESSAGES, model=None, logprobs=False, top_logprobs=None, stream=False,
+        include_usage=False, options=options), offline.inputs)
+    want = offline.generate([resolved.engine.prompt_token_ids], resolved.engine.params)[0]
+    reasoning, content = resolved.reasoning.split(want.text)
+    assert reasoning and "</think>" not in reasoning and want.finish_reason == "stop"
+    assert json.loads(content)["city"] in ("Oslo", "Lima")  # the grammar ended the answer
+
+    client = stack.client()
+    extra = {k: options[k] for k in ("chat_template_kwargs", "ignore_eos")}
+    chat = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=48, temperature=0,  # type: ignore[arg-type]
+        logit_bias={str(think_end): 3}, response_format=options["response_format"],
+        extra_body=extra)
+    message = chat.choices[0].message
+    assert ((message.model_extra or {}).get("reasoning"), message.content) == (reasoning,
+                                                                              content)
+    with Client(stack.gateway, timeout=60) as sdk:
+        answer = sdk.chat(MESSAGES, **options)
+        assert (answer.reasoning, answer.content) == (reasoning, content)
 
 
 def test_chat_template_kwargs_may_not_override_the_request(stack: Stack) -> None:
@@ -313,12 +355,12 @@ def test_required_tool_calls_parse_into_calls(stack: Stack, offline: LLM) -> Non
     client = stack.client()
     # One call (parallel_tool_calls=false): the random model would keep adding calls.
     want = [(c["name"], c["parameters"]) for c in json.loads(
-        expected_tool_text(offline, "required", parallel_tool_calls=False))]
+        expected_tool_text(offline, "required", 64, parallel_tool_calls=False))]
     assert len(want) == 1 and want[0][0] in ("get_weather", "get_time")
     for stream in (False, True):
         response = client.chat.completions.create(
             model="tiny", messages=TOOL_MESSAGES, tools=[WEATHER, CLOCK],  # type: ignore[arg-type, list-item]
-            tool_choice="required", parallel_tool_calls=False, max_tokens=48, temperature=0,
+            tool_choice="required", parallel_tool_calls=False, max_tokens=64, temperature=0,
             stream=stream)
         if stream:
             chunks = list(response)  # type: ignore[arg-type]

@@ -25,6 +25,7 @@ from services.replica.openai_api import (
 from services.replica.reasoning import ReasoningPlan, reasoning_plan
 from services.replica.tool_calls import ToolPlan
 from tandem.request_builders import chat_message
+from tests.model_factory import build_tokenizer
 
 THINKING_TEMPLATE = "{{ messages }}{% if enable_thinking %}<think>\n{% endif %} ... </think>"
 
@@ -92,12 +93,12 @@ def test_plan_from_the_template_and_the_rendered_prompt():
     # starts after that token, unless the prompt closed the block (thinking off); where it
     # is several tokens, the grammar rules the output from its first token.
     assert reasoning_plan(THINKING_TEMPLATE, "hi\n<think>\n", constrained=True,
-                          think_end_token=7) \
-        == ReasoningPlan(enabled=True, opened=True, constraint_starts_after=7)
-    assert reasoning_plan(THINKING_TEMPLATE, "hi\n", constrained=True, think_end_token=7) \
-        == ReasoningPlan(enabled=True, opened=False, constraint_starts_after=7)
+                          think_tokens=(6, 7)) \
+        == ReasoningPlan(enabled=True, opened=True, think_tokens=(6, 7))
+    assert reasoning_plan(THINKING_TEMPLATE, "hi\n", constrained=True, think_tokens=(6, 7)) \
+        == ReasoningPlan(enabled=True, opened=False, think_tokens=(6, 7))
     assert not reasoning_plan(THINKING_TEMPLATE, "hi\n<think>\n\n</think>\n\n",
-                              constrained=True, think_end_token=7).enabled
+                              constrained=True, think_tokens=(6, 7)).enabled
     assert not reasoning_plan(THINKING_TEMPLATE, "hi\n<think>\n", constrained=True).enabled
     # A template without the tags has no reasoning to parse.
     assert not reasoning_plan("{{ messages }}", "hi", constrained=False).enabled
@@ -141,16 +142,25 @@ def test_a_thinking_model_calls_tools_after_its_reasoning(size):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_a_constrained_chat_of_a_thinking_model_defers_its_grammar(tiny_llama_dir):
-    """With </think> a token of its own (as in Qwen3's vocabulary), a constrained chat's
-    grammar starts after it unless the prompt switched thinking off; without one it starts
-    at once."""
+def test_a_constrained_chat_of_a_thinking_model_defers_its_grammar(tiny_llama_dir, tmp_path):
+    """With the tags tokens of their own (as in Qwen3's vocabulary and the test models'), a
+    constrained chat's grammar starts after </think> unless the prompt switched thinking
+    off; where the tags are several tokens it starts at once."""
     tokenizer = load_tokenizer(tiny_llama_dir)
-    multi_token = InputProcessor(tokenizer, 512, len(tokenizer))
-    tokenizer = load_tokenizer(tiny_llama_dir)
-    tokenizer.add_tokens(["<think>", "</think>"])
+    # Qwen3's way: thinking unless switched off, the model opening the block itself.
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:"
+        "{% if enable_thinking is defined %}"
+        "{{ '<think>\n' if enable_thinking else '<think>\n\n</think>\n\n' }}"
+        "{% endif %}{% endif %}")
     inputs = InputProcessor(tokenizer, 512, len(tokenizer))
-    think_end = tokenizer.convert_tokens_to_ids("</think>")
+    think = (tokenizer.convert_tokens_to_ids("<think>"),
+             tokenizer.convert_tokens_to_ids("</think>"))
+    plain = build_tokenizer(tmp_path, think_tokens=False)
+    multi_token = InputProcessor(plain, 512, len(plain))
+    assert (inputs.single_token("<think>"), inputs.single_token("</think>")) == think
+    assert multi_token.single_token("</think>") is None
 
     def chat(processor: InputProcessor, thinking: bool | None) -> ChatRequest:
         request = pb.ChatCompletionRequest(
@@ -160,12 +170,15 @@ def test_a_constrained_chat_of_a_thinking_model_defers_its_grammar(tiny_llama_di
             request.chat_template_kwargs.update({"enable_thinking": thinking})
         return chat_to_engine_request(request, processor)
 
-    for thinking, opened in ((True, True), (None, False)):
+    # The prompt opens the block: the grammar waits for </think>. The prompt leaves it to
+    # the model: its first token decides (<think> waits, anything else starts the grammar).
+    for thinking, opened, waits_if_first in ((True, True, None), (None, False, think[0])):
         resolved = chat(inputs, thinking)
-        assert resolved.engine.params.structured_output is not None
-        assert resolved.engine.params.structured_output.starts_after == (think_end,)
+        spec = resolved.engine.params.structured_output
+        assert spec is not None
+        assert (spec.starts_after, spec.waits_if_first) == ((think[1],), waits_if_first)
         assert resolved.reasoning == ReasoningPlan(enabled=True, opened=opened,
-                                                   constraint_starts_after=think_end)
+                                                   think_tokens=think)
     for resolved in (chat(inputs, False), chat(multi_token, True)):
         assert resolved.engine.params.structured_output is not None
         assert resolved.engine.params.structured_output.starts_after == ()

@@ -313,7 +313,8 @@ def test_resumed_output_is_accepted_first(llm, prompts, hf_expected) -> None:
 
 
 def test_engine_messages_carry_the_constraint() -> None:
-    for spec in (CHOICE_SPEC, StructuredOutputSpec.parse("regex", REGEX, starts_after=(7, 9))):
+    for spec in (CHOICE_SPEC, StructuredOutputSpec.parse("regex", REGEX, starts_after=(7, 9)),
+                 StructuredOutputSpec.parse("regex", REGEX, starts_after=(7,), waits_if_first=0)):
         params = SamplingParams(temperature=0.0, structured_output=spec)
         assert sampling_params_from_pb(sampling_params_to_pb(params)) == params
 
@@ -356,6 +357,28 @@ def test_a_constraint_that_starts_after_a_token_lets_the_output_run_free_until_t
     while core.has_unfinished_requests():
         rest += [t for o in core.step().outputs for t in o.new_token_ids]
     assert result.token_ids[:k] + rest == result.token_ids
+
+
+def test_a_first_token_may_choose_to_wait_for_the_trigger(llm, prompts) -> None:
+    """``waits_if_first``: the output's first token decides. Anything but the opener starts
+    the grammar at once (the very output of the grammar alone, here, where the opener does
+    not win the first mask); the opener, made the first token by a bias, makes it wait."""
+    prompt = prompts[1]
+    plain = llm.generate([prompt], greedy(REGEX_SPEC, max_tokens=40))[0]
+    free = llm.generate([prompt], greedy(None, max_tokens=12, ignore_eos=True))[0].token_ids
+    opener = next(t for t in range(llm.core.arch.vocab_size)
+                  if t not in free and t != plain.token_ids[0]
+                  and t not in llm.core.eos_token_ids)
+    trigger = free[5]
+    spec = StructuredOutputSpec.parse("regex", REGEX, starts_after=(trigger,),
+                                      waits_if_first=opener)
+    assert llm.generate([prompt], greedy(spec, max_tokens=40))[0].token_ids == plain.token_ids
+    waited = llm.generate([prompt], greedy(spec, max_tokens=12, ignore_eos=True,
+                                           logit_bias={opener: 100.0}))[0]
+    assert waited.token_ids[0] == opener
+    free_after_opener = llm.generate([prompt + [opener]], greedy(
+        None, max_tokens=11, ignore_eos=True, logit_bias={opener: 100.0}))[0].token_ids
+    assert waited.token_ids[1:] == free_after_opener  # unconstrained: the trigger never came
 
 
 # --------------------------------------------------------------------------- P/D

@@ -101,7 +101,8 @@ class GrammarCompiler:
         """A new matcher for ``spec`` that has accepted ``accepted_token_ids`` (output
         tokens sampled before this engine saw the request: a P/D first token, a resumed
         stream); raises StructuredOutputError if the grammar rejects one of them."""
-        grammar = RequestGrammar(xgr.GrammarMatcher(self.compile(spec)), spec.starts_after)
+        grammar = RequestGrammar(xgr.GrammarMatcher(self.compile(spec)), spec.starts_after,
+                                 spec.waits_if_first)
         for i, token_id in enumerate(accepted_token_ids):
             if not grammar.accept(token_id):
                 raise StructuredOutputError(
@@ -117,31 +118,51 @@ def _choice_ebnf(choices: Sequence[str]) -> str:
 
 
 class RequestGrammar:
-    """One request's position in its grammar: which tokens may come next. With
-    ``starts_after``, the grammar waits (``active`` False: any token goes, none is masked)
-    until the output has those tokens in a row, and holds from the next token on."""
+    """One request's position in its grammar: which tokens may come next.
 
-    def __init__(self, matcher: xgr.GrammarMatcher, starts_after: Sequence[int] = ()):
+    With ``starts_after`` the grammar waits (no token masked, none checked) until the output
+    has those tokens in a row, and holds from the next token on. With ``waits_if_first`` as
+    well, the first token decides: that token starts the wait, any other starts the grammar
+    (so the first token's mask allows the grammar's tokens and that one)."""
+
+    def __init__(self, matcher: xgr.GrammarMatcher, starts_after: Sequence[int] = (),
+                 waits_if_first: int | None = None):
         self._matcher = matcher
         self._trigger = tuple(starts_after)
+        self._opener = waits_if_first
         self._recent: tuple[int, ...] = ()
-        self.active = not self._trigger
+        self._state = ("active" if not self._trigger else
+                       "deciding" if waits_if_first is not None else "waiting")
+
+    @property
+    def masks(self) -> bool:
+        """Whether the next token is masked (the grammar holds, or the first token decides)."""
+        return self._state != "waiting"
 
     def accept(self, token_id: int) -> bool:
         """Advance past ``token_id``; False (state unchanged) if the grammar forbids it."""
-        if not self.active:
+        if self._state == "deciding":
+            if token_id == self._opener:
+                self._state = "waiting"
+                return True
+            self._state = "active"
+        if self._state == "waiting":
             self._recent = (*self._recent, token_id)[-len(self._trigger):]
-            self.active = self._recent == self._trigger
+            if self._recent == self._trigger:
+                self._state = "active"
             return True
         return bool(self._matcher.accept_token(token_id))
 
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and has accepted a stop token: nothing may follow."""
-        return self.active and bool(self._matcher.is_terminated())
+        return self._state == "active" and bool(self._matcher.is_terminated())
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self._state == "deciding" and self._opener is not None:
+            bit = 1 << (self._opener & 31)
+            bitmask[row, self._opener >> 5] |= bit - (1 << 32) if bit >= 1 << 31 else bit
 
 
 class GrammarBitmask:

@@ -28,20 +28,26 @@ class StructuredOutputSpec:
 
     ``starts_after``: token ids after which, once the output has them in a row, the
     constraint begins (a reasoning model's end-of-thinking token: it thinks freely, then
-    answers under the grammar, as vLLM does); empty: from the first output token."""
+    answers under the grammar, as vLLM does); empty: from the first output token.
+    ``waits_if_first``: with ``starts_after``, the wait is the output's choice: a first token
+    of this id (the start-of-thinking token) makes the grammar wait, any other starts it at
+    once (the first token may be the grammar's or this one); None: it waits from the start.
+    """
 
     kind: StructuredOutputKind
     value: str = ""
     starts_after: tuple[int, ...] = ()
+    waits_if_first: int | None = None
 
     @classmethod
-    def parse(cls, kind: str, value: str,
-              starts_after: tuple[int, ...] = ()) -> StructuredOutputSpec:
+    def parse(cls, kind: str, value: str, starts_after: tuple[int, ...] = (),
+              waits_if_first: int | None = None) -> StructuredOutputSpec:
         """Checks ``kind`` and the shape of ``value``; raises StructuredOutputError."""
         if kind not in KINDS:
             raise StructuredOutputError(
                 f"unknown structured output kind {kind!r}; use one of {', '.join(KINDS)}")
-        spec = cls(cast(StructuredOutputKind, kind), value, tuple(starts_after))
+        spec = cls(cast(StructuredOutputKind, kind), value, tuple(starts_after),
+                   waits_if_first if starts_after else None)
         if kind == "json_schema":
             try:
                 schema = json.loads(value)

@@ -38,8 +38,9 @@ def sampling_params_from_pb(message: epb.SamplingParams) -> SamplingParams:
         elif f.name == "structured_output":
             if message.HasField(f.name):
                 wanted = message.structured_output
-                kwargs[f.name] = StructuredOutputSpec.parse(wanted.kind, wanted.value,
-                                                            tuple(wanted.starts_after))
+                kwargs[f.name] = StructuredOutputSpec.parse(
+                    wanted.kind, wanted.value, tuple(wanted.starts_after),
+                    wanted.waits_if_first if wanted.HasField("waits_if_first") else None)
         elif message.HasField(f.name):
             kwargs[f.name] = getattr(message, f.name)
     return SamplingParams(**kwargs)
@@ -60,6 +61,8 @@ def sampling_params_to_pb(params: SamplingParams) -> epb.SamplingParams:
                 message.structured_output.kind = value.kind
                 message.structured_output.value = value.value
                 message.structured_output.starts_after.extend(value.starts_after)
+                if value.waits_if_first is not None:
+                    message.structured_output.waits_if_first = value.waits_if_first
         elif value is not None:
             setattr(message, f.name, value)
     return message

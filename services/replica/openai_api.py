@@ -42,6 +42,7 @@ from protos.tandem.v1 import generation_pb2 as pb
 from services.replica.errors import InvalidArgument
 from services.replica.reasoning import (
     THINK_CLOSE,
+    THINK_OPEN,
     ReasoningPlan,
     ReasoningStream,
     reasoning_plan,
@@ -235,13 +236,21 @@ def chat_to_engine_request(request: pb.ChatCompletionRequest,
         getattr(inputs.tokenizer, "chat_template", None), prompt,
         constrained=params.structured_output is not None,
         include=request.include_reasoning if request.HasField("include_reasoning") else True,
-        think_end_token=inputs.single_token(THINK_CLOSE))
-    if params.structured_output is not None and reasoning.constraint_starts_after is not None:
+        think_tokens=_think_tokens(inputs))
+    if params.structured_output is not None and reasoning.think_tokens is not None:
+        opener, closer = reasoning.think_tokens
         params = replace(params, structured_output=replace(
-            params.structured_output, starts_after=(reasoning.constraint_starts_after,)))
+            params.structured_output, starts_after=(closer,),
+            waits_if_first=None if reasoning.opened else opener))
     return ChatRequest(
         EngineRequest(prompt_token_ids, params, request.priority, request.cache_salt or None),
         tools, reasoning)
+
+
+def _think_tokens(inputs: InputProcessor) -> tuple[int, int] | None:
+    """The ids of ``<think>`` and ``</think>`` where each is one token, else None."""
+    opener, closer = inputs.single_token(THINK_OPEN), inputs.single_token(THINK_CLOSE)
+    return None if opener is None or closer is None else (opener, closer)
 
 
 # --------------------------------------------------------------------------- choices (n)

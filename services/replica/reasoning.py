@@ -10,8 +10,8 @@ rendered prompt says the state the output starts in.
 
 Owns deciding whether a chat's output is parsed (``reasoning_plan``), where a constrained
 output's grammar begins (after the ``</think>`` token, so the model thinks freely first; the
-engine holds the grammar back, see ``StructuredOutputSpec.starts_after``), and splitting the
-output, whole or streamed; a whole text is split by streaming it in one piece, so a stream
+engine holds the grammar back, see ``StructuredOutputSpec``), and splitting the output,
+whole or streamed; a whole text is split by streaming it in one piece, so a stream
 always says what the response says. An unclosed block (the output ran out of tokens while thinking) is
 all reasoning. It does not own tool calls, which are parsed from the content that follows.
 """
@@ -36,10 +36,10 @@ class ReasoningPlan:
     opened: bool = False
     # false: the reasoning is split off and dropped (the request's include_reasoning).
     include: bool = True
-    # The output's constraint (structured outputs, a forced tool call) begins after this
-    # token, the end of thinking, so the model thinks freely first; None: no constraint, or
-    # one that holds from the first token.
-    constraint_starts_after: int | None = None
+    # A constrained output (structured outputs, a forced tool call) whose grammar waits for
+    # the end of thinking: the ids of the <think> and </think> tokens. None: no constraint,
+    # or one that holds from the first token.
+    think_tokens: tuple[int, int] | None = None
 
     def stream(self) -> ReasoningStream | None:
         return ReasoningStream(self.opened, self.include) if self.enabled else None
@@ -56,24 +56,26 @@ class ReasoningPlan:
 
 
 def reasoning_plan(chat_template: object, rendered_prompt: str, constrained: bool,
-                   include: bool = True, think_end_token: int | None = None) -> ReasoningPlan:
+                   include: bool = True,
+                   think_tokens: tuple[int, int] | None = None) -> ReasoningPlan:
     """The plan for a chat rendered as ``rendered_prompt``.
 
     A constrained output (structured outputs, a forced tool call) of a model that may still
-    think (the prompt has not closed a block) and whose ``</think>`` is one token
-    (``think_end_token``; Qwen3's and DeepSeek-R1's is) thinks freely and answers under the
-    grammar from the token after ``</think>``, as vLLM does. Otherwise the grammar holds from
-    the first token and the output is all content."""
+    think (the prompt has not closed a block) and whose tags are tokens of their own
+    (``think_tokens``, as in Qwen3's and DeepSeek-R1's vocabularies) thinks freely and
+    answers under the grammar from the token after ``</think>``, as vLLM does; where the
+    prompt leaves it to the model to open the block, its first token decides. Otherwise the
+    grammar holds from the first token and the output is all content."""
     if not isinstance(chat_template, str) or THINK_CLOSE not in chat_template:
         return ReasoningPlan()
     last_open, last_close = rendered_prompt.rfind(THINK_OPEN), rendered_prompt.rfind(THINK_CLOSE)
     opened = last_open > last_close
     if not constrained:
         return ReasoningPlan(enabled=True, opened=opened, include=include)
-    if think_end_token is None or (last_close >= 0 and not opened):
+    if think_tokens is None or (last_close >= 0 and not opened):
         return ReasoningPlan()
     return ReasoningPlan(enabled=True, opened=opened, include=include,
-                         constraint_starts_after=think_end_token)
+                         think_tokens=think_tokens)
 
 
 class ReasoningStream:

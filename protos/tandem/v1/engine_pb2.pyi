@@ -56,14 +56,16 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., n: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
-    __slots__ = ("kind", "value", "starts_after")
+    __slots__ = ("kind", "value", "starts_after", "waits_if_first")
     KIND_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     STARTS_AFTER_FIELD_NUMBER: _ClassVar[int]
+    WAITS_IF_FIRST_FIELD_NUMBER: _ClassVar[int]
     kind: str
     value: str
     starts_after: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, kind: _Optional[str] = ..., value: _Optional[str] = ..., starts_after: _Optional[_Iterable[int]] = ...) -> None: ...
+    waits_if_first: int
+    def __init__(self, kind: _Optional[str] = ..., value: _Optional[str] = ..., starts_after: _Optional[_Iterable[int]] = ..., waits_if_first: _Optional[int] = ...) -> None: ...
 
 class OutputOptions(_message.Message):
     __slots__ = ("return_token_ids",)
