@@ -6,25 +6,16 @@ and 7 characters must say what the whole split says, so no piece of a tag ever s
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
-
 import pytest
 
 from engine_common.input_processor import InputProcessor
 from engine_common.tokenizer import load_tokenizer
 from protos.tandem.v1 import generation_pb2 as pb
-from services.replica.openai_api import (
-    ChatRequest,
-    ChoiceDelta,
-    GenerationDelta,
-    chat_chunks,
-    chat_response,
-    chat_to_engine_request,
-)
+from services.replica.openai_api import ChatRequest, chat_to_engine_request
 from services.replica.reasoning import ReasoningPlan, reasoning_plan
 from services.replica.tool_calls import ToolPlan
 from tandem.request_builders import chat_message
+from tests.chat_replay import chunks_and_response
 from tests.model_factory import build_tokenizer
 
 THINKING_TEMPLATE = "{{ messages }}{% if enable_thinking %}<think>\n{% endif %} ... </think>"
@@ -114,22 +105,7 @@ def test_a_thinking_model_calls_tools_after_its_reasoning(size):
             '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>')
     tools = ToolPlan("auto", [{"type": "function", "function": {"name": "get_time"}}])
     reasoning = ReasoningPlan(enabled=True, opened=False)
-    deltas = [GenerationDelta(text[i:i + size], []) for i in range(0, len(text), size)]
-    deltas.append(GenerationDelta("", [], finish_reason="stop"))
-
-    async def stream() -> AsyncIterator[ChoiceDelta]:
-        for delta in deltas:
-            yield ChoiceDelta(0, delta)
-
-    async def run() -> tuple[list[pb.ChatCompletionChunk], pb.ChatCompletionResponse]:
-        chunks = [c async for c in chat_chunks(stream(), response_id="r", model="m",
-                                               include_usage=False, tools=tools,
-                                               reasoning=reasoning)]
-        response = await chat_response(stream(), response_id="r", model="m", logprobs=False,
-                                       tools=tools, reasoning=reasoning)
-        return chunks, response
-
-    chunks, response = asyncio.run(run())
+    chunks, response = chunks_and_response(text, size, tools, reasoning)
     message = response.choices[0].message
     assert message.reasoning == "the user wants the time" and message.content == "\n\n"
     assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [

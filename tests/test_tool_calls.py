@@ -5,9 +5,7 @@ SDK, against the offline engine: tests/test_envoy_e2e.py.)"""
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +17,12 @@ from engine_common.input_processor import InputProcessor, InvalidRequestError
 from engine_common.tokenizer import load_tokenizer
 from protos.tandem.v1 import generation_pb2 as pb
 from services.replica.errors import InvalidArgument
-from services.replica.openai_api import (
-    ChoiceDelta,
-    GenerationDelta,
-    chat_chunks,
-    chat_messages,
-    chat_response,
-)
+from services.replica.openai_api import chat_messages
 from services.replica.tool_call_parsers import chat_template_call_format
 from services.replica.tool_calls import tool_plan
 from services.replica.validation import struct_to_dict
 from tandem.request_builders import chat_message
+from tests.chat_replay import chunks_and_response
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -282,21 +275,7 @@ def test_a_streamed_auto_choice_says_what_the_response_says(call_format: str, te
     """Fed in pieces of every size, the stream's content and calls equal the unstreamed
     response's: content is never shown past a (possibly partial) <tool_call>."""
     plan = tool_plan(chat_request(tools=[WEATHER, CLOCK]), call_format)
-    deltas = [GenerationDelta(text[i:i + piece], []) for i in range(0, len(text), piece)]
-    deltas.append(GenerationDelta("", [], finish_reason="stop"))
-
-    async def stream() -> AsyncIterator[ChoiceDelta]:
-        for delta in deltas:
-            yield ChoiceDelta(0, delta)
-
-    async def run() -> tuple[list[pb.ChatCompletionChunk], pb.ChatCompletionResponse]:
-        chunks = [c async for c in chat_chunks(stream(), response_id="r", model="m",
-                                               include_usage=False, tools=plan)]
-        response = await chat_response(stream(), response_id="r", model="m", logprobs=False,
-                                       tools=plan)
-        return chunks, response
-
-    chunks, response = asyncio.run(run())
+    chunks, response = chunks_and_response(text, piece, plan)
     message = response.choices[0].message
     streamed_content = "".join(c.choices[0].delta.content for c in chunks)
     assert streamed_content == (message.content if message.HasField("content") else "")

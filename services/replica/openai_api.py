@@ -236,7 +236,7 @@ def chat_to_engine_request(request: pb.ChatCompletionRequest,
         getattr(inputs.tokenizer, "chat_template", None), prompt,
         constrained=params.structured_output is not None,
         include=request.include_reasoning if request.HasField("include_reasoning") else True,
-        think_tokens=_think_tokens(inputs))
+        think_tokens=_think_tokens(inputs) if params.structured_output is not None else None)
     if params.structured_output is not None and reasoning.think_tokens is not None:
         opener, closer = reasoning.think_tokens
         params = replace(params, structured_output=replace(
@@ -467,7 +467,9 @@ async def chat_chunks(
         lasts[index] = delta
         first = index not in started
         thoughts, text = "", delta.text
-        if (split := thinking.setdefault(index, reasoning.stream())) is not None:
+        if first:
+            thinking[index] = reasoning.stream()
+        if (split := thinking[index]) is not None:
             thoughts, text = split.feed(delta.text)
             if delta.finish_reason is not None:
                 more_thoughts, more_text = split.finish()
@@ -491,7 +493,9 @@ async def chat_chunks(
             made_calls = True
         elif tools.mode in ("required", "auto"):
             if tools.mode == "auto":
-                stream = streams.setdefault(index, tools.call_stream())
+                if first:
+                    streams[index] = tools.call_stream()
+                stream = streams[index]
                 content, call_deltas = stream.feed(text)
                 if delta.finish_reason is not None:
                     rest, more = stream.finish()

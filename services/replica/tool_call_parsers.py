@@ -74,6 +74,9 @@ class CallStream:
     """One choice's text turned into content and tool-call deltas as it comes; a format's
     subclass finds where calls begin and end, this class reads each call's text."""
 
+    # The tag that ends a call's text, of which a partial end is held back ("": none).
+    closing_tag = ""
+
     def __init__(self) -> None:
         self.text = ""
         self.num_calls = 0
@@ -135,7 +138,8 @@ class CallStream:
         elif arguments.startswith('"'):
             shown = ""  # arguments as a JSON string: decoded when the call ends
         else:
-            visible = arguments[:len(arguments) - partial_tag_length(arguments, _HERMES_CLOSE)]
+            held = partial_tag_length(arguments, self.closing_tag) if self.closing_tag else 0
+            visible = arguments[:len(arguments) - held]
             brace = _CLOSING_BRACE.search(visible)
             shown = visible[:brace.start()] if brace else visible
         if len(shown) > len(call.streamed) and shown.startswith(call.streamed):
@@ -163,6 +167,8 @@ class CallStream:
 
 class HermesStream(CallStream):
     """Content, then ``<tool_call>...</tool_call>`` blocks (text between blocks is dropped)."""
+
+    closing_tag = _HERMES_CLOSE
 
     def __init__(self) -> None:
         super().__init__()
