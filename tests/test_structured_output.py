@@ -379,6 +379,13 @@ def test_a_first_token_may_choose_to_wait_for_the_trigger(llm, prompts) -> None:
     free_after_opener = llm.generate([prompt + [opener]], greedy(
         None, max_tokens=11, ignore_eos=True, logit_bias={opener: 100.0}))[0].token_ids
     assert waited.token_ids[1:] == free_after_opener  # unconstrained: the trigger never came
+    # Token ids outside the vocabulary are refused before the request runs.
+    vocab = llm.core.arch.vocab_size
+    with pytest.raises(StructuredOutputError, match=rf"must be in \[0, {vocab}\)"):
+        llm.core.add_request(EngineCoreRequest("bad-opener", prompt, greedy(
+            StructuredOutputSpec.parse("regex", REGEX, starts_after=(trigger,),
+                                       waits_if_first=vocab)), time.monotonic()))
+    assert not llm.core.has_unfinished_requests()
 
 
 # --------------------------------------------------------------------------- P/D

@@ -101,6 +101,12 @@ class GrammarCompiler:
         """A new matcher for ``spec`` that has accepted ``accepted_token_ids`` (output
         tokens sampled before this engine saw the request: a P/D first token, a resumed
         stream); raises StructuredOutputError if the grammar rejects one of them."""
+        tokens = (*spec.starts_after, *([] if spec.waits_if_first is None
+                                         else [spec.waits_if_first]))
+        if any(not 0 <= t < self.vocab_size for t in tokens):
+            raise StructuredOutputError(
+                f"starts_after / waits_if_first token ids must be in [0, {self.vocab_size}); "
+                f"got {list(tokens)}")
         grammar = RequestGrammar(xgr.GrammarMatcher(self.compile(spec)), spec.starts_after,
                                  spec.waits_if_first)
         for i, token_id in enumerate(accepted_token_ids):
