@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, Sequence
+from dataclasses import replace
 
 from engine_common.config import EngineConfig
 from engine_common.core_process import EngineCoreClient, KvCacheSnapshotReply
@@ -143,6 +144,8 @@ class AsyncLLM:
             if finished:
                 return
         self._streams[request_id] = stream
+        if remote_prefill is not None:  # streamed above; the core has no use for them
+            remote_prefill = replace(remote_prefill, prompt_logprobs=None)
         self.core.add_request(EngineCoreRequest(
             request_id, prompt_token_ids, params, arrival, priority, cache_salt,
             hold_kv=hold_kv, remote_prefill=remote_prefill, num_resumed_tokens=num_resumed_tokens))
@@ -183,6 +186,7 @@ class AsyncLLM:
         done = probe.check_stop()
         results, _ = self.outputs.process(EngineCoreOutputs(outputs=[EngineCoreOutput(
             request_id, [remote.first_token_id], [remote.first_logprobs],
+            prompt_logprobs=remote.prompt_logprobs,
             finish_reason=probe.status.finish_reason if done else None,
             stop_reason=probe.stop_reason)]))
         return results[0]

@@ -206,8 +206,8 @@ class EngineCore:
             for pull in scheduler_output.pulls:
                 self.remote_kv.start_pull(pull.request, pull.block_ids, pull.num_local_blocks)
         if not scheduler_output.is_empty:
-            sampled = self.model_runner.execute(scheduler_output)
-            outputs.extend(self.scheduler.update_from_output(scheduler_output, sampled))
+            runner_output = self.model_runner.execute(scheduler_output)
+            outputs.extend(self.scheduler.update_from_output(scheduler_output, runner_output))
             self.model_runner.release([o.request_id for o in outputs if o.finished])
         for request, output in self.scheduler.take_to_pin():
             assert self.remote_kv is not None

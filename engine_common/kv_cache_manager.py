@@ -68,8 +68,9 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of a request that holds no blocks yet, and its length in
-        tokens. The last token is never a hit: it must be computed to sample from its logits."""
-        if not self.enable_caching:
+        tokens. The last token is never a hit: it must be computed to sample from its logits;
+        nor is any token of a request that asks for prompt logprobs (they need its logits)."""
+        if not self.enable_caching or request.needs_prompt_logprobs:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         get_cached_block = self.block_pool.get_cached_block

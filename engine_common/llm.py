@@ -31,6 +31,8 @@ class GenerationResult:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # With ``prompt_logprobs``: one entry per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -96,6 +98,8 @@ class LLM:
                 result.text += out.delta_text
                 result.token_ids.extend(out.new_token_ids)
                 result.logprobs.extend(out.new_logprobs)
+                if out.prompt_logprobs is not None:
+                    result.prompt_logprobs = [None, *out.prompt_logprobs]
                 if out.finished:
                     result.finish_reason = out.finish_reason
                     result.stop_reason = out.stop_reason

@@ -21,6 +21,7 @@ from engine_common.decode_graphs import DecodeGraphRunner, DecodeInputs
 from engine_common.model.arch_config import ModelArchConfig
 from engine_common.model.attention.backend import AttentionMetadata
 from engine_common.model.loader import load_model, resolve_dtype
+from engine_common.outputs import ModelRunnerOutput
 from engine_common.request import Request
 from engine_common.sampler import (
     Sampler,
@@ -29,12 +30,16 @@ from engine_common.sampler import (
     TokenLogprobs,
     is_greedy,
     takes_argmax,
+    token_logprobs,
 )
 from engine_common.sampling_params import SamplingParams
 from engine_common.scheduler import ScheduledRequest, SchedulerOutput
 from engine_common.structured_output.grammar import GrammarBitmask, RequestGrammar
 
 logger = logging.getLogger(__name__)
+
+# Prompt positions scored at once: bounds the [rows, vocab] float32 logits of a long prompt.
+_PROMPT_LOGPROB_ROWS = 256
 
 
 def kv_cache_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -154,9 +159,10 @@ class ModelRunner:
         return gen
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> dict[str, tuple[int, TokenLogprobs | None]]:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; return the sampled token (and logprobs) of every request whose
-        scheduled tokens reach its last known token."""
+        scheduled tokens reach its last known token, and the prompt logprobs of the
+        positions computed for requests that asked for them."""
         scheduled = scheduler_output.scheduled
         bs = self.block_size
         query_lens = [s.num_new_tokens for s in scheduled]
@@ -211,9 +217,11 @@ class ModelRunner:
                 metadata,
             )
 
+        output = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(
+            scheduled, starts, query_start_loc, hidden))
         sample_items = [i for i, s in enumerate(scheduled) if s.completes_sequence]
         if not sample_items:
-            return {}
+            return output
         if len(sample_items) < len(input_ids):
             logits_indices = torch.tensor(
                 [int(query_start_loc[i + 1]) - 1 for i in sample_items], dtype=torch.int64,
@@ -230,8 +238,9 @@ class ModelRunner:
         if all(takes_argmax(scheduled[i].request.sampling_params,
                             scheduled[i].request.num_output_tokens) for i in sample_items):
             tokens: list[int] = logits.argmax(dim=-1).tolist()
-            return {scheduled[i].request.request_id: (token, None)
-                    for i, token in zip(sample_items, tokens, strict=True)}
+            output.sampled = {scheduled[i].request.request_id: (token, None)
+                              for i, token in zip(sample_items, tokens, strict=True)}
+            return output
         rows = []
         for row, i in enumerate(sample_items):
             request = scheduled[i].request
@@ -257,10 +266,39 @@ class ModelRunner:
             )
         batch = SamplingBatch.build(rows, self.arch.vocab_size, dev)
         result = self.sampler(logits, batch)
-        return {
+        output.sampled = {
             scheduled[i].request.request_id: (token, lp)
             for i, token, lp in zip(sample_items, result.sampled_token_ids, result.logprobs, strict=True)
         }
+        return output
+
+    def _prompt_logprobs(self, scheduled: list[ScheduledRequest], starts: list[int],
+                         query_start_loc: np.ndarray, hidden: torch.Tensor,
+                         ) -> dict[str, list[TokenLogprobs]]:
+        """The raw logprobs of the prompt tokens this step's positions predict, for the
+        requests that still owe them. The logits at position p score token p + 1; positions
+        already scored (before a preemption made the prompt recompute) are skipped."""
+        result: dict[str, list[TokenLogprobs]] = {}
+        for i, (item, start) in enumerate(zip(scheduled, starts, strict=True)):
+            request = item.request
+            if not request.needs_prompt_logprobs:
+                continue
+            first = max(start + 1, request.next_prompt_logprob_position)
+            last = min(start + item.num_new_tokens, request.num_prompt_tokens - 1)
+            if first > last:
+                continue
+            targets = request.all_token_ids[first:last + 1]
+            row = int(query_start_loc[i]) + first - 1 - start
+            num_top = request.sampling_params.prompt_logprobs or 0
+            entries: list[TokenLogprobs] = []
+            for offset in range(0, len(targets), _PROMPT_LOGPROB_ROWS):
+                ids = targets[offset:offset + _PROMPT_LOGPROB_ROWS]
+                logits = self.model.compute_logits(hidden[row + offset:row + offset + len(ids)])
+                entries.extend(token_logprobs(
+                    logits.log_softmax(dim=-1), torch.tensor(ids, device=self.device),
+                    [num_top] * len(ids)))
+            result[request.request_id] = entries
+        return result
 
     def _apply_grammars(self, logits: torch.Tensor,
                         grammars: list[tuple[int, RequestGrammar]]) -> GrammarBitmask:

@@ -35,6 +35,9 @@ class RequestOutput:
     num_cached_tokens: int
     kv_handle: KvHandle | None = None
     kv_transfer: KvTransferReport | None = None
+    # With the first token of a request that asked for them: its prompt's logprobs
+    # (positions 1 on; position 0 has nothing before it).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -124,6 +127,7 @@ class OutputProcessor:
                     num_cached_tokens=out.num_cached_tokens,
                     kv_handle=out.kv_handle,
                     kv_transfer=out.kv_transfer,
+                    prompt_logprobs=out.prompt_logprobs,
                 )
             )
             if finished:

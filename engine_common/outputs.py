@@ -1,5 +1,7 @@
-"""Records that cross the boundary between the engine core and its frontend.
+"""Records that cross the engine's boundaries: model runner -> scheduler, and engine core
+<-> frontend.
 
+The model runner hands the scheduler each step's sampled tokens (``ModelRunnerOutput``).
 The engine core (scheduler + model runner, in its own process) emits token ids, finish
 states and scheduler statistics; the frontend turns them into text (``output_processor``)
 and metrics. These are plain picklable dataclasses and own no behaviour.
@@ -21,6 +23,9 @@ class RemotePrefill:
     handle: KvHandle
     first_token_id: int
     first_logprobs: TokenLogprobs | None = None
+    # The prompt's logprobs, where the request asked for them (the prefill replica computed
+    # the prompt); the frontend streams them with the first token.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -53,10 +58,22 @@ class EngineCoreRequest:
 
 
 @dataclass
+class ModelRunnerOutput:
+    """One step's results, by request id: the sampled token (with its logprobs, if asked
+    for) of each request whose scheduled tokens reached its end, and the prompt logprobs of
+    the positions this step computed, for requests that asked for them."""
+
+    sampled: dict[str, tuple[int, TokenLogprobs | None]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+@dataclass
 class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # On a request's first output token: its prompt's logprobs (positions 1 on), if asked for.
+    prompt_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from engine_common.block_hash import BlockHash, hash_block_tokens
 from engine_common.outputs import RemotePrefill
+from engine_common.sampler import TokenLogprobs
 from engine_common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -86,13 +87,20 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     stop_reason: int | str | None = None
     first_token_time: float | None = None
+    # ``sampling_params.prompt_logprobs``: the next prompt position owed its logprobs
+    # (position 0 has none: nothing precedes it), and those computed but not emitted yet
+    # (they go out with the first output token).
+    next_prompt_logprob_position: int = 1
+    pending_prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         self._update_block_hashes()
         if self.remote_prefill is not None:
-            # The prefill replica sampled the first token; its KV is computed here.
+            # The prefill replica sampled the first token (and computed any prompt
+            # logprobs); its KV is computed here.
             self.append_output_token(self.remote_prefill.first_token_id)
+            self.next_prompt_logprob_position = self.num_prompt_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -105,6 +113,13 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt positions still owe their logprobs: the prompt must be computed here,
+        not taken from the prefix cache."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and self.next_prompt_logprob_position < self.num_prompt_tokens)
 
     @property
     def num_sampled_elsewhere(self) -> int:

@@ -413,10 +413,21 @@ def _gather_logprobs(
     rows = batch.logprob_rows
     index = torch.tensor(rows, device=logits.device)
     logprobs = logits.index_select(0, index).log_softmax(dim=-1)
-    chosen = sampled.index_select(0, index).unsqueeze(1)
+    result: list[TokenLogprobs | None] = [None] * batch.num_rows
+    for row, entry in zip(rows, token_logprobs(logprobs, sampled.index_select(0, index),
+                                               batch.num_logprobs), strict=True):
+        result[row] = entry
+    return result
+
+
+def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
+                   num_top: Sequence[int]) -> list[TokenLogprobs]:
+    """Row j's logprob of ``token_ids[j]``, that token's rank and the row's ``num_top[j]``
+    most likely tokens; each row of ``logprobs`` is a log-softmax over the vocabulary."""
+    chosen = token_ids.unsqueeze(1)
     chosen_logprob = logprobs.gather(1, chosen)
     ranks = (logprobs > chosen_logprob).sum(dim=-1) + 1
-    max_n = batch.max_num_logprobs or 0
+    max_n = max(num_top, default=0)
     top_v: list[list[float]] = []
     top_i: list[list[int]] = []
     if max_n > 0:
@@ -425,9 +436,8 @@ def _gather_logprobs(
     chosen_ids = chosen.squeeze(1).tolist()
     chosen_lps = chosen_logprob.squeeze(1).tolist()
     rank_list = ranks.tolist()
-
-    result: list[TokenLogprobs | None] = [None] * batch.num_rows
-    for j, (row, n) in enumerate(zip(rows, batch.num_logprobs, strict=True)):
-        top = list(zip(top_i[j][:n], top_v[j][:n], strict=True)) if n > 0 else []
-        result[row] = TokenLogprobs(chosen_ids[j], chosen_lps[j], rank_list[j], top)
-    return result
+    return [
+        TokenLogprobs(chosen_ids[j], chosen_lps[j], rank_list[j],
+                      list(zip(top_i[j][:n], top_v[j][:n], strict=True)) if n > 0 else [])
+        for j, n in enumerate(num_top)
+    ]

@@ -16,6 +16,8 @@ from engine_common.structured_output.spec import StructuredOutputSpec
 MAX_CHOICES = 128
 # OpenAI's range for a logit_bias value: -100 bans a token in practice, +100 forces it.
 MAX_LOGIT_BIAS = 100.0
+# OpenAI's ceiling on the top alternatives returned per position.
+MAX_LOGPROBS = 20
 
 
 class SamplingParamsError(ValueError):
@@ -39,6 +41,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token; 0 = sampled only
+    # Logprobs of the prompt's own tokens (each given the ones before it), with this many top
+    # alternatives per position; None: none. Raw model logprobs: no temperature, penalties
+    # or bias. The request then skips the prefix cache (cached positions have no logits).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     n: int = 1  # choices per request; the public API fans them out, an engine runs one
     # Token id -> value added to its logit before anything else (OpenAI's logit_bias). Ids
@@ -91,8 +97,11 @@ class SamplingParams:
             fail(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if not self.repetition_penalty > 0.0:
             fail(f"repetition_penalty must be positive, got {self.repetition_penalty}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            fail(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            fail(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            fail(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, "
+                 f"got {self.prompt_logprobs}")
         if not 1 <= self.n <= MAX_CHOICES:
             fail(f"n (choices per request) must be between 1 and {MAX_CHOICES}, got {self.n}")
         if any(not s for s in self.stop):

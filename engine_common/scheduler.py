@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 
 from engine_common.config import SchedulerConfig
 from engine_common.kv_cache_manager import KVCacheManager
-from engine_common.outputs import EngineCoreOutput, SchedulerStats
+from engine_common.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
 from engine_common.request import Request, RequestStatus
-from engine_common.sampler import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -333,7 +332,7 @@ class Scheduler:
     def update_from_output(
         self,
         scheduler_output: SchedulerOutput,
-        sampled: dict[str, tuple[int, TokenLogprobs | None]],
+        runner_output: ModelRunnerOutput,
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         for item in scheduler_output.scheduled:
@@ -341,7 +340,11 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += item.num_new_tokens
-            result = sampled.get(request.request_id)
+            prompt_logprobs = runner_output.prompt_logprobs.get(request.request_id)
+            if prompt_logprobs:
+                request.pending_prompt_logprobs.extend(prompt_logprobs)
+                request.next_prompt_logprob_position += len(prompt_logprobs)
+            result = runner_output.sampled.get(request.request_id)
             if result is None:
                 continue  # a prefill chunk that does not reach the end yet
             token_id, logprobs = result
@@ -357,6 +360,9 @@ class Scheduler:
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 num_preemptions=request.num_preemptions,
             )
+            if request.sampling_params.prompt_logprobs is not None and request.num_output_tokens == 1:
+                output.prompt_logprobs, request.pending_prompt_logprobs = (
+                    request.pending_prompt_logprobs, [])
             if finished:
                 self.running.remove(request)
                 output.finish_reason = request.status.finish_reason

@@ -54,11 +54,18 @@ class GenerationOptions(TypedDict, total=False):
     chat_template_kwargs: Mapping[str, object]
     # Chat only: False leaves a reasoning model's thinking out of the response.
     include_reasoning: bool
+    # The prompt's own logprobs with this many alternatives (0-20), in the result's
+    # prompt_logprobs (vLLM's); not with streaming.
+    prompt_logprobs: int
+    # Completions only: the text (and logprobs) start with the prompt's; with max_tokens=0
+    # nothing is generated (scoring a prompt, as evaluation harnesses do).
+    echo: bool
 
 
 _OPTION_NAMES = frozenset(GenerationOptions.__annotations__)
 _CHAT_ONLY_OPTIONS = frozenset(
     {"tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "include_reasoning"})
+_COMPLETION_ONLY_OPTIONS = frozenset({"echo"})
 
 # {"role": ..., "content": ..., "name": ...}; content is a string or a list of text parts,
 # [{"type": "text", "text": ...}, ...], as in OpenAI's API.
@@ -80,6 +87,8 @@ def _apply_options(
     unknown = set(options) - _OPTION_NAMES
     if isinstance(request, pb.CompletionRequest):
         unknown |= set(options) & _CHAT_ONLY_OPTIONS
+    else:
+        unknown |= set(options) & _COMPLETION_ONLY_OPTIONS
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
     for name, value in options.items():

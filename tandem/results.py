@@ -1,8 +1,8 @@
 """The plain records the Tandem SDK returns, and their conversion from the wire messages.
 
 Owns ``Completion``, ``CompletionChunk``, ``ChatCompletion``, ``ChatCompletionChunk``, their
-choices (``CompletionChoice``, ``ChatChoice``), ``ToolCall``, ``Usage``, ``TokenLogprob`` and
-``ModelInfo``.
+choices (``CompletionChoice``, ``ChatChoice``), ``ToolCall``, ``Usage``, ``TokenLogprob``,
+``PromptLogprob`` and ``ModelInfo``.
 A response's fields are its first choice's (the only one unless the request set ``n``), and
 ``choices`` holds them all, ordered by index; a streamed chunk carries one choice, named by
 ``index``. It does not own the requests (``request_builders``) nor the transport (``client``).
@@ -11,6 +11,8 @@ A response's fields are its first choice's (the only one unless the request set 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from google.protobuf import struct_pb2
 
 from protos.tandem.v1 import generation_pb2 as pb
 
@@ -25,11 +27,26 @@ class Usage:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One generated token, its logprob and the best alternatives at its position."""
+    """One generated (or echoed prompt) token, its logprob and the best alternatives at its
+    position; an echoed prompt's first token has neither (nothing precedes it)."""
 
     token: str
-    logprob: float
+    logprob: float | None
     top_logprobs: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PromptLogprob:
+    """A token's entry at one prompt position (vLLM's ``prompt_logprobs``)."""
+
+    logprob: float
+    rank: int  # 1 = the most likely token there
+    decoded_token: str
+
+
+# One entry per prompt token: None for the first, then {token id: PromptLogprob} for the
+# prompt's own token and the most likely ones.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 @dataclass(frozen=True)
@@ -38,12 +55,13 @@ class CompletionChoice:
     text: str
     finish_reason: str | None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None  # with the request's prompt_logprobs
 
 
 @dataclass(frozen=True)
 class Completion:
-    """The usage covers every choice; ``text``, ``finish_reason`` and ``logprobs`` are
-    ``choices[0]``'s."""
+    """The usage covers every choice; ``text``, ``finish_reason``, ``logprobs`` and
+    ``prompt_logprobs`` are ``choices[0]``'s."""
 
     id: str
     model: str
@@ -52,6 +70,7 @@ class Completion:
     usage: Usage | None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     choices: list[CompletionChoice] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -106,6 +125,7 @@ class ChatCompletion:
     choices: list[ChatChoice] = field(default_factory=list)
     tool_calls: list[ToolCall] = field(default_factory=list)
     reasoning: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # the rendered prompt's, when asked for
 
 
 @dataclass(frozen=True)
@@ -148,12 +168,36 @@ def usage_from_pb(
 
 
 def _completion_logprobs(logprobs: pb.CompletionLogprobs) -> list[TokenLogprob]:
-    tops = [{k: v.number_value for k, v in top.fields.items()} for top in logprobs.top_logprobs]
-    tops += [{}] * (len(logprobs.tokens) - len(tops))
+    values = list(logprobs.token_logprobs.values)
+    tops = [{k: v.number_value for k, v in top.struct_value.fields.items()}
+            for top in logprobs.top_logprobs.values]
     return [
-        TokenLogprob(token=token, logprob=logprob, top_logprobs=top)
-        for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, tops, strict=False)
+        TokenLogprob(token=token, logprob=_number_or_none(value), top_logprobs=top)
+        for token, value, top in zip(logprobs.tokens, values, tops, strict=True)
     ]
+
+
+def _number_or_none(value: struct_pb2.Value) -> float | None:
+    return value.number_value if value.WhichOneof("kind") == "number_value" else None
+
+
+def _prompt_logprobs(message: pb.CompletionChoice | pb.ChatCompletionResponse,
+                     ) -> PromptLogprobs | None:
+    if not message.HasField("prompt_logprobs"):
+        return None
+    positions: PromptLogprobs = []
+    for position in message.prompt_logprobs.values:
+        if position.WhichOneof("kind") != "struct_value":
+            positions.append(None)
+            continue
+        entries = {}
+        for token_id, entry in position.struct_value.fields.items():
+            fields = entry.struct_value.fields
+            entries[int(token_id)] = PromptLogprob(
+                fields["logprob"].number_value, int(fields["rank"].number_value),
+                fields["decoded_token"].string_value)
+        positions.append(entries)
+    return positions
 
 
 def _chat_logprobs(logprobs: pb.ChatLogprobs) -> list[TokenLogprob]:
@@ -177,6 +221,7 @@ def _completion_choice(choice: pb.CompletionChoice) -> CompletionChoice:
         text=choice.text,
         finish_reason=_finish_reason(choice),
         logprobs=_completion_logprobs(choice.logprobs),
+        prompt_logprobs=_prompt_logprobs(choice),
     )
 
 
@@ -187,7 +232,7 @@ def completion_from_pb(response: pb.CompletionResponse) -> Completion:
     first = choices[0]
     return Completion(
         response.id, response.model, first.text, first.finish_reason, usage_from_pb(response),
-        first.logprobs, choices,
+        first.logprobs, choices, first.prompt_logprobs,
     )
 
 
@@ -236,6 +281,7 @@ def chat_completion_from_pb(response: pb.ChatCompletionResponse) -> ChatCompleti
         choices=choices,
         tool_calls=first.tool_calls,
         reasoning=first.reasoning,
+        prompt_logprobs=_prompt_logprobs(response),
     )
 
 

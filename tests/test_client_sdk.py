@@ -43,8 +43,9 @@ class RecordingServicer(pb_grpc.GenerationServicer):
     def Complete(self, request, context):  # noqa: N802 (gRPC's method names)
         self._record(request, context)
         self._maybe_fail(request.prompt.string_value, context)
-        logprobs = pb.CompletionLogprobs(tokens=[" b"], token_logprobs=[-0.25])
-        logprobs.top_logprobs.add().update({" b": -0.25, " c": -2.0})
+        logprobs = pb.CompletionLogprobs(tokens=[" b"])
+        logprobs.token_logprobs.append(-0.25)
+        logprobs.top_logprobs.add_struct().update({" b": -0.25, " c": -2.0})
         return pb.CompletionResponse(
             id="cmpl-1",
             object="text_completion",

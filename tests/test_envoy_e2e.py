@@ -30,6 +30,7 @@ from google.protobuf import json_format
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+import tandem
 from engine_common.config import CacheConfig, EngineConfig
 from engine_common.llm import LLM
 from engine_common.sampling_params import SamplingParams
@@ -163,6 +164,107 @@ def test_completions_equal_offline_greedy_streamed_or_not(stack: Stack, offline:
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
     # The long prompt went through the prefill replica first (P/D), the short ones did not.
     assert stack.prefill_hops() > hops
+
+
+# Scored through the prefill replica (long enough for the gateway's prefill hop), and
+# nothing before has put it in a prefix cache.
+SCORED_PROMPT = " ".join(["sierra tango uniform victor whiskey xray yankee zulu"] * 6)
+
+
+def test_echo_scores_a_prompt_as_evaluation_harnesses_ask(stack: Stack, offline: LLM) -> None:
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs, max_tokens 0 or 1, the
+    prompt as token ids) through Envoy, the gateway and P/D: the prefill replica scores the
+    prompt, the decode replica passes the scores on, equal to the offline engine's."""
+    client = stack.client()
+    want = offline.generate([SCORED_PROMPT], SamplingParams(
+        temperature=0.0, max_tokens=2, prompt_logprobs=2, logprobs=2))[0]
+    ids, expected = want.prompt_token_ids, want.prompt_logprobs
+    assert expected is not None and expected[0] is None
+    prompt_text = offline.inputs.detokenize(ids)
+
+    def check_prompt(logprobs: Any, num_positions: int) -> None:
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        assert len(logprobs.tokens) == num_positions
+        for position in range(1, len(ids)):
+            entry = expected[position]
+            assert entry is not None
+            assert logprobs.token_logprobs[position] == pytest.approx(entry.logprob, abs=1e-4)
+            # The two most likely and the prompt's token, by text (tokens that decode alike,
+            # such as partial characters, share an entry in OpenAI's shape).
+            allowed = [entry.logprob, *(logprob for _, logprob in entry.top)]
+            for value in logprobs.top_logprobs[position].values():
+                assert any(value == pytest.approx(a, abs=1e-4) for a in allowed)
+        assert "".join(logprobs.tokens[:len(ids)]) == prompt_text
+
+    hops = stack.prefill_hops()
+    scored = client.completions.create(model="tiny", prompt=ids, max_tokens=0, echo=True,
+                                       logprobs=2, temperature=0)
+    assert stack.prefill_hops() > hops  # the prefill replica scored it
+    choice = scored.choices[0]
+    assert choice.text == prompt_text and choice.finish_reason == "length"
+    assert scored.usage is not None and scored.usage.completion_tokens == 0
+    check_prompt(choice.logprobs, len(ids))
+
+    # max_tokens 1: the prompt, then the generated token and its logprob.
+    one = client.completions.create(model="tiny", prompt=ids, max_tokens=1, echo=True,
+                                    logprobs=2, **GREEDY)
+    check_prompt(one.choices[0].logprobs, len(ids) + 1)
+    assert one.choices[0].text == prompt_text + offline.inputs.detokenize(want.token_ids[:1])
+    first = want.logprobs[0]
+    assert first is not None
+    assert one.choices[0].logprobs.token_logprobs[-1] == pytest.approx(first.logprob, abs=1e-4)
+
+    # Streamed: the first chunk starts with the prompt and carries its logprobs.
+    chunks = [c for c in client.completions.create(
+        model="tiny", prompt=SCORED_PROMPT, max_tokens=2, echo=True, logprobs=2, stream=True,
+        **GREEDY) if c.choices]
+    assert chunks[0].choices[0].text.startswith(SCORED_PROMPT)
+    assert "".join(c.choices[0].text for c in chunks) == SCORED_PROMPT + want.text
+    streamed = [t for c in chunks for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and len(streamed) == len(ids) + 2
+
+    # vLLM's prompt_logprobs: per position the prompt's token and the top ones, by token id.
+    extra = client.completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0,
+                                      extra_body={"prompt_logprobs": 1})
+    listed = extra.choices[0].model_extra["prompt_logprobs"]
+    assert listed[0] is None and len(listed) == len(ids)
+    for position in range(1, len(ids)):
+        entry = expected[position]
+        assert entry is not None
+        own = listed[position][str(ids[position])]
+        assert own["logprob"] == pytest.approx(entry.logprob, abs=1e-4)
+        assert own["rank"] == entry.rank
+    with pytest.raises(openai.BadRequestError, match="not available with stream"):
+        client.completions.create(model="tiny", prompt=ids, max_tokens=1, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
+    with pytest.raises(openai.BadRequestError, match="only with echo"):
+        client.completions.create(model="tiny", prompt=ids, max_tokens=0)
+
+    # The gRPC SDK reads the same answer, the unscored first token as None.
+    with Client(stack.gateway) as sdk:
+        answer = sdk.complete(ids, max_tokens=0, echo=True, logprobs=1, prompt_logprobs=0)
+    assert answer.logprobs[0].logprob is None and len(answer.logprobs) == len(ids)
+    assert answer.logprobs[1].logprob == pytest.approx(expected[1].logprob, abs=1e-4)
+    assert answer.prompt_logprobs is not None and answer.prompt_logprobs[0] is None
+    assert answer.prompt_logprobs[1] == {ids[1]: tandem.PromptLogprob(
+        pytest.approx(expected[1].logprob, abs=1e-4), expected[1].rank,
+        offline.inputs.detokenize(ids[1:2]))}
+
+
+def test_chat_prompt_logprobs_score_the_rendered_prompt(stack: Stack, offline: LLM) -> None:
+    ids = offline.inputs.tokenize_chat(MESSAGES)
+    want = offline.generate([ids], SamplingParams(temperature=0.0, max_tokens=1,
+                                                  prompt_logprobs=0))[0]
+    assert want.prompt_logprobs is not None
+    chat = stack.client().chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=1, extra_body={"prompt_logprobs": 0})
+    listed = chat.model_extra["prompt_logprobs"]
+    assert len(listed) == len(ids) and listed[0] is None
+    for position, entry in enumerate(want.prompt_logprobs[1:], start=1):
+        assert entry is not None
+        assert listed[position] == {str(ids[position]): {
+            "logprob": pytest.approx(entry.logprob, abs=1e-4), "rank": entry.rank,
+            "decoded_token": offline.inputs.detokenize(ids[position:position + 1])}}
 
 
 def test_chat_equals_offline_greedy_streamed_or_not(stack: Stack, offline: LLM) -> None:

@@ -146,8 +146,11 @@ def _openai_json(message: object) -> dict:
 
 
 def test_responses_print_with_openai_field_names() -> None:
-    top = pb.CompletionLogprobs(tokens=[" a"], token_logprobs=[-0.5], text_offset=[0])
-    top.top_logprobs.add().update({" a": -0.5, " b": -1.5})
+    top = pb.CompletionLogprobs(tokens=["<s>", " a"], text_offset=[0, 3])
+    # An echoed prompt's first token has null logprobs, as OpenAI prints them.
+    top.token_logprobs.extend([None, -0.5])
+    top.top_logprobs.append(None)
+    top.top_logprobs.add_struct().update({" a": -0.5, " b": -1.5})
     response = pb.CompletionResponse(
         id="cmpl-1",
         object="text_completion",
@@ -160,10 +163,10 @@ def test_responses_print_with_openai_field_names() -> None:
     assert printed["created"] == 1_700_000_000  # a JSON number, not a string
     assert printed["choices"][0]["finish_reason"] == "length"
     assert printed["choices"][0]["logprobs"] == {
-        "tokens": [" a"],
-        "token_logprobs": [-0.5],
-        "top_logprobs": [{" a": -0.5, " b": -1.5}],
-        "text_offset": [0],
+        "tokens": ["<s>", " a"],
+        "token_logprobs": [None, -0.5],
+        "top_logprobs": [None, {" a": -0.5, " b": -1.5}],
+        "text_offset": [0, 3],
     }
     assert printed["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
 

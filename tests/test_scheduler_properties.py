@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from engine_common.config import SchedulerConfig
 from engine_common.kv_cache_manager import KVCacheManager
+from engine_common.outputs import ModelRunnerOutput
 from engine_common.request import Request, RequestStatus
 from engine_common.sampling_params import SamplingParams
 from engine_common.scheduler import Scheduler
@@ -75,8 +76,8 @@ def test_scheduler_invariants(lengths, max_tokens, budget, max_seqs, num_blocks,
             held_slots = len(kv.get_block_ids(r.request_id)) * BLOCK
             assert held_slots >= r.num_computed_tokens + item.num_new_tokens
         check_pool(kv)
-        sampled = {s.request.request_id: (rng.randrange(50), None)
-                   for s in out.scheduled if s.completes_sequence}
+        sampled = ModelRunnerOutput({s.request.request_id: (rng.randrange(50), None)
+                                     for s in out.scheduled if s.completes_sequence})
         for o in sched.update_from_output(out, sampled):
             if o.finished:
                 finished.add(o.request_id)

@@ -77,6 +77,16 @@ def _choice_from_pb(message: epb.TokenLogprob) -> TokenChoice:
     return TokenChoice(message.token_id, message.token, message.logprob, message.rank)
 
 
+def position_to_pb(position: PositionLogprobs) -> epb.PositionLogprobs:
+    return epb.PositionLogprobs(sampled=_choice_to_pb(position.sampled),
+                                top=[_choice_to_pb(c) for c in position.top])
+
+
+def position_from_pb(message: epb.PositionLogprobs) -> PositionLogprobs:
+    return PositionLogprobs(_choice_from_pb(message.sampled),
+                            [_choice_from_pb(c) for c in message.top])
+
+
 def delta_to_response(delta: GenerationDelta, request_id: str,
                       return_token_ids: bool) -> epb.GenerateResponse:
     response = epb.GenerateResponse(
@@ -85,9 +95,8 @@ def delta_to_response(delta: GenerationDelta, request_id: str,
         prompt_tokens=delta.prompt_tokens,
         completion_tokens=delta.completion_tokens,
         cached_tokens=delta.cached_tokens,
-        logprobs=[epb.PositionLogprobs(sampled=_choice_to_pb(p.sampled),
-                                       top=[_choice_to_pb(c) for c in p.top])
-                  for p in delta.logprobs],
+        logprobs=[position_to_pb(p) for p in delta.logprobs],
+        prompt_logprobs=[position_to_pb(p) for p in delta.prompt_logprobs or ()],
     )
     if return_token_ids:
         response.new_token_ids.extend(delta.token_ids)
@@ -111,8 +120,8 @@ def delta_from_response(response: epb.GenerateResponse) -> GenerationDelta:
     return GenerationDelta(
         text=response.delta_text,
         token_ids=list(response.new_token_ids),
-        logprobs=[PositionLogprobs(_choice_from_pb(p.sampled), [_choice_from_pb(c) for c in p.top])
-                  for p in response.logprobs],
+        logprobs=[position_from_pb(p) for p in response.logprobs],
+        prompt_logprobs=[position_from_pb(p) for p in response.prompt_logprobs] or None,
         finish_reason=response.finish_reason if response.HasField("finish_reason") else None,
         stop_reason=stop_reason,
         prompt_tokens=response.prompt_tokens,

@@ -38,6 +38,7 @@ from services.replica.engine_messages import (
     delta_to_response,
     kv_event_batch_to_pb,
     kv_handle_to_pb,
+    position_to_pb,
     sampling_params_from_pb,
 )
 from services.replica.errors import FailedPrecondition, InvalidArgument, rpc_handler
@@ -82,7 +83,9 @@ class EngineServicer(epb_grpc.EngineServicer):
             params = replace(
                 params,
                 max_tokens=None if params.max_tokens is None else params.max_tokens - len(resumed),
-                min_tokens=max(0, params.min_tokens - len(resumed)))
+                min_tokens=max(0, params.min_tokens - len(resumed)),
+                # The replica that began the stream sent them with its first token.
+                prompt_logprobs=None)
             prompt += resumed
         self.llm.inputs.validate_prompt(prompt, params.max_tokens)
         self.llm.inputs.check_logit_bias(params.logit_bias)
@@ -113,10 +116,10 @@ class EngineServicer(epb_grpc.EngineServicer):
         response = epb.PrefillResponse(
             request_id=request.request_id, first_token_id=output.new_token_ids[0],
             kv_handle=kv_handle_to_pb(handle, self.llm.info.kv_layout, output.num_cached_tokens))
-        logprobs = output.new_logprobs[0] if output.new_logprobs else None
-        if logprobs is not None:
-            delta = self.engine.delta_of(output)
-            response.first_token_logprobs.CopyFrom(delta_to_response(delta, "", False).logprobs[0])
+        delta = self.engine.delta_of(output)
+        if delta.logprobs:
+            response.first_token_logprobs.CopyFrom(position_to_pb(delta.logprobs[0]))
+        response.prompt_logprobs.extend(position_to_pb(p) for p in delta.prompt_logprobs or ())
         return response
 
     @rpc_handler

@@ -24,9 +24,12 @@ from engine_common.input_processor import InputProcessor
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 from services.replica import openai_api as api
-from services.replica.errors import rpc_handler
+from services.replica.errors import InvalidArgument, rpc_handler
 from services.replica.served_model import ServedModel
 from services.replica.server_sent_events import write_events
+
+# As vLLM: the prompt's logprobs belong to a whole response, not to a stream of deltas.
+_NO_STREAMED_PROMPT_LOGPROBS = "prompt_logprobs is not available with stream=true"
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -39,14 +42,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Complete(self, request: pb.CompletionRequest,  # noqa: N802 (gRPC's names)
                        context: grpc.aio.ServicerContext) -> pb.CompletionResponse:
         self.model.check(request.model)
-        engine_request = api.completion_to_engine_request(request, self.inputs)
+        plan = api.completion_to_engine_request(request, self.inputs)
         response_id = api.new_completion_id()
-        choices = api.generate_choices(self.generate, response_id, engine_request)
+        choices = api.generate_choices(self.generate, response_id, plan.engine)
         async with aclosing(choices):
             return await api.completion_response(
                 choices, response_id=response_id, model=self.model.name,
-                logprobs=engine_request.params.logprobs is not None,
-                num_choices=engine_request.params.n)
+                logprobs=plan.engine.params.logprobs is not None,
+                num_choices=plan.engine.params.n, echo=plan.echo,
+                prompt_logprobs=plan.prompt_logprobs)
 
     @rpc_handler
     async def CompleteStream(self, request: pb.CompletionRequest,  # noqa: N802
@@ -61,11 +65,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def _completion_chunks(
             self, request: pb.CompletionRequest) -> AsyncGenerator[pb.CompletionResponse, None]:
         self.model.check(request.model)
-        engine_request = api.completion_to_engine_request(request, self.inputs)
+        plan = api.completion_to_engine_request(request, self.inputs)
+        if plan.prompt_logprobs is not None:
+            raise InvalidArgument(_NO_STREAMED_PROMPT_LOGPROBS + "; echo with logprobs "
+                                  "streams the prompt's logprobs in the first chunk")
         response_id = api.new_completion_id()
-        choices = api.generate_choices(self.generate, response_id, engine_request)
+        choices = api.generate_choices(self.generate, response_id, plan.engine)
         chunks = api.completion_chunks(choices, response_id=response_id, model=self.model.name,
-                                       include_usage=request.stream_options.include_usage)
+                                       include_usage=request.stream_options.include_usage,
+                                       echo=plan.echo)
         async with aclosing(choices), aclosing(chunks):
             async for chunk in chunks:
                 yield chunk
@@ -81,7 +89,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             return await api.chat_response(
                 choices, response_id=response_id, model=self.model.name,
                 logprobs=chat.engine.params.logprobs is not None,
-                num_choices=chat.engine.params.n, tools=chat.tools, reasoning=chat.reasoning)
+                num_choices=chat.engine.params.n, tools=chat.tools, reasoning=chat.reasoning,
+                prompt_logprobs=chat.engine.params.prompt_logprobs)
 
     @rpc_handler
     async def ChatCompleteStream(self, request: pb.ChatCompletionRequest,  # noqa: N802
@@ -98,6 +107,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     ) -> AsyncGenerator[pb.ChatCompletionChunk, None]:
         self.model.check(request.model)
         chat = api.chat_to_engine_request(request, self.inputs)
+        if chat.engine.params.prompt_logprobs is not None:
+            raise InvalidArgument(_NO_STREAMED_PROMPT_LOGPROBS)
         response_id = api.new_chat_completion_id()
         choices = api.generate_choices(self.generate, response_id, chat.engine)
         chunks = api.chat_chunks(choices, response_id=response_id, model=self.model.name,

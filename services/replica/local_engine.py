@@ -113,6 +113,8 @@ class LocalEngine:
             completion_tokens=output.num_output_tokens,
             cached_tokens=output.num_cached_tokens,
             kv_transfer=output.kv_transfer,
+            prompt_logprobs=None if output.prompt_logprobs is None
+            else [self._position(lp) for lp in output.prompt_logprobs],
         )
 
     def _position(self, logprobs: TokenLogprobs) -> PositionLogprobs:

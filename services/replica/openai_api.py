@@ -35,6 +35,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from google.protobuf import struct_pb2
+
 from engine_common.input_processor import InputProcessor, InvalidRequestError
 from engine_common.outputs import KvTransferReport
 from engine_common.sampling_params import SamplingParams
@@ -56,7 +58,6 @@ from services.replica.tool_call_parsers import (
 from services.replica.tool_calls import ToolPlan, template_tool_calls, tool_plan
 from services.replica.validation import (
     chat_template_kwargs,
-    check_echo,
     check_seed_for_choices,
     check_text_length,
     content_from_value,
@@ -116,6 +117,9 @@ class GenerationDelta:
     completion_tokens: int = 0
     cached_tokens: int = 0
     kv_transfer: KvTransferReport | None = None  # P/D: how the prompt's KV got here
+    # With the first token, when asked for: prompt positions 1 on ("sampled" is the prompt's
+    # own token there).
+    prompt_logprobs: list[PositionLogprobs] | None = None
 
 
 class GenerateFn(Protocol):
@@ -162,13 +166,42 @@ def _sampling_params(request: pb.CompletionRequest | pb.ChatCompletionRequest,
     return params
 
 
+@dataclass(frozen=True)
+class Echo:
+    """What an echoing completion puts before each choice's own text and logprobs."""
+
+    text: str  # the prompt as given (decoded, when it came as token ids)
+    first_token: str  # the prompt's first token on its own: nothing precedes it to score it
+    num_top: int | None  # the request's logprobs: the prompt's positions get as many
+    scores_only: bool  # max_tokens 0: the engine samples one token, which is dropped
+
+
+@dataclass(frozen=True)
+class CompletionPlan:
+    """A completion request resolved: what the engine runs and what the answer adds."""
+
+    engine: EngineRequest
+    echo: Echo | None = None
+    # vLLM's prompt_logprobs field: each choice's prompt_logprobs, with this many top entries.
+    prompt_logprobs: int | None = None
+
+
 def completion_to_engine_request(request: pb.CompletionRequest,
-                                 inputs: InputProcessor) -> EngineRequest:
-    check_echo(request.echo)
+                                 inputs: InputProcessor) -> CompletionPlan:
+    echo = request.echo
     max_tokens = (request.max_tokens if request.HasField("max_tokens")
                   else COMPLETION_DEFAULT_MAX_TOKENS)
+    scores_only = echo and max_tokens == 0
+    if max_tokens == 0 and not echo:
+        raise InvalidArgument("max_tokens must be at least 1; 0 is allowed only with "
+                              "echo=true, which scores the prompt without generating")
     logprobs = request.logprobs if request.HasField("logprobs") else None
-    params = _sampling_params(request, max_tokens, logprobs)
+    prompt_logprobs = _prompt_logprobs(request)
+    engine_prompt_logprobs = prompt_logprobs
+    if echo and logprobs is not None:
+        engine_prompt_logprobs = max(prompt_logprobs or 0, logprobs)
+    params = replace(_sampling_params(request, 1 if scores_only else max_tokens, logprobs),
+                     prompt_logprobs=engine_prompt_logprobs)
     prompt = prompt_from_value(request.prompt if request.HasField("prompt") else None)
     if isinstance(prompt, str):
         check_text_length(len(prompt), inputs.max_model_len, "prompt")
@@ -176,7 +209,18 @@ def completion_to_engine_request(request: pb.CompletionRequest,
     else:
         prompt_token_ids = prompt
     inputs.validate_prompt(prompt_token_ids, params.max_tokens)
-    return EngineRequest(prompt_token_ids, params, request.priority, request.cache_salt or None)
+    engine = EngineRequest(prompt_token_ids, params, request.priority, request.cache_salt or None)
+    if not echo:
+        return CompletionPlan(engine, prompt_logprobs=prompt_logprobs)
+    text = prompt if isinstance(prompt, str) else inputs.detokenize(prompt_token_ids)
+    return CompletionPlan(
+        engine, Echo(text, inputs.detokenize(prompt_token_ids[:1]), logprobs, scores_only),
+        prompt_logprobs)
+
+
+def _prompt_logprobs(request: pb.CompletionRequest | pb.ChatCompletionRequest) -> int | None:
+    """The request's prompt_logprobs (SamplingParams checks the range)."""
+    return request.prompt_logprobs if request.HasField("prompt_logprobs") else None
 
 
 def chat_messages(messages: Sequence[pb.ChatMessage],
@@ -227,7 +271,8 @@ def chat_to_engine_request(request: pb.ChatCompletionRequest,
         logprobs = request.top_logprobs if request.HasField("top_logprobs") else 0
     tools = tool_plan(request, chat_template_call_format(
         getattr(inputs.tokenizer, "chat_template", None)))
-    params = _sampling_params(request, max_tokens, logprobs, tools)
+    params = replace(_sampling_params(request, max_tokens, logprobs, tools),
+                     prompt_logprobs=_prompt_logprobs(request))
     prompt = inputs.render_chat(chat_messages(request.messages, inputs.max_model_len),
                                 tools.tools, chat_template_kwargs(request))
     prompt_token_ids = inputs.tokenize_rendered(prompt)
@@ -349,20 +394,58 @@ def _json_logprob(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else _LOGPROB_FLOOR
 
 
-def _completion_logprobs(positions: Sequence[PositionLogprobs],
-                         text_offset: int) -> tuple[pb.CompletionLogprobs, int]:
-    """OpenAI's legacy shape; ``text_offset`` counts characters of the tokens before."""
-    out = pb.CompletionLogprobs()
+def _add_completion_logprobs(out: pb.CompletionLogprobs, positions: Sequence[PositionLogprobs],
+                             text_offset: int, num_top: int | None = None) -> int:
+    """Append ``positions`` in OpenAI's legacy shape (with at most ``num_top`` alternatives
+    each); ``text_offset`` counts characters of the tokens before. Returns the offset after."""
     for position in positions:
         sampled = position.sampled
         out.tokens.append(sampled.token)
         out.token_logprobs.append(_json_logprob(sampled.logprob))
-        top = {choice.token: _json_logprob(choice.logprob) for choice in position.top}
+        top = {choice.token: _json_logprob(choice.logprob) for choice in position.top[:num_top]}
         top.setdefault(sampled.token, _json_logprob(sampled.logprob))
-        out.top_logprobs.add().update(top)
+        out.top_logprobs.add_struct().update(top)
         out.text_offset.append(text_offset)
         text_offset += len(sampled.token)
-    return out, text_offset
+    return text_offset
+
+
+def _add_echoed_prompt(out: pb.CompletionLogprobs, echo: Echo,
+                       positions: Sequence[PositionLogprobs]) -> int:
+    """An echoed prompt's logprobs: its first token unscored (nulls, as OpenAI), then the
+    positions the engine scored. Returns the text offset after the prompt."""
+    out.tokens.append(echo.first_token)
+    out.token_logprobs.append(None)
+    out.top_logprobs.append(None)
+    out.text_offset.append(0)
+    return _add_completion_logprobs(out, positions, len(echo.first_token), echo.num_top)
+
+
+def _prompt_logprobs_list(positions: Sequence[PositionLogprobs],
+                          num_top: int) -> struct_pb2.ListValue:
+    """vLLM's prompt_logprobs: null for the first prompt token, then per position the
+    prompt's token and the ``num_top`` most likely, each {"<token id>": {"logprob", "rank",
+    "decoded_token"}}."""
+    out = struct_pb2.ListValue()
+    out.append(None)
+    for position in positions:
+        entries: dict[str, Any] = {}
+        for choice in (position.sampled, *position.top[:num_top]):
+            entries.setdefault(str(choice.token_id), {
+                "logprob": _json_logprob(choice.logprob), "rank": choice.rank,
+                "decoded_token": choice.token})
+        out.add_struct().update(entries)
+    return out
+
+
+async def _without_output(choices: AsyncIterator[ChoiceDelta]) -> AsyncGenerator[ChoiceDelta, None]:
+    """Echo with max_tokens 0: the token the engine had to sample is not part of the answer,
+    which ends at the prompt ("length": no token was allowed)."""
+    async for choice_delta in choices:
+        delta = choice_delta.delta
+        yield ChoiceDelta(choice_delta.index, replace(
+            delta, text="", token_ids=[], logprobs=[], completion_tokens=0, stop_reason=None,
+            finish_reason=None if delta.finish_reason is None else "length"))
 
 
 def _chat_logprobs(positions: Sequence[PositionLogprobs]) -> pb.ChatLogprobs:
@@ -379,25 +462,34 @@ def _chat_logprobs(positions: Sequence[PositionLogprobs]) -> pb.ChatLogprobs:
 
 async def completion_chunks(
     choices: AsyncIterator[ChoiceDelta], *, response_id: str, model: str, include_usage: bool,
+    echo: Echo | None = None,
 ) -> AsyncGenerator[pb.CompletionResponse, None]:
     """CompleteStream's messages: one chunk per delta that carries anything (its one choice
     carries the choice's index), then (with ``include_usage``) a last chunk with no choices
-    and the usage, once every choice finished."""
+    and the usage, once every choice finished. With ``echo`` each choice's first chunk
+    starts with the prompt (and its logprobs, if asked for)."""
     created = int(time.time())
     text_offsets: dict[int, int] = {}
     lasts: dict[int, GenerationDelta] = {}
+    if echo is not None and echo.scores_only:
+        choices = _without_output(choices)
     async for choice_delta in choices:
         index, delta = choice_delta.index, choice_delta.delta
+        echoed = echo if echo is not None and index not in lasts else None
         lasts[index] = delta
-        if not (delta.text or delta.finish_reason or delta.logprobs):
+        if not (delta.text or delta.finish_reason or delta.logprobs or echoed):
             continue  # tokens whose text is held back (a possible stop string)
         choice = pb.CompletionChoice(index=index, text=delta.text)
+        if echoed is not None:
+            choice.text = echoed.text + delta.text
         if delta.finish_reason is not None:
             choice.finish_reason = delta.finish_reason
-        if delta.logprobs:
-            logprobs, text_offsets[index] = _completion_logprobs(
-                delta.logprobs, text_offsets.get(index, 0))
-            choice.logprobs.CopyFrom(logprobs)
+        scores_prompt = echoed is not None and echoed.num_top is not None
+        if delta.logprobs or scores_prompt:
+            offset = text_offsets.get(index, 0)
+            if echoed is not None and scores_prompt:
+                offset = _add_echoed_prompt(choice.logprobs, echoed, delta.prompt_logprobs or [])
+            text_offsets[index] = _add_completion_logprobs(choice.logprobs, delta.logprobs, offset)
         yield pb.CompletionResponse(id=response_id, object="text_completion", created=created,
                                     model=model, choices=[choice])
     if include_usage and lasts:
@@ -409,6 +501,7 @@ async def completion_chunks(
 class _Collected:
     text: str = ""
     logprobs: list[PositionLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
     last: GenerationDelta = field(default_factory=lambda: GenerationDelta("", []))
 
 
@@ -420,6 +513,7 @@ async def _collect(choices: AsyncIterator[ChoiceDelta], num_choices: int) -> lis
         index, delta = choice_delta.index, choice_delta.delta
         parts[index].append(delta.text)
         collected[index].logprobs.extend(delta.logprobs)
+        collected[index].prompt_logprobs.extend(delta.prompt_logprobs or ())
         collected[index].last = delta
     for one, texts in zip(collected, parts, strict=True):
         one.text = "".join(texts)
@@ -427,19 +521,31 @@ async def _collect(choices: AsyncIterator[ChoiceDelta], num_choices: int) -> lis
 
 
 async def completion_response(choices: AsyncIterator[ChoiceDelta], *, response_id: str,
-                              model: str, logprobs: bool,
-                              num_choices: int = 1) -> pb.CompletionResponse:
-    """Complete's answer: each choice's stream folded into one choice, ordered by index."""
+                              model: str, logprobs: bool, num_choices: int = 1,
+                              echo: Echo | None = None,
+                              prompt_logprobs: int | None = None) -> pb.CompletionResponse:
+    """Complete's answer: each choice's stream folded into one choice, ordered by index;
+    with ``echo`` each choice's text (and logprobs) starts with the prompt's, with
+    ``prompt_logprobs`` each choice carries vLLM's list of them."""
+    if echo is not None and echo.scores_only:
+        choices = _without_output(choices)
     collected = await _collect(choices, num_choices)
     response = pb.CompletionResponse(
         id=response_id, object="text_completion", created=int(time.time()), model=model,
         usage=_usage({index: one.last for index, one in enumerate(collected)}))
     for index, one in enumerate(collected):
-        choice = response.choices.add(index=index, text=one.text)
+        choice = response.choices.add(
+            index=index, text=one.text if echo is None else echo.text + one.text)
         if one.last.finish_reason is not None:
             choice.finish_reason = one.last.finish_reason
         if logprobs:
-            choice.logprobs.CopyFrom(_completion_logprobs(one.logprobs, 0)[0])
+            choice.logprobs.SetInParent()
+            offset = 0 if echo is None else _add_echoed_prompt(
+                choice.logprobs, echo, one.prompt_logprobs)
+            _add_completion_logprobs(choice.logprobs, one.logprobs, offset)
+        if prompt_logprobs is not None:
+            choice.prompt_logprobs.CopyFrom(
+                _prompt_logprobs_list(one.prompt_logprobs, prompt_logprobs))
     return response
 
 
@@ -534,7 +640,10 @@ def _add_call_deltas(delta: pb.ChatDelta, calls: list[pb.ToolCall]) -> None:
 async def chat_response(choices: AsyncIterator[ChoiceDelta], *, response_id: str,
                         model: str, logprobs: bool, num_choices: int = 1,
                         tools: ToolPlan | None = None,
-                        reasoning: ReasoningPlan | None = None) -> pb.ChatCompletionResponse:
+                        reasoning: ReasoningPlan | None = None,
+                        prompt_logprobs: int | None = None) -> pb.ChatCompletionResponse:
+    """ChatComplete's answer; with ``prompt_logprobs``, vLLM's list of the rendered prompt's
+    logprobs (the prompt is the same for every choice: the first one's)."""
     tools = tools or ToolPlan()
     reasoning = reasoning or ReasoningPlan()
     collected = await _collect(choices, num_choices)
@@ -554,6 +663,9 @@ async def chat_response(choices: AsyncIterator[ChoiceDelta], *, response_id: str
             choice.finish_reason = tools.finish_reason(one.last.finish_reason, bool(calls))
         if logprobs:
             choice.logprobs.CopyFrom(_chat_logprobs(one.logprobs))
+    if prompt_logprobs is not None:
+        response.prompt_logprobs.CopyFrom(
+            _prompt_logprobs_list(collected[0].prompt_logprobs, prompt_logprobs))
     return response
 
 

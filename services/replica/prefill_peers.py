@@ -65,7 +65,9 @@ class PrefillPeers:
             handle=kv_handle_from_pb(response.kv_handle, request_id),
             first_token_id=response.first_token_id,
             first_logprobs=token_logprobs_from_pb(response.first_token_logprobs)
-            if response.HasField("first_token_logprobs") else None)
+            if response.HasField("first_token_logprobs") else None,
+            prompt_logprobs=None if request.params.prompt_logprobs is None
+            else [token_logprobs_from_pb(p) for p in response.prompt_logprobs])
 
     def release(self, peer: str, request_id: str, engine_id: str) -> None:
         """Tell the prefill replica it may free the request's blocks; never waits. If this

@@ -4,7 +4,7 @@ Owns the limits a request must fit (message size, prompt characters, a seed that
 for ``n`` choices), the decoding of the loosely typed ``google.protobuf.Value`` fields
 (``prompt``, ``stop``, chat ``content``) and of the output constraints (``response_format``,
 ``structured_outputs``) into what the engine takes, and the OpenAI features this server refuses
-(several prompts per request, ``echo``).
+(several prompts per request).
 Every failure is an ``InvalidArgument`` whose message names the field and says what to change.
 It does not own sampling-value ranges (``SamplingParams.validate``) or the checks that need
 token ids (``InputProcessor.validate_prompt``: empty, out of vocabulary, over the context).
@@ -193,11 +193,6 @@ def check_text_length(num_chars: int, max_model_len: int, field: str) -> None:
         raise InvalidArgument(
             f"{field} is {num_chars} characters long, far more than fits this model's context "
             f"of {max_model_len} tokens; shorten it")
-
-
-def check_echo(echo: bool) -> None:
-    if echo:
-        raise InvalidArgument("echo=true is not supported; leave echo unset or false")
 
 
 def check_seed_for_choices(seed: int | None, n: int) -> None:
