@@ -133,7 +133,8 @@ def read_request(path: str, content_type: str, body: bytes,
         if path in _COMPLETION_PATHS:
             completion = pb.CompletionRequest()
             _parse_body(body, content_type, completion)
-            request = openai_api.completion_to_engine_request(completion, inputs).engine
+            # A request of several prompts goes where its first prompt is best served.
+            request = openai_api.completion_to_engine_request(completion, inputs).engines[0]
         elif path in _CHAT_PATHS:
             chat = pb.ChatCompletionRequest()
             _parse_body(body, content_type, chat)

@@ -5,9 +5,9 @@ chosen decode (or ``both``) replica naming the chosen prefill peer, and streamin
 responses back. A replica that fails before the first token is replaced by another (a
 retry); one that fails after it is replaced by another that continues from the prompt plus
 the tokens already sent (``resume_output_token_ids``, a resumption), so the client sees every
-token once. The choices of one ``n`` > 1 request share a ``RouteAffinity``: the first is
-routed, the others follow it to the same replicas (one prompt, one prefix cache) unless those
-failed them. The client's cancellation and deadline travel upstream. It does not own the
+token once. The streams of one request share a ``RouteAffinity``: the first choice of each
+prompt is routed, the prompt's other choices follow it to the same replicas (one prompt, one
+prefix cache) unless those failed them; each prompt of a request is routed on its own. The client's cancellation and deadline travel upstream. It does not own the
 OpenAI-shaped messages (``services.replica.openai_api``) or the choice itself (``picker``).
 """
 
@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import grpc.aio
@@ -86,10 +86,11 @@ class Route:
 
 @dataclass
 class RouteAffinity:
-    """Streams that should land together (the choices of one request): the first one's route,
-    which the others take while its replicas are still routable and have not failed them."""
+    """Streams that should land together (the choices of one prompt of a request): per
+    prompt (and cache salt), the first one's route, which the others take while its replicas
+    are still routable and have not failed them."""
 
-    route: Route | None = None
+    routes: dict[tuple[str, tuple[int, ...]], Route] = field(default_factory=dict)
 
 
 class EngineProxy:
@@ -131,11 +132,13 @@ class EngineProxy:
         self.metrics.routing_latency.observe(time.perf_counter() - started)
         return Route(decision, snapshot.block_hashes)
 
-    def _follow(self, affinity: RouteAffinity | None, failed: set[str]) -> Route | None:
+    def _follow(self, affinity: RouteAffinity | None, key: tuple[str, tuple[int, ...]],
+                failed: set[str]) -> Route | None:
         """The route a sibling stream took, when its replicas can still take this one."""
-        if affinity is None or affinity.route is None:
+        route = None if affinity is None else affinity.routes.get(key)
+        if route is None:
             return None
-        decision = affinity.route.decision
+        decision = route.decision
         addresses = [decision.decode.address]
         if decision.prefill is not None:
             addresses.append(decision.prefill.address)
@@ -146,7 +149,7 @@ class EngineProxy:
         self.metrics.picks.labels(decision.decode.address, "decode").inc()
         if decision.prefill is not None:
             self.metrics.picks.labels(decision.prefill.address, "prefill").inc()
-        return affinity.route
+        return route
 
     async def generate(
         self, request: engine_pb2.GenerateRequest, timeout: float | None = None
@@ -163,6 +166,7 @@ class EngineProxy:
         started = time.monotonic()
         client_wants_ids = request.output_options.return_token_ids
         prompt = list(request.prompt_token_ids) + list(request.resume_output_token_ids)
+        affinity_key = (request.cache_salt, tuple(prompt))
         sent: list[int] = []  # output tokens already streamed to the client
         failed: set[str] = set()
         attempts = resumptions = 0
@@ -170,8 +174,8 @@ class EngineProxy:
         last_code: grpc.StatusCode | None = None
         while True:
             # A retry or a resumption picks afresh: the shared replicas may be the trouble.
-            followed = (self._follow(affinity, failed) if attempts + resumptions == 0
-                        else None)
+            followed = (self._follow(affinity, affinity_key, failed)
+                        if attempts + resumptions == 0 else None)
             try:
                 route = followed or self.route(prompt + sent, request.cache_salt,
                                                frozenset(failed))
@@ -189,8 +193,8 @@ class EngineProxy:
                         f"the replica serving this stream failed after {len(sent)} tokens and "
                         f"no other replica can continue it: {e}")) from e
                 raise ProxyError(grpc.StatusCode.UNAVAILABLE, str(e)) from e
-            if affinity is not None and affinity.route is None:
-                affinity.route = route
+            if affinity is not None:
+                affinity.routes.setdefault(affinity_key, route)
             decision = route.decision
             upstream = engine_pb2.GenerateRequest()
             upstream.CopyFrom(request)
@@ -249,8 +253,8 @@ class EngineProxy:
                 if prefill is not None:
                     self.loads.stream_finished(prefill)
             failed.add(decode)
-            if affinity is not None and affinity.route is route:
-                affinity.route = None  # the siblings still to start pick afresh
+            if affinity is not None and affinity.routes.get(affinity_key) is route:
+                del affinity.routes[affinity_key]  # the siblings still to start pick afresh
             if not got_response and followed is None:  # the blocks the pick expected
                 self.index.retract(decode, route.block_hashes)
             if error is not None:

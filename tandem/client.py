@@ -28,6 +28,7 @@ from tandem.errors import error_from_rpc
 from tandem.request_builders import (
     ChatMessages,
     GenerationOptions,
+    Prompts,
     chat_request,
     completion_request,
 )
@@ -103,13 +104,14 @@ class Client:
 
     def complete(
         self,
-        prompt: str | Sequence[int],
+        prompt: Prompts,
         *,
         model: str | None = None,
         logprobs: int | None = None,
         **options: Unpack[GenerationOptions],
     ) -> Completion:
-        """Completes a text prompt (or a list of prompt token ids)."""
+        """Completes a text prompt (or a list of prompt token ids, or a list of several
+        prompts: choice j of prompt i is ``choices[i * n + j]``)."""
         request = completion_request(
             prompt,
             model=model,
@@ -122,7 +124,7 @@ class Client:
 
     def complete_stream(
         self,
-        prompt: str | Sequence[int],
+        prompt: Prompts,
         *,
         model: str | None = None,
         logprobs: int | None = None,
@@ -239,7 +241,7 @@ class AsyncClient:
 
     async def complete(
         self,
-        prompt: str | Sequence[int],
+        prompt: Prompts,
         *,
         model: str | None = None,
         logprobs: int | None = None,
@@ -257,7 +259,7 @@ class AsyncClient:
 
     def complete_stream(
         self,
-        prompt: str | Sequence[int],
+        prompt: Prompts,
         *,
         model: str | None = None,
         logprobs: int | None = None,

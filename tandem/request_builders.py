@@ -72,12 +72,21 @@ _COMPLETION_ONLY_OPTIONS = frozenset({"echo"})
 ChatMessages = Sequence[Mapping[str, object]]
 
 
-def _value(item: str | Sequence[str] | Sequence[int]) -> struct_pb2.Value:
+# A completion's prompt: text, token ids, or several of either.
+Prompts = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]
+
+
+def _value(item: Prompts) -> struct_pb2.Value:
     value = struct_pb2.Value()
     if isinstance(item, str):
         value.string_value = item
     else:
-        value.list_value.extend(list(item))
+        value.list_value.SetInParent()
+        for part in item:
+            if isinstance(part, str | int):
+                value.list_value.append(part)
+            else:  # one of several tokenized prompts
+                value.list_value.add_list().extend(list(part))
     return value
 
 
@@ -119,7 +128,7 @@ def _stream_options(
 
 
 def completion_request(
-    prompt: str | Sequence[int],
+    prompt: Prompts,
     *,
     model: str | None,
     logprobs: int | None,

@@ -188,6 +188,36 @@ def test_streams_interleave_choices_with_one_finish_each_and_usage_once(client):
         assert mine[-1].finish_reason == "length"
 
 
+SEVERAL = ["alpha bravo charlie delta", "hotel india juliet", "kilo lima mike november oscar"]
+
+
+def test_several_prompts_answer_in_prompt_order_with_their_own_choices(client):
+    """OpenAI's list of prompts: choice j of prompt i is choice i * n + j, equal to the
+    single request of that prompt; each prompt counted once in the usage; streamed alike;
+    echo starts each choice with its own prompt."""
+    singles = [client.complete(p, n=2, seed=11, **SAMPLED) for p in SEVERAL]
+    batch = client.complete(SEVERAL, n=2, seed=11, **SAMPLED)
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [c.text for s in singles for c in s.choices]
+    assert batch.usage is not None and all(s.usage is not None for s in singles)
+    assert batch.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)  # type: ignore[union-attr]
+    assert batch.usage.completion_tokens == 6 * 8
+
+    chunks = list(client.complete_stream(SEVERAL, n=2, seed=11, **SAMPLED))
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 48
+    assert ["".join(c.text for c in chunks[:-1] if c.index == i) for i in range(6)] == [
+        c.text for c in batch.choices]
+
+    ids = [client.tokenize(p) for p in SEVERAL]
+    scored = client.complete(ids, echo=True, max_tokens=0, logprobs=0)
+    assert [c.text for c in scored.choices] == [client.detokenize(t) for t in ids]
+    for choice, prompt in zip(scored.choices, ids, strict=True):
+        alone = client.complete(prompt, echo=True, max_tokens=0, logprobs=0).choices[0]
+        assert len(choice.logprobs) == len(prompt) and choice.logprobs[0].logprob is None
+        assert [t.logprob for t in choice.logprobs[1:]] == pytest.approx(
+            [t.logprob for t in alone.logprobs[1:]], abs=1e-4)
+
+
 def _completion(n: int, **fields: object) -> pb.CompletionRequest:
     return pb.CompletionRequest(prompt=struct_pb2.Value(string_value=PROMPT), n=n,
                                 **fields)  # type: ignore[arg-type]
@@ -271,6 +301,25 @@ def test_gateway_serves_n_and_keeps_the_choices_on_one_replica(stack, client):
     assert asyncio.run(async_chat()) == direct
 
 
+def test_gateway_routes_each_prompt_of_a_request_on_its_own(stack, client):
+    """Each prompt's choices stay together (one prompt, one prefix cache), and the request's
+    prompts are routed one by one."""
+    want = [c.text for c in client.complete(SEVERAL[:2], n=2, seed=5, **SAMPLED).choices]
+    with Client(stack.gateway, timeout=60) as gateway:
+        before = [finished_requests(r) for r in stack.replicas.values()]
+        got = gateway.complete(SEVERAL[:2], n=2, seed=5, **SAMPLED)
+
+        def served() -> list[float]:
+            return sorted(finished_requests(r) - b
+                          for r, b in zip(stack.replicas.values(), before, strict=True))
+
+        deadline = time.monotonic() + 5
+        while sum(served()) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert [c.text for c in got.choices] == want
+    assert served() in ([0, 4], [2, 2])  # never one choice of a prompt apart from its twin
+
+
 def test_openai_sdk_through_envoy_gets_n_choices(stack):
     sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{stack.http_port}/v1", api_key="unused",
                         max_retries=0, timeout=60)
@@ -283,3 +332,7 @@ def test_openai_sdk_through_envoy_gets_n_choices(stack):
     streamed = ["".join(c.choices[0].text for c in chunks
                         if c.choices and c.choices[0].index == i) for i in range(2)]
     assert streamed == [c.text for c in sorted(completion.choices, key=lambda c: c.index)]
+    several = sdk.completions.create(model="tiny", prompt=SEVERAL, max_tokens=3, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in several.choices) == [0, 1, 2]
+    assert several.usage is not None and several.usage.completion_tokens == 9

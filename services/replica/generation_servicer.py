@@ -44,12 +44,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.model.check(request.model)
         plan = api.completion_to_engine_request(request, self.inputs)
         response_id = api.new_completion_id()
-        choices = api.generate_choices(self.generate, response_id, plan.engine)
+        choices = api.generate_choices(self.generate, response_id, plan.engines)
         async with aclosing(choices):
             return await api.completion_response(
                 choices, response_id=response_id, model=self.model.name,
-                logprobs=plan.engine.params.logprobs is not None,
-                num_choices=plan.engine.params.n, echo=plan.echo,
+                logprobs=plan.params.logprobs is not None, num_choices=plan.num_choices,
+                choices_per_prompt=plan.params.n, echoes=plan.echoes,
                 prompt_logprobs=plan.prompt_logprobs)
 
     @rpc_handler
@@ -70,10 +70,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise InvalidArgument(_NO_STREAMED_PROMPT_LOGPROBS + "; echo with logprobs "
                                   "streams the prompt's logprobs in the first chunk")
         response_id = api.new_completion_id()
-        choices = api.generate_choices(self.generate, response_id, plan.engine)
+        choices = api.generate_choices(self.generate, response_id, plan.engines)
         chunks = api.completion_chunks(choices, response_id=response_id, model=self.model.name,
                                        include_usage=request.stream_options.include_usage,
-                                       echo=plan.echo)
+                                       choices_per_prompt=plan.params.n, echoes=plan.echoes)
         async with aclosing(choices), aclosing(chunks):
             async for chunk in chunks:
                 yield chunk
@@ -84,7 +84,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.model.check(request.model)
         chat = api.chat_to_engine_request(request, self.inputs)
         response_id = api.new_chat_completion_id()
-        choices = api.generate_choices(self.generate, response_id, chat.engine)
+        choices = api.generate_choices(self.generate, response_id, [chat.engine])
         async with aclosing(choices):
             return await api.chat_response(
                 choices, response_id=response_id, model=self.model.name,
@@ -110,7 +110,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if chat.engine.params.prompt_logprobs is not None:
             raise InvalidArgument(_NO_STREAMED_PROMPT_LOGPROBS)
         response_id = api.new_chat_completion_id()
-        choices = api.generate_choices(self.generate, response_id, chat.engine)
+        choices = api.generate_choices(self.generate, response_id, [chat.engine])
         chunks = api.chat_chunks(choices, response_id=response_id, model=self.model.name,
                                  include_usage=request.stream_options.include_usage,
                                  tools=chat.tools, reasoning=chat.reasoning)

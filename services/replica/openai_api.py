@@ -39,7 +39,7 @@ from google.protobuf import struct_pb2
 
 from engine_common.input_processor import InputProcessor, InvalidRequestError
 from engine_common.outputs import KvTransferReport
-from engine_common.sampling_params import SamplingParams
+from engine_common.sampling_params import MAX_CHOICES, SamplingParams
 from protos.tandem.v1 import generation_pb2 as pb
 from services.replica.errors import InvalidArgument
 from services.replica.reasoning import (
@@ -61,7 +61,7 @@ from services.replica.validation import (
     check_seed_for_choices,
     check_text_length,
     content_from_value,
-    prompt_from_value,
+    prompts_from_value,
     stop_from_value,
     structured_output_from_request,
 )
@@ -178,12 +178,23 @@ class Echo:
 
 @dataclass(frozen=True)
 class CompletionPlan:
-    """A completion request resolved: what the engine runs and what the answer adds."""
+    """A completion request resolved: what the engine runs for each of its prompts (whose
+    choices are numbered prompt by prompt: choice j of prompt i is i * n + j) and what the
+    answer adds."""
 
-    engine: EngineRequest
-    echo: Echo | None = None
+    engines: list[EngineRequest]
+    echoes: list[Echo] | None = None  # one per prompt, with echo
     # vLLM's prompt_logprobs field: each choice's prompt_logprobs, with this many top entries.
     prompt_logprobs: int | None = None
+
+    @property
+    def params(self) -> SamplingParams:
+        """The sampling parameters, the same for every prompt."""
+        return self.engines[0].params
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.engines) * self.params.n
 
 
 def completion_to_engine_request(request: pb.CompletionRequest,
@@ -202,20 +213,32 @@ def completion_to_engine_request(request: pb.CompletionRequest,
         engine_prompt_logprobs = max(prompt_logprobs or 0, logprobs)
     params = replace(_sampling_params(request, 1 if scores_only else max_tokens, logprobs),
                      prompt_logprobs=engine_prompt_logprobs)
-    prompt = prompt_from_value(request.prompt if request.HasField("prompt") else None)
-    if isinstance(prompt, str):
-        check_text_length(len(prompt), inputs.max_model_len, "prompt")
-        prompt_token_ids = inputs.tokenize(prompt)
-    else:
-        prompt_token_ids = prompt
-    inputs.validate_prompt(prompt_token_ids, params.max_tokens)
-    engine = EngineRequest(prompt_token_ids, params, request.priority, request.cache_salt or None)
-    if not echo:
-        return CompletionPlan(engine, prompt_logprobs=prompt_logprobs)
-    text = prompt if isinstance(prompt, str) else inputs.detokenize(prompt_token_ids)
-    return CompletionPlan(
-        engine, Echo(text, inputs.detokenize(prompt_token_ids[:1]), logprobs, scores_only),
-        prompt_logprobs)
+    prompts = prompts_from_value(request.prompt if request.HasField("prompt") else None)
+    if len(prompts) * params.n > MAX_CHOICES:
+        raise InvalidArgument(
+            f"{len(prompts)} prompts x n={params.n} is {len(prompts) * params.n} sequences; a "
+            f"request runs at most {MAX_CHOICES}: send fewer prompts per request")
+    engines, echoes = [], []
+    for i, prompt in enumerate(prompts):
+        field_name = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if isinstance(prompt, str):
+            check_text_length(len(prompt), inputs.max_model_len, field_name)
+            prompt_token_ids = inputs.tokenize(prompt)
+        else:
+            prompt_token_ids = prompt
+        try:
+            inputs.validate_prompt(prompt_token_ids, params.max_tokens)
+        except InvalidRequestError as error:
+            if len(prompts) == 1:
+                raise
+            raise InvalidRequestError(f"{field_name}: {error}") from error
+        engines.append(EngineRequest(prompt_token_ids, params, request.priority,
+                                     request.cache_salt or None))
+        if echo:
+            text = prompt if isinstance(prompt, str) else inputs.detokenize(prompt_token_ids)
+            echoes.append(Echo(text, inputs.detokenize(prompt_token_ids[:1]), logprobs,
+                               scores_only))
+    return CompletionPlan(engines, echoes if echo else None, prompt_logprobs)
 
 
 def _prompt_logprobs(request: pb.CompletionRequest | pb.ChatCompletionRequest) -> int | None:
@@ -309,17 +332,21 @@ class ChoiceDelta:
     delta: GenerationDelta
 
 
-def choice_requests(request: EngineRequest) -> list[EngineRequest]:
-    """The engine requests behind a request's ``n`` choices, one choice each. With a seed,
-    choice i samples with ``seed + i`` (vLLM's rule): reproducible, and the choices differ."""
-    params = request.params
-    if params.n == 1:
-        return [request]
-    return [
-        replace(request, params=replace(
-            params, n=1, seed=None if params.seed is None else params.seed + index))
-        for index in range(params.n)
-    ]
+def choice_requests(requests: Sequence[EngineRequest]) -> list[EngineRequest]:
+    """The engine requests behind the ``n`` choices of each prompt of a request, one choice
+    each, prompt by prompt. With a seed, choice i of a prompt samples with ``seed + i``
+    (vLLM's rule): reproducible, and the choices differ."""
+    children = []
+    for request in requests:
+        params = request.params
+        if params.n == 1:
+            children.append(request)
+            continue
+        children.extend(
+            replace(request, params=replace(
+                params, n=1, seed=None if params.seed is None else params.seed + index))
+            for index in range(params.n))
+    return children
 
 
 def choice_request_id(request_id: str, index: int, num_choices: int) -> str:
@@ -329,13 +356,14 @@ def choice_request_id(request_id: str, index: int, num_choices: int) -> str:
 
 
 async def generate_choices(generate: GenerateFn, request_id: str,
-                           request: EngineRequest) -> AsyncGenerator[ChoiceDelta, None]:
-    """Every choice's deltas, interleaved as the engine produces them. A choice that fails
-    fails the whole request (its error is raised here) and closing this iterator early
-    (the client cancelled) closes every choice's stream, which aborts it in the engine."""
-    children = choice_requests(request)
+                           requests: Sequence[EngineRequest]) -> AsyncGenerator[ChoiceDelta, None]:
+    """Every choice's deltas, of every prompt's request in ``requests``, interleaved as the
+    engine produces them. A choice that fails fails the whole request (its error is raised
+    here) and closing this iterator early (the client cancelled) closes every choice's
+    stream, which aborts it in the engine."""
+    children = choice_requests(requests)
     if len(children) == 1:  # no tasks, no queue: the stream is pulled as the client reads
-        async with aclosing(generate(request_id, request)) as deltas:
+        async with aclosing(generate(request_id, children[0])) as deltas:
             async for delta in deltas:
                 yield ChoiceDelta(0, delta)
         return
@@ -377,16 +405,20 @@ async def generate_choices(generate: GenerateFn, request_id: str,
 # --------------------------------------------------------------------------- responses out
 
 
-def _usage(lasts: Mapping[int, GenerationDelta]) -> pb.Usage:
-    """The request's usage from each choice's last delta: the prompt counted once (with its
-    cached tokens as the first choice found them), completion tokens summed over choices."""
-    first = lasts[min(lasts)]
+def _usage(lasts: Mapping[int, GenerationDelta], choices_per_prompt: int = 1) -> pb.Usage:
+    """The request's usage from each choice's last delta: each prompt counted once (with its
+    cached tokens as its first choice found them), completion tokens summed over choices."""
+    firsts: dict[int, GenerationDelta] = {}
+    for index in sorted(lasts):
+        firsts.setdefault(index // choices_per_prompt, lasts[index])
+    prompt_tokens = sum(delta.prompt_tokens for delta in firsts.values())
     completion_tokens = sum(delta.completion_tokens for delta in lasts.values())
     return pb.Usage(
-        prompt_tokens=first.prompt_tokens,
+        prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
-        total_tokens=first.prompt_tokens + completion_tokens,
-        prompt_tokens_details=pb.PromptTokensDetails(cached_tokens=first.cached_tokens),
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=pb.PromptTokensDetails(
+            cached_tokens=sum(delta.cached_tokens for delta in firsts.values())),
     )
 
 
@@ -462,20 +494,21 @@ def _chat_logprobs(positions: Sequence[PositionLogprobs]) -> pb.ChatLogprobs:
 
 async def completion_chunks(
     choices: AsyncIterator[ChoiceDelta], *, response_id: str, model: str, include_usage: bool,
-    echo: Echo | None = None,
+    choices_per_prompt: int = 1, echoes: Sequence[Echo] | None = None,
 ) -> AsyncGenerator[pb.CompletionResponse, None]:
     """CompleteStream's messages: one chunk per delta that carries anything (its one choice
     carries the choice's index), then (with ``include_usage``) a last chunk with no choices
-    and the usage, once every choice finished. With ``echo`` each choice's first chunk
-    starts with the prompt (and its logprobs, if asked for)."""
+    and the usage, once every choice finished. With ``echoes`` (one per prompt) each
+    choice's first chunk starts with its prompt (and its logprobs, if asked for)."""
     created = int(time.time())
     text_offsets: dict[int, int] = {}
     lasts: dict[int, GenerationDelta] = {}
-    if echo is not None and echo.scores_only:
+    if echoes and echoes[0].scores_only:
         choices = _without_output(choices)
     async for choice_delta in choices:
         index, delta = choice_delta.index, choice_delta.delta
-        echoed = echo if echo is not None and index not in lasts else None
+        echoed = (echoes[index // choices_per_prompt]
+                  if echoes is not None and index not in lasts else None)
         lasts[index] = delta
         if not (delta.text or delta.finish_reason or delta.logprobs or echoed):
             continue  # tokens whose text is held back (a possible stop string)
@@ -494,7 +527,7 @@ async def completion_chunks(
                                     model=model, choices=[choice])
     if include_usage and lasts:
         yield pb.CompletionResponse(id=response_id, object="text_completion", created=created,
-                                    model=model, usage=_usage(lasts))
+                                    model=model, usage=_usage(lasts, choices_per_prompt))
 
 
 @dataclass
@@ -522,18 +555,20 @@ async def _collect(choices: AsyncIterator[ChoiceDelta], num_choices: int) -> lis
 
 async def completion_response(choices: AsyncIterator[ChoiceDelta], *, response_id: str,
                               model: str, logprobs: bool, num_choices: int = 1,
-                              echo: Echo | None = None,
+                              choices_per_prompt: int = 1, echoes: Sequence[Echo] | None = None,
                               prompt_logprobs: int | None = None) -> pb.CompletionResponse:
     """Complete's answer: each choice's stream folded into one choice, ordered by index;
-    with ``echo`` each choice's text (and logprobs) starts with the prompt's, with
-    ``prompt_logprobs`` each choice carries vLLM's list of them."""
-    if echo is not None and echo.scores_only:
+    with ``echoes`` (one per prompt) each choice's text (and logprobs) starts with its
+    prompt's, with ``prompt_logprobs`` each choice carries vLLM's list of them."""
+    if echoes and echoes[0].scores_only:
         choices = _without_output(choices)
     collected = await _collect(choices, num_choices)
     response = pb.CompletionResponse(
         id=response_id, object="text_completion", created=int(time.time()), model=model,
-        usage=_usage({index: one.last for index, one in enumerate(collected)}))
+        usage=_usage({index: one.last for index, one in enumerate(collected)},
+                     choices_per_prompt))
     for index, one in enumerate(collected):
+        echo = None if echoes is None else echoes[index // choices_per_prompt]
         choice = response.choices.add(
             index=index, text=one.text if echo is None else echo.text + one.text)
         if one.last.finish_reason is not None:

@@ -3,8 +3,7 @@
 Owns the limits a request must fit (message size, prompt characters, a seed that leaves room
 for ``n`` choices), the decoding of the loosely typed ``google.protobuf.Value`` fields
 (``prompt``, ``stop``, chat ``content``) and of the output constraints (``response_format``,
-``structured_outputs``) into what the engine takes, and the OpenAI features this server refuses
-(several prompts per request).
+``structured_outputs``) into what the engine takes.
 Every failure is an ``InvalidArgument`` whose message names the field and says what to change.
 It does not own sampling-value ranges (``SamplingParams.validate``) or the checks that need
 token ids (``InputProcessor.validate_prompt``: empty, out of vocabulary, over the context).
@@ -31,12 +30,35 @@ MAX_SEED = 2**63 - 1
 # max_model_len * MAX_CHARS_PER_TOKEN cannot fit the context: reject it without spending
 # the event loop's time on tokenizing it.
 MAX_CHARS_PER_TOKEN = 64
+# Prompts one completion request may carry (each prompt's n choices run side by side).
+MAX_PROMPTS = 128
 
 
-def prompt_from_value(value: struct_pb2.Value | None, field: str = "prompt") -> str | list[int]:
-    """A completion prompt: a string, a list of token ids, or a one-element list of either."""
+def prompts_from_value(value: struct_pb2.Value | None,
+                       field: str = "prompt") -> list[str | list[int]]:
+    """A completion's prompts, as OpenAI takes them: a string, a list of token ids, or a list
+    of either (several prompts, each answered by its own choices)."""
     if value is None or value.WhichOneof("kind") in (None, "null_value"):
         raise InvalidArgument(f"{field} is required: give a string or a list of token ids")
+    kind = value.WhichOneof("kind")
+    if kind != "list_value":
+        return [_one_prompt(value, field)]
+    items = list(value.list_value.values)
+    if not items:
+        raise InvalidArgument(f"{field} is empty")
+    kinds = {item.WhichOneof("kind") for item in items}
+    if kinds == {"number_value"}:
+        return [_token_ids(items, field)]
+    if kinds == {"string_value"} or kinds == {"list_value"}:
+        if len(items) > MAX_PROMPTS:
+            raise InvalidArgument(f"{field} holds {len(items)} prompts; send at most "
+                                  f"{MAX_PROMPTS} per request")
+        return [_one_prompt(item, f"{field}[{i}]") for i, item in enumerate(items)]
+    raise InvalidArgument(f"{field} must be a string, a list of token ids, or a list of "
+                          "either (not a mix)")
+
+
+def _one_prompt(value: struct_pb2.Value, field: str) -> str | list[int]:
     kind = value.WhichOneof("kind")
     if kind == "string_value":
         if not value.string_value:
@@ -47,16 +69,9 @@ def prompt_from_value(value: struct_pb2.Value | None, field: str = "prompt") -> 
     items = list(value.list_value.values)
     if not items:
         raise InvalidArgument(f"{field} is empty")
-    kinds = {item.WhichOneof("kind") for item in items}
-    if kinds == {"number_value"}:
-        return _token_ids(items, field)
-    if len(items) > 1:
-        raise InvalidArgument(
-            f"{field} holds {len(items)} prompts; this server takes one prompt per request "
-            "(send one request per prompt)")
-    if kinds == {"string_value"} or kinds == {"list_value"}:
-        return prompt_from_value(items[0], f"{field}[0]")
-    raise InvalidArgument(f"{field} must be a string or a list of token ids")
+    if {item.WhichOneof("kind") for item in items} != {"number_value"}:
+        raise InvalidArgument(f"{field} must be a list of token ids")
+    return _token_ids(items, field)
 
 
 def _token_ids(items: Iterable[struct_pb2.Value], field: str) -> list[int]:
