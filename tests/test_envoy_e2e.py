@@ -338,12 +338,19 @@ CITY_SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"
                "required": ["city", "days"], "additionalProperties": False}
 
 
-def test_a_thinking_model_reasons_before_its_constrained_answer(stack: Stack,
-                                                              offline: LLM) -> None:
+# Long enough for the gateway's prefill hop: the prefill replica samples the first token
+# (grammar waiting), the decode replica the rest (the grammar starts there).
+THINKING_MESSAGES = [{"role": "system", "content": " ".join(["think before answering"] * 20)},
+                     *MESSAGES[1:]]
+
+
+@pytest.mark.parametrize("messages", [MESSAGES, THINKING_MESSAGES], ids=["short", "prefill-hop"])
+def test_a_thinking_model_reasons_before_its_constrained_answer(
+        stack: Stack, offline: LLM, messages: list[dict[str, str]]) -> None:
     """Thinking on (the prompt opens <think>) and a JSON schema: the model thinks freely
     until it writes the </think> token (a bias makes the random model do so soon), then
-    answers under the schema; through Envoy and the gateway, as the offline engine does
-    with the same resolved request."""
+    answers under the schema; through Envoy and the gateway (with a prefill hop for the
+    long prompt), as the offline engine does with the same resolved request."""
     think_end = offline.inputs.single_token("</think>")
     assert think_end is not None
     options: dict[str, Any] = {
@@ -352,7 +359,7 @@ def test_a_thinking_model_reasons_before_its_constrained_answer(stack: Stack,
         "response_format": {"type": "json_schema",
                             "json_schema": {"name": "trip", "schema": CITY_SCHEMA}}}
     resolved = chat_to_engine_request(chat_request(
-        MESSAGES, model=None, logprobs=False, top_logprobs=None, stream=False,
+        messages, model=None, logprobs=False, top_logprobs=None, stream=False,
         include_usage=False, options=options), offline.inputs)
     want = offline.generate([resolved.engine.prompt_token_ids], resolved.engine.params)[0]
     reasoning, content = resolved.reasoning.split(want.text)
@@ -361,15 +368,18 @@ def test_a_thinking_model_reasons_before_its_constrained_answer(stack: Stack,
 
     client = stack.client()
     extra = {k: options[k] for k in ("chat_template_kwargs", "ignore_eos")}
+    hops = stack.prefill_hops()
     chat = client.chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=48, temperature=0,  # type: ignore[arg-type]
+        model="tiny", messages=messages, max_tokens=48, temperature=0,  # type: ignore[arg-type]
         logit_bias={str(think_end): 3}, response_format=options["response_format"],
         extra_body=extra)
     message = chat.choices[0].message
     assert ((message.model_extra or {}).get("reasoning"), message.content) == (reasoning,
                                                                               content)
+    if messages is THINKING_MESSAGES:
+        assert stack.prefill_hops() > hops
     with Client(stack.gateway, timeout=60) as sdk:
-        answer = sdk.chat(MESSAGES, **options)
+        answer = sdk.chat(messages, **options)
         assert (answer.reasoning, answer.content) == (reasoning, content)
 
 
