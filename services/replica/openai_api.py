@@ -4,22 +4,24 @@ engine, independent of where the engine runs.
 Owns four things, so that the replica and the gateway serve the public API identically:
 
 - requests in: ``completion_to_engine_request`` / ``chat_to_engine_request`` turn a public
-  request into an ``EngineRequest`` (prompt token ids, ``SamplingParams``, priority, cache
-  salt; a chat's with its ``ToolPlan``, ``tool_calls``), applying OpenAI's defaults
-  (completions: ``max_tokens`` 16; chat: unbounded, that is up to the context) and rejecting
-  what cannot be served with an actionable message;
+  request into ``EngineRequest``s (prompt token ids, ``SamplingParams``, priority, cache
+  salt): a completion's ``CompletionPlan`` has one per prompt and what ``echo`` adds, a
+  chat's ``ChatRequest`` its ``ToolPlan`` and ``ReasoningPlan``; they apply OpenAI's
+  defaults (completions: ``max_tokens`` 16; chat: unbounded, that is up to the context) and
+  reject what cannot be served with an actionable message;
 - the engine, behind ``GenerateFn``: any async callable that streams ``GenerationDelta``s
   for an ``EngineRequest`` and aborts the request when its iterator is closed early. The
   replica plugs in its local engine (``local_engine``), the gateway a remote replica's
   ``Engine.Generate``;
-- choices: ``generate_choices`` runs a request's ``n`` choices as ``n`` engine requests of
-  one choice each (vLLM's parallel sampling: choice i samples with ``seed + i``) and merges
-  their streams as they come, each delta tagged with its choice's index; one failing or the
-  caller leaving aborts them all;
+- choices: ``generate_choices`` runs the ``n`` choices of each prompt as ``n`` engine
+  requests of one choice each (vLLM's parallel sampling: choice i samples with ``seed + i``)
+  and merges their streams as they come, each delta tagged with its choice's index (choice
+  j of prompt i is i * n + j); one failing or the caller leaving aborts them all;
 - responses out: ``completion_chunks`` / ``completion_response`` / ``chat_chunks`` /
   ``chat_response`` fold a stream of deltas into OpenAI's chunk and response shapes
-  (ids ``cmpl-<uuid>`` / ``chatcmpl-<uuid>``, usage with cached tokens, logprobs, a forced
-  call's text as ``tool_calls``), one choice per index, the usage once for the whole request.
+  (ids ``cmpl-<uuid>`` / ``chatcmpl-<uuid>``, usage with cached tokens, logprobs, an echoed
+  prompt, prompt logprobs, a forced call's text as ``tool_calls``), one choice per index,
+  the usage once for the whole request.
 
 It does not own transport, status codes (``errors``) or admission (``admission``).
 """
