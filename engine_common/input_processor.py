@@ -46,11 +46,18 @@ class InputProcessor:
     def render_chat(self, messages: Sequence[Mapping[str, Any]],
                     tools: list[dict[str, Any]] | None = None,
                     template_kwargs: Mapping[str, Any] | None = None,
-                    add_generation_prompt: bool = True) -> str:
+                    add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> str:
         """The chat template's text over ``messages``; ``template_kwargs`` are extra template
-        variables (``enable_thinking``, ...), never the ones this call sets itself."""
+        variables (``enable_thinking``, ...), never the ones this call sets itself.
+        ``continue_final_message`` leaves the last message open for the model to continue
+        (no end-of-turn after it)."""
         if not messages:
             raise InvalidRequestError("messages must contain at least one message")
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError(
+                "continue_final_message continues the last message, add_generation_prompt "
+                "starts a new one: set add_generation_prompt to false")
         for i, message in enumerate(messages):
             if message.get("role") not in ("system", "user", "assistant", "tool"):
                 raise InvalidRequestError(
@@ -67,7 +74,8 @@ class InputProcessor:
         try:
             return str(self.tokenizer.apply_chat_template(
                 list(messages), tools=tools or None, add_generation_prompt=add_generation_prompt,
-                tokenize=False, **template_kwargs))
+                continue_final_message=continue_final_message, tokenize=False,
+                **template_kwargs))
         except TemplateError as error:
             # The template's own checks (e.g. "roles must alternate") speak to the caller.
             raise InvalidRequestError(f"the model's chat template refused the messages: "

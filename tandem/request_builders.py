@@ -54,6 +54,10 @@ class GenerationOptions(TypedDict, total=False):
     chat_template_kwargs: Mapping[str, object]
     # Chat only: False leaves a reasoning model's thinking out of the response.
     include_reasoning: bool
+    # Chat only: add_generation_prompt=False with continue_final_message=True makes the
+    # model continue the last (assistant) message instead of starting a new turn.
+    add_generation_prompt: bool
+    continue_final_message: bool
     # The prompt's own logprobs with this many alternatives (0-20), in the result's
     # prompt_logprobs (vLLM's); not with streaming.
     prompt_logprobs: int
@@ -64,7 +68,8 @@ class GenerationOptions(TypedDict, total=False):
 
 _OPTION_NAMES = frozenset(GenerationOptions.__annotations__)
 _CHAT_ONLY_OPTIONS = frozenset(
-    {"tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "include_reasoning"})
+    {"tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "include_reasoning",
+     "add_generation_prompt", "continue_final_message"})
 _COMPLETION_ONLY_OPTIONS = frozenset({"echo"})
 
 # {"role": ..., "content": ..., "name": ...}; content is a string or a list of text parts,

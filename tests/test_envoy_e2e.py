@@ -34,12 +34,12 @@ import tandem
 from engine_common.config import CacheConfig, EngineConfig
 from engine_common.llm import LLM
 from engine_common.sampling_params import SamplingParams
-from protos.tandem.v1 import generation_pb2
+from protos.tandem.v1 import generation_pb2, generation_pb2_grpc
 from services.replica.openai_api import chat_to_engine_request
 from services.replica.tool_calls import tool_plan
 from tandem.client import Client
 from tandem.errors import AuthenticationError
-from tandem.request_builders import chat_request
+from tandem.request_builders import chat_message, chat_request
 from tests.replica_process import (
     ReplicaProcess,
     envoy_answers,
@@ -336,6 +336,36 @@ def test_reasoning_is_returned_apart_from_the_content(stack: Stack, offline: LLM
 CITY_SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]},
                                                "days": {"type": "integer"}},
                "required": ["city", "days"], "additionalProperties": False}
+
+
+def test_continue_final_message_continues_the_assistant_turn(stack: Stack,
+                                                             offline: LLM) -> None:
+    """vLLM's continue_final_message: the last (assistant) message stays open and the model
+    continues it; through Envoy (openai SDK) and the gateway (gRPC SDK), equal to the
+    offline engine on the same rendering."""
+    messages = [*MESSAGES, {"role": "assistant", "content": "Once upon a time"}]
+    rendered = offline.inputs.render_chat(messages, add_generation_prompt=False,
+                                          continue_final_message=True)
+    assert rendered.endswith("Once upon a time")  # no end of turn after it
+    want = offline.generate([offline.inputs.tokenize_rendered(rendered)], greedy(8))[0]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    chat = stack.client().chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8,  # type: ignore[arg-type]
+        temperature=0, extra_body={"ignore_eos": True, **flags})
+    assert chat.choices[0].message.content == want.text
+    with Client(stack.gateway, timeout=60) as sdk:
+        assert sdk.chat(messages, max_tokens=8, temperature=0, ignore_eos=True,
+                        **flags).content == want.text  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError, match="set add_generation_prompt to false"):
+        stack.client().chat.completions.create(
+            model="tiny", messages=messages, max_tokens=2,  # type: ignore[arg-type]
+            extra_body={"continue_final_message": True})
+    # Tokenize renders the same way.
+    with grpc.insecure_channel(stack.gateway) as channel:
+        tokens = generation_pb2_grpc.GenerationStub(channel).Tokenize(
+            generation_pb2.TokenizeRequest(messages=[chat_message(m) for m in messages],
+                                           **flags), timeout=30).tokens
+    assert list(tokens) == want.prompt_token_ids
 
 
 # Long enough for the gateway's prefill hop: the prefill replica samples the first token

@@ -298,8 +298,11 @@ def chat_to_engine_request(request: pb.ChatCompletionRequest,
         getattr(inputs.tokenizer, "chat_template", None)))
     params = replace(_sampling_params(request, max_tokens, logprobs, tools),
                      prompt_logprobs=_prompt_logprobs(request))
-    prompt = inputs.render_chat(chat_messages(request.messages, inputs.max_model_len),
-                                tools.tools, chat_template_kwargs(request))
+    prompt = inputs.render_chat(
+        chat_messages(request.messages, inputs.max_model_len), tools.tools,
+        chat_template_kwargs(request),
+        add_generation_prompt=_flag(request, "add_generation_prompt", True),
+        continue_final_message=_flag(request, "continue_final_message", False))
     prompt_token_ids = inputs.tokenize_rendered(prompt)
     inputs.validate_prompt(prompt_token_ids, params.max_tokens)
     reasoning = reasoning_plan(
@@ -315,6 +318,12 @@ def chat_to_engine_request(request: pb.ChatCompletionRequest,
     return ChatRequest(
         EngineRequest(prompt_token_ids, params, request.priority, request.cache_salt or None),
         tools, reasoning)
+
+
+def _flag(request: pb.ChatCompletionRequest | pb.TokenizeRequest, name: str,
+          default: bool) -> bool:
+    """An optional bool field of the request, ``default`` where unset."""
+    return bool(getattr(request, name)) if request.HasField(name) else default
 
 
 def _think_tokens(inputs: InputProcessor) -> tuple[int, int] | None:
@@ -720,13 +729,12 @@ def tokenize_response(request: pb.TokenizeRequest, inputs: InputProcessor) -> pb
         raise InvalidArgument("give either prompt or messages, not both")
     if request.messages:
         messages = chat_messages(request.messages, inputs.max_model_len)
-        add_generation_prompt = (request.add_generation_prompt
-                                 if request.HasField("add_generation_prompt") else True)
         # Counting a conversation as it stands needs the template without the assistant's
         # turn header that generation appends.
         tokens = inputs.tokenize_rendered(inputs.render_chat(
             messages, template_kwargs=chat_template_kwargs(request),
-            add_generation_prompt=add_generation_prompt))
+            add_generation_prompt=_flag(request, "add_generation_prompt", True),
+            continue_final_message=_flag(request, "continue_final_message", False)))
     elif request.prompt:
         check_text_length(len(request.prompt), inputs.max_model_len, "prompt")
         add_special_tokens = (request.add_special_tokens
