@@ -295,8 +295,7 @@ class ModelRunner:
                 ids = targets[offset:offset + _PROMPT_LOGPROB_ROWS]
                 logits = self.model.compute_logits(hidden[row + offset:row + offset + len(ids)])
                 entries.extend(token_logprobs(
-                    logits.log_softmax(dim=-1), torch.tensor(ids, device=self.device),
-                    [num_top] * len(ids)))
+                    logits, torch.tensor(ids, device=self.device), [num_top] * len(ids)))
             result[request.request_id] = entries
         return result
 
