@@ -1,9 +1,10 @@
 """What `make demo` shows: real requests through a running suite, then a metrics summary.
 
 Sends, through the SDK, a streamed chat request, two completions that share a long prefix
-(the second should hit the prefix cache), and a few concurrent requests; prints the text as
-it streams and then tokens/s, time to first token, and each replica's load and prefix-cache
-counters read over the internal ``GetLoad`` RPC.
+(the second should hit the prefix cache), a few concurrent requests and one request that
+scores answers to a question by their log-likelihood (what evaluation harnesses do); prints
+the text as it streams and then tokens/s, time to first token, and each replica's load and
+prefix-cache counters read over the internal ``GetLoad`` RPC.
 """
 
 from __future__ import annotations
@@ -107,6 +108,18 @@ def show_pd_transfer(client: Client, replicas: list[str]) -> None:
     print()
 
 
+def score_answers(client: Client, question: str, answers: list[str]) -> None:
+    """One request of several prompts (the question followed by each answer, as token ids),
+    echoed and scored without generating: each answer's log-likelihood given the question."""
+    context = client.tokenize(question)
+    prompts = [context + client.tokenize(answer, add_special_tokens=False) for answer in answers]
+    scored = client.complete(prompts, echo=True, max_tokens=0, logprobs=0)
+    print(f"\n[scoring, one request of {len(prompts)} prompts] {question!r}")
+    for answer, choice in zip(answers, scored.choices, strict=True):
+        loglikelihood = sum(t.logprob or 0.0 for t in choice.logprobs[len(context):])
+        print(f"  {answer!r:12s} log-likelihood {loglikelihood:7.2f}")
+
+
 def run_demo(target: str, replicas: list[str]) -> None:
     timings: list[Timing] = []
     with Client(target, timeout=300) as client:
@@ -127,6 +140,7 @@ def run_demo(target: str, replicas: list[str]) -> None:
         for timing in batch:
             print(f"{timing.label} {timing.text.strip()[:100]!r}")
         timings.extend(batch)
+        score_answers(client, "The capital of France is", [" Paris", " Rome", " Berlin"])
         show_pd_transfer(client, replicas)
     print("\nsummary:")
     for t in timings[:3]:

@@ -29,8 +29,10 @@ def test_the_demo_serves_through_a_pd_suite_and_stops_cleanly(tiny_llama_dir: Pa
     assert run.returncode == 0, output[-3000:]
     assert "Traceback" not in output
     # Every part of the demo ran: the chats, the eight concurrent completions and their
-    # texts, a prompt whose KV went from the prefill replica to the decode replica over UCX.
+    # texts, the scored answers, a prompt whose KV went from the prefill replica to the
+    # decode replica over UCX.
     assert output.count("assistant: ") == 3
     assert output.count("Write one sentence about the number") == 8
+    assert output.count(" log-likelihood ") == 3  # the answers scored in one request
     assert "pulled over UCX" in output, output[-3000:]
     assert "8 concurrent:" in output and "stopping the suite" in output
