@@ -64,6 +64,9 @@ class GenerationOptions(TypedDict, total=False):
     # Completions only: the text (and logprobs) start with the prompt's; with max_tokens=0
     # nothing is generated (scoring a prompt, as evaluation harnesses do).
     echo: bool
+    # Keep only the prompt's last this many tokens (-1: as many as leave room for
+    # max_tokens).
+    truncate_prompt_tokens: int
 
 
 _OPTION_NAMES = frozenset(GenerationOptions.__annotations__)

@@ -181,6 +181,32 @@ async def _stream_all(target: str, prompts: list[str], max_tokens: int) -> list[
         return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
+def test_truncate_prompt_tokens_keeps_the_end_of_the_prompt(client, offline):
+    """vLLM's truncate_prompt_tokens: only the prompt's last k tokens run (completions,
+    echo and chat alike); -1 keeps as many as leave room for max_tokens."""
+    ids = offline.inputs.tokenize("the tandem project serves models over grpc " * 4)
+    want = offline.generate([ids[-6:]], greedy(5))[0]
+    got = client.complete(ids, truncate_prompt_tokens=6, max_tokens=5, temperature=0,
+                          ignore_eos=True)
+    assert got.text == want.text
+    assert got.usage is not None and got.usage.prompt_tokens == 6
+    echoed = client.complete(ids, truncate_prompt_tokens=6, max_tokens=0, echo=True)
+    assert echoed.text == offline.inputs.detokenize(ids[-6:])
+
+    too_long = (ids * 100)[:MAX_MODEL_LEN + 50]
+    kept = MAX_MODEL_LEN - 4
+    want = offline.generate([too_long[-kept:]], greedy(4))[0]
+    got = client.complete(too_long, truncate_prompt_tokens=-1, max_tokens=4, temperature=0,
+                          ignore_eos=True)
+    assert (got.text, got.usage.prompt_tokens) == (want.text, kept)  # type: ignore[union-attr]
+
+    rendered = offline.inputs.tokenize_chat([{"role": "user", "content": "hi " * 40}])
+    want = offline.generate([rendered[-10:]], greedy(4))[0]
+    chat = client.chat([{"role": "user", "content": "hi " * 40}], truncate_prompt_tokens=10,
+                       max_tokens=4, temperature=0, ignore_eos=True)
+    assert chat.content == want.text
+
+
 def test_64_concurrent_streams_all_correct(replica, offline):
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} number {i}" for i in range(64)]
     expected = [r.text for r in offline.generate(prompts, greedy(12))]
@@ -334,6 +360,10 @@ INVALID_CASES = [
      INVALID, "not available with stream"),
     ("echo with a negative max_tokens", "gen", "Complete", _completion(echo=True, max_tokens=-1),
      INVALID, "max_tokens"),
+    ("truncate_prompt_tokens of 0", "gen", "Complete", _completion(truncate_prompt_tokens=0),
+     INVALID, "truncate_prompt_tokens must be -1 or between 1 and"),
+    ("chat truncate_prompt_tokens over the context", "gen", "ChatComplete",
+     _chat(truncate_prompt_tokens=10**6), INVALID, "truncate_prompt_tokens"),
     ("empty prompt", "gen", "Complete", _completion(prompt=""), INVALID, "prompt"),
     ("no prompt", "gen", "Complete", pb.CompletionRequest(), INVALID, "prompt"),
     ("empty token list", "gen", "Complete", _completion(prompt=[]), INVALID, "prompt"),

@@ -228,6 +228,8 @@ def completion_to_engine_request(request: pb.CompletionRequest,
             prompt_token_ids = inputs.tokenize(prompt)
         else:
             prompt_token_ids = prompt
+        whole = len(prompt_token_ids)
+        prompt_token_ids = _truncated(prompt_token_ids, request, params, inputs)
         try:
             inputs.validate_prompt(prompt_token_ids, params.max_tokens)
         except InvalidRequestError as error:
@@ -237,10 +239,28 @@ def completion_to_engine_request(request: pb.CompletionRequest,
         engines.append(EngineRequest(prompt_token_ids, params, request.priority,
                                      request.cache_salt or None))
         if echo:
-            text = prompt if isinstance(prompt, str) else inputs.detokenize(prompt_token_ids)
+            text = (prompt if isinstance(prompt, str) and len(prompt_token_ids) == whole
+                    else inputs.detokenize(prompt_token_ids))
             echoes.append(Echo(text, inputs.detokenize(prompt_token_ids[:1]), logprobs,
                                scores_only))
     return CompletionPlan(engines, echoes if echo else None, prompt_logprobs)
+
+
+def _truncated(prompt_token_ids: list[int],
+               request: pb.CompletionRequest | pb.ChatCompletionRequest,
+               params: SamplingParams, inputs: InputProcessor) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last ``k`` tokens; -1 keeps as many as
+    leave room for max_tokens (at least one output token)."""
+    if not request.HasField("truncate_prompt_tokens"):
+        return prompt_token_ids
+    keep = request.truncate_prompt_tokens
+    if keep == -1:
+        keep = max(1, inputs.max_model_len - (params.max_tokens or 1))
+    elif not 1 <= keep < inputs.max_model_len:
+        raise InvalidArgument(
+            f"truncate_prompt_tokens must be -1 or between 1 and {inputs.max_model_len - 1} "
+            f"(the context length less one output token), got {keep}")
+    return prompt_token_ids[-keep:]
 
 
 def _prompt_logprobs(request: pb.CompletionRequest | pb.ChatCompletionRequest) -> int | None:
@@ -303,7 +323,7 @@ def chat_to_engine_request(request: pb.ChatCompletionRequest,
         chat_template_kwargs(request),
         add_generation_prompt=_flag(request, "add_generation_prompt", True),
         continue_final_message=_flag(request, "continue_final_message", False))
-    prompt_token_ids = inputs.tokenize_rendered(prompt)
+    prompt_token_ids = _truncated(inputs.tokenize_rendered(prompt), request, params, inputs)
     inputs.validate_prompt(prompt_token_ids, params.max_tokens)
     reasoning = reasoning_plan(
         getattr(inputs.tokenizer, "chat_template", None), prompt,
