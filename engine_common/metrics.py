@@ -9,6 +9,8 @@ or where the numbers come from (the scheduler's ``SchedulerStats`` and the outpu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine_common.config import CacheConfig
@@ -23,6 +25,27 @@ _ITL_BUCKETS = (
     0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
 )
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+# vLLM's buckets for the phases of a request, and for the tokens of one engine step.
+_PHASE_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)
+_STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass(frozen=True)
+class FinishedRequestStats:
+    """What a finished request adds to the metrics; its phases are None where it never got
+    that far (aborted while waiting, say)."""
+
+    finish_reason: str
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    e2e_latency: float  # arrival to finish
+    queued_time: float | None = None  # arrival to first scheduled
+    prefill_time: float | None = None  # first scheduled to first token
+    decode_time: float | None = None  # first token to finish
+    inference_time: float | None = None  # first scheduled to finish
 
 
 class EngineMetrics:
@@ -60,6 +83,18 @@ class EngineMetrics:
             "vllm:request_prompt_tokens", "Prompt length per request.", _TOKEN_BUCKETS)
         self.request_generation_tokens = histogram(
             "vllm:request_generation_tokens", "Output length per request.", _TOKEN_BUCKETS)
+        self.request_queue_time = histogram(
+            "vllm:request_queue_time_seconds", "Time a request waited before it first ran.",
+            _PHASE_BUCKETS)
+        self.request_prefill_time = histogram(
+            "vllm:request_prefill_time_seconds", "First run to first token.", _PHASE_BUCKETS)
+        self.request_decode_time = histogram(
+            "vllm:request_decode_time_seconds", "First token to finish.", _PHASE_BUCKETS)
+        self.request_inference_time = histogram(
+            "vllm:request_inference_time_seconds", "First run to finish.", _PHASE_BUCKETS)
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total", "Tokens computed by one engine step.",
+            _STEP_TOKEN_BUCKETS)
         self._request_success = Counter(
             "vllm:request_success", "Finished requests by reason.", [*names, "finished_reason"],
             registry=reg)
@@ -97,6 +132,8 @@ class EngineMetrics:
         self.prefix_cache_hits.inc(stats.prefix_cache_hits)
         self.num_preemptions.inc(stats.num_preemptions)
         self.kv_pinned_blocks.set(stats.num_pinned_blocks)
+        if stats.num_scheduled_tokens:
+            self.iteration_tokens.observe(stats.num_scheduled_tokens)
 
     def record_kv_transfer(self, report: KvTransferReport) -> None:
         self.kv_transfer_blocks_local.inc(report.blocks_local)
@@ -107,8 +144,14 @@ class EngineMetrics:
         self.kv_transfer_bytes.inc(report.num_bytes)
         self.kv_transfer_seconds.observe(report.seconds)
 
-    def record_finished(self, finish_reason: str, num_prompt: int, num_output: int, e2e: float) -> None:
-        self._request_success.labels(**self._labels, finished_reason=finish_reason).inc()
-        self.request_prompt_tokens.observe(num_prompt)
-        self.request_generation_tokens.observe(num_output)
-        self.e2e_request_latency.observe(e2e)
+    def record_finished(self, stats: FinishedRequestStats) -> None:
+        self._request_success.labels(**self._labels, finished_reason=stats.finish_reason).inc()
+        self.request_prompt_tokens.observe(stats.num_prompt_tokens)
+        self.request_generation_tokens.observe(stats.num_generation_tokens)
+        self.e2e_request_latency.observe(stats.e2e_latency)
+        for histogram, seconds in ((self.request_queue_time, stats.queued_time),
+                                   (self.request_prefill_time, stats.prefill_time),
+                                   (self.request_decode_time, stats.decode_time),
+                                   (self.request_inference_time, stats.inference_time)):
+            if seconds is not None:
+                histogram.observe(seconds)

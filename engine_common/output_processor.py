@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, replace
 
 from engine_common.detokenizer import IncrementalDetokenizer
-from engine_common.metrics import EngineMetrics
+from engine_common.metrics import EngineMetrics, FinishedRequestStats
 from engine_common.outputs import EngineCoreOutputs, KvTransferReport
 from engine_common.sampler import TokenLogprobs
 from engine_common.sampling_params import SamplingParams
@@ -46,6 +46,8 @@ class _RequestState:
     num_prompt_tokens: int
     arrival_time: float
     num_output_tokens: int = 0
+    scheduled_time: float | None = None  # when the core first ran it
+    first_token_time: float | None = None
     last_token_time: float | None = None
 
 
@@ -103,6 +105,8 @@ class OutputProcessor:
             state = self._states.get(out.request_id)
             if state is None:
                 continue  # already finished here (stop string) or aborted
+            if state.scheduled_time is None:
+                state.scheduled_time = out.first_scheduled_time
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             stop_string = state.detokenizer.update(out.new_token_ids) if out.new_token_ids else None
             if stop_string is not None and finish_reason is None:
@@ -133,18 +137,32 @@ class OutputProcessor:
             if finished:
                 del self._states[out.request_id]
                 if self.metrics is not None and finish_reason is not None:
-                    self.metrics.record_finished(
-                        finish_reason, state.num_prompt_tokens, state.num_output_tokens,
-                        now - state.arrival_time)
+                    self.metrics.record_finished(_finished_stats(state, finish_reason, now))
         return results, to_abort
 
     def _record_token_timing(self, state: _RequestState, num_new: int, now: float) -> None:
         if self.metrics is None or num_new == 0:
             return
         if state.last_token_time is None:
+            state.first_token_time = now
             self.metrics.time_to_first_token.observe(now - state.arrival_time)
             self.metrics.prompt_tokens.inc(state.num_prompt_tokens)
         else:
             self.metrics.inter_token_latency.observe(now - state.last_token_time)
         self.metrics.generation_tokens.inc(num_new)
         state.last_token_time = now
+
+
+def _finished_stats(state: _RequestState, finish_reason: str, now: float) -> FinishedRequestStats:
+    scheduled, first_token = state.scheduled_time, state.first_token_time
+    return FinishedRequestStats(
+        finish_reason=finish_reason,
+        num_prompt_tokens=state.num_prompt_tokens,
+        num_generation_tokens=state.num_output_tokens,
+        e2e_latency=now - state.arrival_time,
+        queued_time=None if scheduled is None else max(0.0, scheduled - state.arrival_time),
+        prefill_time=None if scheduled is None or first_token is None
+        else max(0.0, first_token - scheduled),
+        decode_time=None if first_token is None else now - first_token,
+        inference_time=None if scheduled is None else max(0.0, now - scheduled),
+    )

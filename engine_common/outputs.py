@@ -80,6 +80,8 @@ class EngineCoreOutput:
     num_preemptions: int = 0
     kv_handle: KvHandle | None = None  # prefill side: the pinned blocks, at finish
     kv_transfer: KvTransferReport | None = None  # decode side: once the prompt KV is in
+    # When the scheduler first ran the request (``time.monotonic``), on its token outputs.
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -98,6 +100,7 @@ class SchedulerStats:
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_pinned_blocks: int = 0  # held for decode replicas (P/D, prefill side)
+    num_scheduled_tokens: int = 0  # computed by the step these statistics follow
 
 
 @dataclass

@@ -86,7 +86,8 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
     stop_reason: int | str | None = None
-    first_token_time: float | None = None
+    # When the scheduler first ran it (``time.monotonic``, the clock of ``arrival_time``).
+    first_scheduled_time: float | None = None
     # ``sampling_params.prompt_logprobs``: the next prompt position owed its logprobs
     # (position 0 has none: nothing precedes it), and those computed but not emitted yet
     # (they go out with the first output token).

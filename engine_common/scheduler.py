@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -130,6 +131,7 @@ class Scheduler:
         # Requests ended without running (they cannot fit in the KV cache at all).
         self._finished_unscheduled: list[EngineCoreOutput] = []
         self._num_preemptions_since_report = 0
+        self._num_scheduled_tokens = 0  # by the latest step, for its statistics
         self._watermark_blocks = int(config.watermark * kv_cache_manager.num_blocks)
 
     # ------------------------------------------------------------------ requests
@@ -281,9 +283,12 @@ class Scheduler:
                 request.num_computed_tokens = num_computed
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_computed
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = time.monotonic()
                 self.running.append(request)
                 out.scheduled.append(ScheduledRequest(request, num_new, kv.get_block_ids(request.request_id)))
                 budget -= num_new
+        self._num_scheduled_tokens = out.total_num_scheduled_tokens
         return out
 
     def _admit_remote(self, request: Request, computed_blocks: list, num_computed: int,
@@ -302,6 +307,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         request.num_computed_tokens = num_computed
         request.num_cached_tokens = num_computed
+        request.first_scheduled_time = time.monotonic()
         self.receiving[request.request_id] = request
         out.pulls.append(RemoteKvPull(request, kv.get_block_ids(request.request_id),
                                       num_computed // kv.block_size))
@@ -359,6 +365,7 @@ class Scheduler:
                 new_logprobs=[logprobs],
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 num_preemptions=request.num_preemptions,
+                first_scheduled_time=request.first_scheduled_time,
             )
             if request.sampling_params.prompt_logprobs is not None and request.num_output_tokens == 1:
                 output.prompt_logprobs, request.pending_prompt_logprobs = (
@@ -411,6 +418,8 @@ class Scheduler:
             num_preemptions=self._num_preemptions_since_report,
             num_pinned_blocks=sum(
                 len(kv.get_block_ids(request_id)) for request_id in self.held),
+            num_scheduled_tokens=self._num_scheduled_tokens,
         )
         self._num_preemptions_since_report = 0
+        self._num_scheduled_tokens = 0
         return stats

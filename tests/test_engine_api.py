@@ -90,3 +90,30 @@ def test_max_and_min_tokens_hold_and_abort_frees_blocks(llm):
     manager = llm.core.kv_cache_manager
     assert manager.num_free_blocks == manager.num_blocks
     assert not llm.core.has_unfinished_requests()
+
+
+def test_request_phases_and_step_tokens_reach_the_metrics(tiny_llama_dir):
+    """vLLM's per-phase histograms: every finished request records its queue, prefill,
+    decode and inference times, which add up (queue + inference = end to end, prefill +
+    decode = inference); the steps' token counts add up to the work done."""
+    llm = LLM(EngineConfig(model=str(tiny_llama_dir), cache=CacheConfig(
+        num_gpu_blocks_override=128, enable_prefix_caching=False)))
+    prompts = [[5 + i] * (10 + 3 * i) for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm.generate(prompts, params)
+
+    def sample(name: str) -> float:
+        value = llm.metrics.registry.get_sample_value(
+            name, {"model_name": str(tiny_llama_dir), "engine": "engine-0"})
+        assert value is not None, name
+        return value
+
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert sample(f"vllm:request_{phase}_time_seconds_count") == 4
+    queue, inference = (sample(f"vllm:request_{p}_time_seconds_sum") for p in ("queue", "inference"))
+    prefill, decode = (sample(f"vllm:request_{p}_time_seconds_sum") for p in ("prefill", "decode"))
+    assert prefill + decode == pytest.approx(inference, abs=1e-6)
+    assert queue + inference == pytest.approx(
+        sample("vllm:e2e_request_latency_seconds_sum"), abs=1e-6)
+    # Every prompt token once, and every output token but the last (never fed back).
+    assert sample("vllm:iteration_tokens_total_sum") == sum(map(len, prompts)) + 4 * 5

@@ -461,7 +461,9 @@ def test_metrics_endpoint(replica, client):
     body = urllib.request.urlopen(replica.metrics_url, timeout=10).read().decode()
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
-                 "vllm:time_to_first_token_seconds_bucket", "vllm:generation_tokens_total"):
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:generation_tokens_total",
+                 "vllm:request_queue_time_seconds_count", "vllm:request_decode_time_seconds_sum",
+                 "vllm:iteration_tokens_total_bucket"):
         assert name in body, name
     assert 'engine="svc"' in body
 
