@@ -36,6 +36,21 @@ class SchedulerConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding by n-gram lookup (vLLM's ``ngram`` method) for greedy requests:
+    a decode step also runs up to ``num_tokens`` drafted tokens and keeps those the model
+    agrees with, so the output is the same, sometimes several tokens per step."""
+
+    num_tokens: int = 0  # draft tokens per step; 0: off
+    ngram_min: int = 2
+    ngram_max: int = 4
+    # Speculate only while at most this many requests run: checking k drafts costs about
+    # k times a decode step once the batch is large enough to be compute-bound (on CPU, a
+    # handful of sequences), and nothing extra below that (vLLM's V0 had this knob too).
+    max_batch_size: int = 4
+
+
+@dataclass
 class KvTransferConfig:
     """P/D: this engine's side of KV transfer (see ``remote_kv``)."""
 
@@ -62,6 +77,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KvTransferConfig = field(default_factory=KvTransferConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # Stable identity of this engine instance (used in KV events and KV handles).
     engine_id: str = "engine-0"
     # CPUs the engine core process runs on, one torch thread each (None: its parent's CPUs

@@ -82,7 +82,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             enable_caching=config.cache.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, config.speculative)
         # The model's directory name, not its path: P and D may keep it in different places.
         kv_layout = KvLayout.of_cache(os.path.basename(os.path.normpath(config.model)),
                                       self.model_runner.kv_cache)

@@ -92,6 +92,10 @@ class EngineMetrics:
             "vllm:request_decode_time_seconds", "First token to finish.", _PHASE_BUCKETS)
         self.request_inference_time = histogram(
             "vllm:request_inference_time_seconds", "First run to finish.", _PHASE_BUCKETS)
+        self.spec_decode_num_draft_tokens = counter(
+            "vllm:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens checked.")
+        self.spec_decode_num_accepted_tokens = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens kept.")
         self.iteration_tokens = histogram(
             "vllm:iteration_tokens_total", "Tokens computed by one engine step.",
             _STEP_TOKEN_BUCKETS)
@@ -134,6 +138,8 @@ class EngineMetrics:
         self.kv_pinned_blocks.set(stats.num_pinned_blocks)
         if stats.num_scheduled_tokens:
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
+        self.spec_decode_num_draft_tokens.inc(stats.num_draft_tokens)
+        self.spec_decode_num_accepted_tokens.inc(stats.num_accepted_tokens)
 
     def record_kv_transfer(self, report: KvTransferReport) -> None:
         self.kv_transfer_blocks_local.inc(report.blocks_local)

@@ -173,6 +173,7 @@ class ModelRunner:
         input_ids: list[int] = []
         for s, st, end in zip(scheduled, starts, seq_lens, strict=True):
             input_ids.extend(s.request.all_token_ids[st:end])
+            input_ids.extend(s.draft_token_ids)  # past the known tokens
         num_blocks = np.fromiter((len(s.block_ids) for s in scheduled), np.int64, num_seqs)
         max_blocks = int(num_blocks.max())
         block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
@@ -219,7 +220,11 @@ class ModelRunner:
 
         output = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(
             scheduled, starts, query_start_loc, hidden))
-        sample_items = [i for i, s in enumerate(scheduled) if s.completes_sequence]
+        speculated = [i for i, s in enumerate(scheduled) if s.draft_token_ids]
+        if speculated:
+            self._check_drafts(scheduled, speculated, query_start_loc, hidden, output)
+        sample_items = [i for i, s in enumerate(scheduled)
+                        if s.completes_sequence and not s.draft_token_ids]
         if not sample_items:
             return output
         if len(sample_items) < len(input_ids):
@@ -238,8 +243,8 @@ class ModelRunner:
         if all(takes_argmax(scheduled[i].request.sampling_params,
                             scheduled[i].request.num_output_tokens) for i in sample_items):
             tokens: list[int] = logits.argmax(dim=-1).tolist()
-            output.sampled = {scheduled[i].request.request_id: (token, None)
-                              for i, token in zip(sample_items, tokens, strict=True)}
+            output.sampled.update({scheduled[i].request.request_id: (token, None)
+                                   for i, token in zip(sample_items, tokens, strict=True)})
             return output
         rows = []
         for row, i in enumerate(sample_items):
@@ -266,11 +271,47 @@ class ModelRunner:
             )
         batch = SamplingBatch.build(rows, self.arch.vocab_size, dev)
         result = self.sampler(logits, batch)
-        output.sampled = {
+        output.sampled.update({
             scheduled[i].request.request_id: (token, lp)
             for i, token, lp in zip(sample_items, result.sampled_token_ids, result.logprobs, strict=True)
-        }
+        })
         return output
+
+    def _check_drafts(self, scheduled: list[ScheduledRequest], speculated: list[int],
+                      query_start_loc: np.ndarray, hidden: torch.Tensor,
+                      output: ModelRunnerOutput) -> None:
+        """Speculative decoding, greedy requests only: the argmax at the last known token
+        and at each draft. The leading drafts that equal the argmax before them are
+        accepted, and the argmax after the last accepted one is the step's token, so the
+        output is what one token per step would give."""
+        rows: list[int] = []
+        suppressed: list[tuple[int, int]] = []  # (row, token) that min_tokens rules out
+        for i in speculated:
+            end = int(query_start_loc[i + 1])
+            request, num_drafts = scheduled[i].request, len(scheduled[i].draft_token_ids)
+            params = request.sampling_params
+            stops = (frozenset() if params.ignore_eos else self.eos_token_ids) | frozenset(
+                params.stop_token_ids)
+            for j in range(num_drafts + 1):
+                if request.num_output_tokens + j < params.min_tokens:
+                    suppressed.extend((len(rows) + j, token) for token in stops)
+            rows.extend(range(end - 1 - num_drafts, end))
+        logits = self.model.compute_logits(hidden[rows])
+        if suppressed:
+            row_index, token_index = zip(*suppressed, strict=True)
+            logits[list(row_index), list(token_index)] = float("-inf")
+        predicted: list[int] = logits.argmax(dim=-1).tolist()
+        offset = 0
+        for i in speculated:
+            drafts = scheduled[i].draft_token_ids
+            mine = predicted[offset:offset + len(drafts) + 1]
+            offset += len(drafts) + 1
+            accepted = 0
+            while accepted < len(drafts) and mine[accepted] == drafts[accepted]:
+                accepted += 1
+            request_id = scheduled[i].request.request_id
+            output.accepted_drafts[request_id] = drafts[:accepted]
+            output.sampled[request_id] = (mine[accepted], None)
 
     def _prompt_logprobs(self, scheduled: list[ScheduledRequest], starts: list[int],
                          query_start_loc: np.ndarray, hidden: torch.Tensor,

@@ -65,6 +65,9 @@ class ModelRunnerOutput:
 
     sampled: dict[str, tuple[int, TokenLogprobs | None]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Speculative decoding: the leading drafts the model agreed with; the sampled token
+    # follows them.
+    accepted_drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -101,6 +104,8 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_pinned_blocks: int = 0  # held for decode replicas (P/D, prefill side)
     num_scheduled_tokens: int = 0  # computed by the step these statistics follow
+    num_draft_tokens: int = 0  # speculative decoding: drafts checked
+    num_accepted_tokens: int = 0  # and kept
 
 
 @dataclass

@@ -34,12 +34,18 @@ def is_greedy(params: SamplingParams) -> bool:
     return params.temperature < _GREEDY_TEMPERATURE
 
 
-def takes_argmax(params: SamplingParams, num_output_tokens: int) -> bool:
-    """Whether the next token is the plain argmax of the logits: greedy, no logit bias, no
-    penalties, no logprobs, no tokens suppressed by ``min_tokens``. A batch of only such rows
-    skips building a ``SamplingBatch`` (the common greedy case, kept cheap on the host)."""
+def is_plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with nothing that changes the logits or reads them but ``min_tokens``: no
+    logit bias, no penalties, no logprobs."""
     return (is_greedy(params) and not params.logit_bias and not params.needs_penalties
-            and params.logprobs is None and num_output_tokens >= params.min_tokens)
+            and params.logprobs is None)
+
+
+def takes_argmax(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether the next token is the plain argmax of the logits: plain greedy, no tokens
+    suppressed by ``min_tokens``. A batch of only such rows skips building a
+    ``SamplingBatch`` (the common greedy case, kept cheap on the host)."""
+    return is_plain_greedy(params) and num_output_tokens >= params.min_tokens
 
 
 @dataclass

@@ -22,10 +22,12 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine_common.config import SchedulerConfig
+from engine_common.config import SchedulerConfig, SpeculativeConfig
 from engine_common.kv_cache_manager import KVCacheManager
+from engine_common.ngram_drafter import NgramDrafter
 from engine_common.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
 from engine_common.request import Request, RequestStatus
+from engine_common.sampler import is_plain_greedy
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +35,18 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # the drafts included
     block_ids: list[int]
+    # Speculative decoding: tokens guessed to follow the request's last one, run after it
+    # in this step; the model keeps those it agrees with.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def completes_sequence(self) -> bool:
         """True when this step computes up to the request's last known token, so the
         step must sample its next token (a partial prefill chunk samples nothing)."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        known = self.num_new_tokens - len(self.draft_token_ids)
+        return self.request.num_computed_tokens + known == self.request.num_tokens
 
 
 @dataclass
@@ -115,11 +121,18 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 speculative: SpeculativeConfig | None = None):
         if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        if speculative is not None and speculative.num_tokens < 0:
+            raise ValueError("speculative decoding's num_tokens must be 0 (off) or positive, "
+                             f"got {speculative.num_tokens}")
+        self.speculative = speculative
+        self.drafter = (NgramDrafter(speculative) if speculative is not None
+                        and speculative.num_tokens > 0 else None)
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
@@ -132,6 +145,7 @@ class Scheduler:
         self._finished_unscheduled: list[EngineCoreOutput] = []
         self._num_preemptions_since_report = 0
         self._num_scheduled_tokens = 0  # by the latest step, for its statistics
+        self._num_draft_tokens = self._num_accepted_tokens = 0  # since the last statistics
         self._watermark_blocks = int(config.watermark * kv_cache_manager.num_blocks)
 
     # ------------------------------------------------------------------ requests
@@ -216,6 +230,15 @@ class Scheduler:
             request = self.running[index]
             num_new = self._cap_new_tokens(request, request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
+                index += 1
+                continue
+            drafts = self._drafts(request, num_new, budget)
+            # Drafts only take blocks that leave one free for each running request.
+            if drafts and kv.allocate_slots(request, num_new + len(drafts),
+                                            num_reserved_blocks=len(self.running)) is not None:
+                out.scheduled.append(ScheduledRequest(
+                    request, num_new + len(drafts), kv.get_block_ids(request.request_id), drafts))
+                budget -= num_new + len(drafts)
                 index += 1
                 continue
             while kv.allocate_slots(request, num_new) is None:
@@ -313,6 +336,18 @@ class Scheduler:
                                       num_computed // kv.block_size))
         return True
 
+    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """Speculative decoding: the drafts for a greedy request's decode step, within the
+        step's budget and the request's length limit; none while the batch is large."""
+        if (self.drafter is None or self.speculative is None
+                or len(self.running) > self.speculative.max_batch_size
+                or num_new != 1 or request.num_computed_tokens != request.num_tokens - 1
+                or request.grammar is not None or not is_plain_greedy(request.sampling_params)):
+            return []
+        # The step appends the accepted drafts and one more token.
+        room = min(budget - 1, request.max_total_tokens - request.num_tokens - 1)
+        return self.drafter.propose(request.all_token_ids, room)
+
     def _cap_new_tokens(self, request: Request, remaining: int, budget: int) -> int:
         threshold = self.config.long_prefill_token_threshold
         if threshold > 0:
@@ -345,7 +380,12 @@ class Scheduler:
             request = item.request
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += item.num_new_tokens
+            accepted = runner_output.accepted_drafts.get(request.request_id, [])
+            # A rejected draft's KV is not the sequence's: those positions run again.
+            request.num_computed_tokens += item.num_new_tokens - (
+                len(item.draft_token_ids) - len(accepted))
+            self._num_draft_tokens += len(item.draft_token_ids)
+            self._num_accepted_tokens += len(accepted)
             prompt_logprobs = runner_output.prompt_logprobs.get(request.request_id)
             if prompt_logprobs:
                 request.pending_prompt_logprobs.extend(prompt_logprobs)
@@ -357,12 +397,17 @@ class Scheduler:
             if request.grammar is not None and not request.grammar.accept(token_id):
                 outputs.append(self._end_rejected(request, token_id))
                 continue
-            request.append_output_token(token_id)
-            finished = request.check_stop()
+            new_token_ids: list[int] = []
+            for new_token_id in [*accepted, token_id]:
+                request.append_output_token(new_token_id)
+                new_token_ids.append(new_token_id)
+                finished = request.check_stop()
+                if finished:  # the tokens after a stop are not part of the output
+                    break
             output = EngineCoreOutput(
                 request_id=request.request_id,
-                new_token_ids=[token_id],
-                new_logprobs=[logprobs],
+                new_token_ids=new_token_ids,
+                new_logprobs=[logprobs] if len(new_token_ids) == 1 else [None] * len(new_token_ids),
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 num_preemptions=request.num_preemptions,
                 first_scheduled_time=request.first_scheduled_time,
@@ -419,7 +464,9 @@ class Scheduler:
             num_pinned_blocks=sum(
                 len(kv.get_block_ids(request_id)) for request_id in self.held),
             num_scheduled_tokens=self._num_scheduled_tokens,
+            num_draft_tokens=self._num_draft_tokens,
+            num_accepted_tokens=self._num_accepted_tokens,
         )
         self._num_preemptions_since_report = 0
-        self._num_scheduled_tokens = 0
+        self._num_scheduled_tokens = self._num_draft_tokens = self._num_accepted_tokens = 0
         return stats

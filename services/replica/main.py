@@ -14,7 +14,13 @@ import re
 import socket
 from dataclasses import replace
 
-from engine_common.config import CacheConfig, EngineConfig, KvTransferConfig, SchedulerConfig
+from engine_common.config import (
+    CacheConfig,
+    EngineConfig,
+    KvTransferConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from services.entrypoint import run_service
 from services.replica.cpu_binding import (
     AUTO,
@@ -117,6 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "with RESOURCE_EXHAUSTED (default: %(default)s)")
     p.add_argument("--scheduling-policy", default=scheduler.policy, choices=("fcfs", "priority"),
                    help="(default: %(default)s)")
+    spec = SpeculativeConfig()
+    p.add_argument("--speculative-ngram", type=int, default=spec.num_tokens, metavar="K",
+                   help="speculative decoding by n-gram lookup for greedy requests: up to K "
+                        "draft tokens per decode step, taken from where the sequence's last "
+                        "tokens occurred before (0: off; default: %(default)s)")
+    p.add_argument("--speculative-max-batch", type=int, default=spec.max_batch_size,
+                   help="speculate only while at most this many requests run (default: "
+                        "%(default)s)")
     p.add_argument("--shutdown-grace", type=float, default=options.shutdown_grace_s,
                    help="seconds in-flight requests get to finish on SIGTERM (default: %(default)s)")
     kv = KvTransferConfig()
@@ -186,6 +200,8 @@ def options_from_args(args: argparse.Namespace) -> ReplicaOptions:
             host=args.kv_host or (args.host if args.host not in ("0.0.0.0", "::") else "127.0.0.1"),
             port=args.kv_port, lease_seconds=args.kv_lease_seconds,
             pull_timeout_seconds=args.kv_pull_timeout, fallback=args.kv_fallback),
+        speculative=replace(SpeculativeConfig(), num_tokens=args.speculative_ngram,
+                            max_batch_size=args.speculative_max_batch),
     )
     return ReplicaOptions(
         engine=engine, role=args.role, host=args.host, port=args.port,

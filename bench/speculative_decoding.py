@@ -1,0 +1,123 @@
+"""Speculative decoding by n-gram lookup: Tandem with drafts vs Tandem without, same script.
+
+Two greedy chat tasks on the default model (SmolLM2-135M-Instruct, bf16), one request at a
+time (where a decode step is memory-bound and checking drafts costs almost nothing): one
+that copies from its prompt (rewrite a paragraph with one change, as editing and extraction
+do), one that does not (an open question). Each task runs with ``--speculative-ngram 4``
+and without, in ``--rounds`` interleaved rounds; reported: output tokens/s (medians and
+every round), the ratio, the share of drafts accepted, and where the two runs' outputs first
+differ, if they do: greedy speculation changes no token in exact arithmetic (the tests check
+it in float32), but in bf16 checking a draft runs a multi-token step whose rounding differs
+from a one-token step's, so a near-tie between the top two tokens can go the other way (as
+a different batch can). Results: ``bench/results/speculative_decoding.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.offline_throughput import machine  # noqa: E402
+from engine_common.config import EngineConfig, SpeculativeConfig  # noqa: E402
+from engine_common.default_model import ensure_default_model  # noqa: E402
+from engine_common.llm import LLM  # noqa: E402
+from engine_common.sampling_params import SamplingParams  # noqa: E402
+
+PARAGRAPH = (
+    "The night train to the coast leaves from platform four at eleven. It stops at the old "
+    "harbour town, at the university and at the airport, and it reaches the coast a little "
+    "after six in the morning. Tickets can be bought on board, but a seat in the sleeping "
+    "car must be booked a day ahead. Bicycles travel free in the last carriage."
+)
+TASKS = {
+    "copy-edit": f"Rewrite this text exactly as it is, but say platform five instead of "
+                 f"platform four:\n\n{PARAGRAPH}",
+    "open-question": "Why do trains run on rails? Explain it to a child.",
+}
+
+
+def run(model: Path, prompt: list[int], num_drafts: int, max_tokens: int,
+        ) -> tuple[float, list[int], float]:
+    """Seconds, output tokens, share of drafts accepted."""
+    llm = LLM(EngineConfig(model=str(model), dtype="bfloat16",
+                           speculative=SpeculativeConfig(num_tokens=num_drafts)))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    llm.generate([prompt[:8]], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    start = time.perf_counter()
+    result = llm.generate([prompt], params)[0]
+    elapsed = time.perf_counter() - start
+    labels = {"model_name": str(model), "engine": "engine-0"}
+    drafted = llm.metrics.registry.get_sample_value(
+        "vllm:spec_decode_num_draft_tokens_total", labels) or 0.0
+    accepted = llm.metrics.registry.get_sample_value(
+        "vllm:spec_decode_num_accepted_tokens_total", labels) or 0.0
+    return elapsed, result.token_ids, accepted / drafted if drafted else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path,
+                        default=ROOT / "bench" / "results" / "speculative_decoding.json")
+    args = parser.parse_args()
+    model = ensure_default_model()
+    probe = LLM(EngineConfig(model=str(model), dtype="bfloat16"))
+    prompts = {name: probe.inputs.tokenize_chat([{"role": "user", "content": text}])
+               for name, text in TASKS.items()}
+    del probe
+
+    results: dict[str, object] = {}
+    for name, prompt in prompts.items():
+        seconds: dict[str, list[float]] = {"speculative": [], "plain": []}
+        outputs: dict[str, list[int]] = {}
+        acceptance = 0.0
+        for round_index in range(args.rounds):
+            for mode, drafts in (("speculative", 4), ("plain", 0)):
+                elapsed, tokens, accepted = run(model, prompt, drafts, args.max_tokens)
+                seconds[mode].append(elapsed)
+                outputs[mode] = tokens
+                if drafts:
+                    acceptance = accepted
+                print(f"{name:14s} round {round_index + 1} {mode:11s} "
+                      f"{len(tokens) / elapsed:7.1f} tok/s", flush=True)
+        num_tokens = len(outputs["plain"])
+        results[name] = {
+            "output_tokens": num_tokens,
+            "tokens_per_s": {mode: num_tokens / statistics.median(runs)
+                             for mode, runs in seconds.items()},
+            "seconds_per_round": seconds,
+            "speculative_over_plain": statistics.median(seconds["plain"])
+            / statistics.median(seconds["speculative"]),
+            "per_round_ratio": [p / s for p, s in zip(seconds["plain"], seconds["speculative"],
+                                                      strict=True)],
+            "draft_acceptance": acceptance,
+            "first_difference": next(
+                (i for i, (a, b) in enumerate(zip(outputs["speculative"], outputs["plain"],
+                                                  strict=False)) if a != b), None),
+        }
+        print(json.dumps(results[name], indent=2), flush=True)
+    report = {
+        "benchmark": "speculative_decoding",
+        "machine": machine(),
+        "workload": {"model": "SmolLM2-135M-Instruct (bf16)", "greedy": True,
+                     "max_tokens": args.max_tokens, "concurrency": 1, "rounds": args.rounds,
+                     "speculative": {"method": "ngram", "num_tokens": 4, "ngram_min": 2,
+                                     "ngram_max": 4}},
+        "results": results,
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Speculative decoding by n-gram lookup: the drafter, and the engine's output against
+Hugging Face and against the engine without speculation.
+
+Greedy speculation must not change a single token: the engine with drafts must equal HF's
+greedy ``generate`` (fp32) and the engine without drafts, whatever else runs beside it
+(sampled requests, chunked prefills), when a stop token or ``max_tokens`` falls inside a
+run of accepted drafts, and under preemption. The drafts must actually be proposed and
+accepted (counted in the metrics), or the test proves nothing.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine_common.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from engine_common.llm import LLM
+from engine_common.ngram_drafter import NgramDrafter
+from engine_common.sampling_params import SamplingParams
+from tandem.client import Client
+from tests.hf_reference import hf_greedy, random_prompts
+from tests.replica_process import start_replicas
+
+SPEC = SpeculativeConfig(num_tokens=4, ngram_min=1, ngram_max=3, max_batch_size=8)
+
+
+# --------------------------------------------------------------------------- the drafter
+
+
+def test_drafter_continues_the_latest_longest_match():
+    drafter = NgramDrafter(SpeculativeConfig(num_tokens=3, ngram_min=1, ngram_max=3))
+    # "7 8 9" occurred twice; the latest occurrence was followed by 4 5 6.
+    assert drafter.propose([7, 8, 9, 1, 2, 7, 8, 9, 4, 5, 6, 0, 7, 8, 9], 10) == [4, 5, 6]
+    # A longer match wins over a more recent shorter one: "2 3" -> 4, not "3" -> 9.
+    assert drafter.propose([2, 3, 4, 1, 3, 9, 5, 2, 3], 10) == [4, 1, 3]
+    assert drafter.propose([1, 2, 3, 1, 2, 3, 1, 2], 2) == [3, 1]  # capped by the caller
+    assert drafter.propose([1, 2, 3, 4], 5) == []  # nothing repeats
+    assert drafter.propose([5], 5) == [] and drafter.propose([5, 5], 0) == []
+    with pytest.raises(ValueError, match="ngram_min"):
+        NgramDrafter(SpeculativeConfig(num_tokens=2, ngram_min=3, ngram_max=2))
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+def engine(model_dir: Path, speculative: SpeculativeConfig | None = None, *,
+           budget: int = 512, num_blocks: int = 512) -> LLM:
+    return LLM(EngineConfig(
+        model=str(model_dir), dtype="float32",
+        cache=CacheConfig(block_size=4, num_gpu_blocks_override=num_blocks),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16),
+        speculative=speculative or SpeculativeConfig()))
+
+
+def spec_counts(llm: LLM, model_dir: Path) -> tuple[float, float]:
+    labels = {"model_name": str(model_dir), "engine": "engine-0"}
+    get = llm.metrics.registry.get_sample_value
+    return (get("vllm:spec_decode_num_draft_tokens_total", labels) or 0.0,
+            get("vllm:spec_decode_num_accepted_tokens_total", labels) or 0.0)
+
+
+MAX_TOKENS = 40
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_llama_dir: Path) -> list[list[int]]:
+    # Prompts that repeat themselves, so drafts come from the prompt as well as the output.
+    base = random_prompts(390, [6, 9, 12], seed=5)
+    return [p * 3 for p in base]
+
+
+def test_greedy_output_equals_hf_with_drafts_accepted(tiny_llama_dir, prompts):
+    llm = engine(tiny_llama_dir, SPEC)
+    results = llm.generate(prompts, GREEDY)
+    assert [r.token_ids for r in results] == hf_greedy(tiny_llama_dir, prompts, MAX_TOKENS)
+    drafted, accepted = spec_counts(llm, tiny_llama_dir)
+    assert drafted > 0 and accepted > 0, (drafted, accepted)
+
+
+def test_drafts_change_nothing_beside_sampling_chunking_and_stops(tiny_llama_dir, prompts):
+    """One batch: greedy requests (some with a stop token, one cut by max_tokens inside a
+    run of drafts), a seeded sampled request and a long prompt chunked by a small budget;
+    with and without speculation, every output is the same."""
+    plain = engine(tiny_llama_dir, budget=24).generate(prompts, GREEDY)
+    # A token the first output produces late: the stop falls mid-stream.
+    stop_token = plain[0].token_ids[25]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[stop_token]),
+        SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+    ]
+    batch = [*prompts, prompts[0] * 4]
+
+    def run(speculative: SpeculativeConfig | None) -> list[tuple[list[int], str | None]]:
+        llm = engine(tiny_llama_dir, speculative, budget=24)
+        results = llm.generate(batch, params)
+        if speculative is not None:
+            assert spec_counts(llm, tiny_llama_dir)[1] > 0
+        return [(r.token_ids, r.finish_reason) for r in results]
+
+    assert run(SPEC) == run(None)
+
+
+def test_preemption_with_drafts(tiny_llama_dir, prompts):
+    llm = engine(tiny_llama_dir, SPEC, num_blocks=40)
+    results = llm.generate(prompts * 2, GREEDY)
+    assert [r.token_ids for r in results] == hf_greedy(tiny_llama_dir, prompts, MAX_TOKENS) * 2
+    assert llm.core.kv_cache_manager.num_free_blocks == 40
+
+
+def test_no_drafts_above_the_batch_limit(tiny_llama_dir, prompts):
+    llm = engine(tiny_llama_dir, SpeculativeConfig(num_tokens=4, ngram_min=1, max_batch_size=2))
+    llm.generate(prompts, GREEDY)  # three at once: above the limit until one finishes
+    narrow = spec_counts(llm, tiny_llama_dir)[0]
+    wide = engine(tiny_llama_dir, SPEC)
+    wide.generate(prompts, GREEDY)
+    assert narrow < spec_counts(wide, tiny_llama_dir)[0]
+
+
+def test_a_replica_started_with_speculation_serves_the_same_text(tiny_llama_dir, prompts,
+                                                                 tmp_path):
+    """``--speculative-ngram`` reaches the engine of a real replica process: its greedy
+    output equals the offline engine's without speculation, and its metrics count the drafts
+    it checked."""
+    replica = start_replicas(tiny_llama_dir, tmp_path, {"spec": [
+        "--dtype", "float32", "--kv-cache-memory", "16MiB", "--speculative-ngram", "4"]})["spec"]
+    try:
+        with Client(replica.target, timeout=60) as client:
+            texts = [client.complete(p, max_tokens=MAX_TOKENS, temperature=0,
+                                     min_tokens=MAX_TOKENS).text for p in prompts]
+        body = urllib.request.urlopen(replica.metrics_url, timeout=10).read().decode()
+    finally:
+        replica.kill()
+    assert texts == [r.text for r in engine(tiny_llama_dir).generate(prompts, GREEDY)]
+    drafted = sum(sample.value for family in text_string_to_metric_families(body)
+                  for sample in family.samples
+                  if sample.name == "vllm:spec_decode_num_draft_tokens_total")
+    assert drafted > 0
