@@ -13,7 +13,7 @@ import random
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from engine_common.config import SchedulerConfig
+from engine_common.config import SchedulerConfig, SpeculativeConfig
 from engine_common.kv_cache_manager import KVCacheManager
 from engine_common.outputs import ModelRunnerOutput
 from engine_common.request import Request, RequestStatus
@@ -35,7 +35,8 @@ def check_pool(kv: KVCacheManager) -> None:
 @settings(max_examples=60, deadline=None)
 # A request that outgrows the pool while running alone: preempted, then ended for capacity.
 @example(lengths=[1, 1, 1, 1, 1, 1, 39], max_tokens=[1, 1, 1, 1, 1, 1, 11, 1, 1, 1, 1, 1],
-         budget=1, max_seqs=1, num_blocks=12, policy="fcfs", threshold=0, seed=0)
+         budget=1, max_seqs=1, num_blocks=12, policy="fcfs", threshold=0, seed=0,
+         speculate=False)
 @given(
     lengths=st.lists(st.integers(1, 40), min_size=1, max_size=12),
     max_tokens=st.lists(st.integers(1, 12), min_size=12, max_size=12),
@@ -45,18 +46,23 @@ def check_pool(kv: KVCacheManager) -> None:
     policy=st.sampled_from(["fcfs", "priority"]),
     threshold=st.sampled_from([0, 3, 16]),
     seed=st.integers(0, 2**16),
+    speculate=st.booleans(),
 )
 def test_scheduler_invariants(lengths, max_tokens, budget, max_seqs, num_blocks, policy,
-                              threshold, seed):
+                              threshold, seed, speculate):
+    """With ``speculate``, greedy requests get drafts (tokens from a small alphabet repeat)
+    and the emulated model accepts a random number of them."""
     rng = random.Random(seed)
     kv = KVCacheManager(num_blocks=num_blocks, block_size=BLOCK, max_model_len=64)
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                              policy=policy, long_prefill_token_threshold=threshold)
-    sched = Scheduler(config, kv)
+    speculative = SpeculativeConfig(num_tokens=3, ngram_min=1, ngram_max=2, max_batch_size=6)
+    sched = Scheduler(config, kv, speculative if speculate else None)
     requests = []
     for i, n in enumerate(lengths):
-        r = Request(f"r{i}", [rng.randrange(50) for _ in range(n)],
-                    SamplingParams(max_tokens=max_tokens[i], ignore_eos=True),
+        r = Request(f"r{i}", [rng.randrange(8 if speculate else 50) for _ in range(n)],
+                    SamplingParams(max_tokens=max_tokens[i], ignore_eos=True,
+                                   temperature=0.0 if speculate else 1.0),
                     priority=rng.randrange(3), max_model_len=64, block_size=BLOCK)
         requests.append(r)
         sched.add_request(r)
@@ -70,14 +76,20 @@ def test_scheduler_invariants(lengths, max_tokens, budget, max_seqs, num_blocks,
         for item in out.scheduled:
             r = item.request
             assert item.num_new_tokens >= 1
-            assert r.num_computed_tokens + item.num_new_tokens <= r.num_tokens
-            if threshold:
-                assert item.num_new_tokens <= threshold
+            known = item.num_new_tokens - len(item.draft_token_ids)
+            assert r.num_computed_tokens + known <= r.num_tokens
+            assert not item.draft_token_ids or known == 1  # drafts only follow a decode
+            if threshold:  # a prefill bound: a decode step's drafts come on top
+                assert known <= threshold
             held_slots = len(kv.get_block_ids(r.request_id)) * BLOCK
             assert held_slots >= r.num_computed_tokens + item.num_new_tokens
         check_pool(kv)
-        sampled = ModelRunnerOutput({s.request.request_id: (rng.randrange(50), None)
+        sampled = ModelRunnerOutput({s.request.request_id: (rng.randrange(8), None)
                                      for s in out.scheduled if s.completes_sequence})
+        for item in out.scheduled:
+            if item.draft_token_ids:
+                sampled.accepted_drafts[item.request.request_id] = item.draft_token_ids[
+                    :rng.randint(0, len(item.draft_token_ids))]
         for o in sched.update_from_output(out, sampled):
             if o.finished:
                 finished.add(o.request_id)
