@@ -3,7 +3,9 @@
 Owns the device, the loaded model, the paged KV cache tensor and the per-request sampling
 generators. It sizes the KV cache from the memory budget, and on CUDA replays decode steps
 from CUDA graphs (``DecodeGraphRunner``). Rows with a grammar (structured outputs) get their
-allowed-token mask applied to the logits before anything samples them. It does not decide
+allowed-token mask applied to the logits before anything samples them. It scores prompt
+positions for requests that ask for prompt logprobs, and checks speculative drafts against
+the model's own greedy choice. It does not decide
 what runs (``Scheduler``) or which blocks a request holds (``KVCacheManager``): it receives
 block ids; nor does it advance grammars (the scheduler accepts the sampled tokens).
 """

@@ -8,8 +8,10 @@ exhausted a running request is preempted by recompute: its blocks are freed and 
 to the front of the waiting queue with ``num_computed_tokens = 0`` (its prompt and output so
 far are recomputed, mostly from the prefix cache; a grammar keeps its state, since the
 output is kept). Sampled tokens are accepted here: appended to the request and, for a
-structured output, advanced through its grammar. It does not own blocks (``KVCacheManager``)
-or the forward pass (``ModelRunner``).
+structured output, advanced through its grammar. With speculative decoding a greedy
+request's decode step also runs draft tokens (``NgramDrafter``); the model runner says how
+many it agrees with, and the KV of the rest is recomputed. It does not own blocks
+(``KVCacheManager``) or the forward pass (``ModelRunner``).
 """
 
 from __future__ import annotations
@@ -130,7 +132,6 @@ class Scheduler:
         if speculative is not None and speculative.num_tokens < 0:
             raise ValueError("speculative decoding's num_tokens must be 0 (off) or positive, "
                              f"got {speculative.num_tokens}")
-        self.speculative = speculative
         self.drafter = (NgramDrafter(speculative) if speculative is not None
                         and speculative.num_tokens > 0 else None)
         self.requests: dict[str, Request] = {}
@@ -339,8 +340,7 @@ class Scheduler:
     def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
         """Speculative decoding: the drafts for a greedy request's decode step, within the
         step's budget and the request's length limit; none while the batch is large."""
-        if (self.drafter is None or self.speculative is None
-                or len(self.running) > self.speculative.max_batch_size
+        if (self.drafter is None or len(self.running) > self.drafter.config.max_batch_size
                 or num_new != 1 or request.num_computed_tokens != request.num_tokens - 1
                 or request.grammar is not None or not is_plain_greedy(request.sampling_params)):
             return []
