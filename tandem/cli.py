@@ -36,6 +36,9 @@ def add_suite_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key-file", type=Path, default=None,
                         help="with --envoy: require one of the API keys in this file (one per "
                              "line) on every HTTP and gRPC request through Envoy")
+    parser.add_argument("--speculative-ngram", type=int, default=0, metavar="K",
+                        help="replicas speculate up to K tokens per greedy decode step by "
+                             "n-gram lookup (0: off; see `tandem serve --help`)")
     parser.add_argument("--log-dir", type=Path, default=Path(".cache/tandem/logs"))
 
 
@@ -54,6 +57,8 @@ def suite_config(args: argparse.Namespace) -> SuiteConfig:
         gateway=not args.no_gateway, envoy=args.envoy, envoy_http_port=args.http_port,
         envoy_api_key_file=args.api_key_file,
         pin_cpus=args.pin_cpus,
+        extra_replica_args=(["--speculative-ngram", str(args.speculative_ngram)]
+                            if args.speculative_ngram else []),
     )
 
 

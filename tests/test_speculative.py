@@ -10,16 +10,19 @@ accepted (counted in the metrics), or the test proves nothing.
 
 from __future__ import annotations
 
+import argparse
 import urllib.request
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from deploy.supervisor import plan_suite
 from engine_common.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine_common.llm import LLM
 from engine_common.ngram_drafter import NgramDrafter
 from engine_common.sampling_params import SamplingParams
+from tandem.cli import add_suite_args, suite_config
 from tandem.client import Client
 from tests.hf_reference import hf_greedy, random_prompts
 from tests.replica_process import start_replicas
@@ -141,3 +144,14 @@ def test_a_replica_started_with_speculation_serves_the_same_text(tiny_llama_dir,
                   for sample in family.samples
                   if sample.name == "vllm:spec_decode_num_draft_tokens_total")
     assert drafted > 0
+
+
+def test_tandem_up_passes_speculation_to_its_replicas():
+    parser = argparse.ArgumentParser()
+    add_suite_args(parser)
+    suite = plan_suite(suite_config(parser.parse_args(["--speculative-ngram", "3"])))
+    replicas = [spec.argv for spec in suite.specs if "services.replica" in spec.argv]
+    assert replicas and all(
+        argv[argv.index("--speculative-ngram") + 1] == "3" for argv in replicas)
+    plain = plan_suite(suite_config(parser.parse_args([])))
+    assert all("--speculative-ngram" not in spec.argv for spec in plain.specs)
