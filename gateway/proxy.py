@@ -325,6 +325,8 @@ class RemoteEngine:
             sampling_params=sampling_params_to_pb(request.params),
             cache_salt=request.cache_salt or "",
             priority=request.priority,
+            # The deltas carry token ids, as a local engine's do (return_token_ids needs them).
+            output_options=engine_pb2.OutputOptions(return_token_ids=True),
         )
         responses = self.proxy.generate(message, timeout=call_timeout.get())
         async with aclosing(responses):

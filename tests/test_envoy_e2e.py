@@ -166,6 +166,41 @@ def test_completions_equal_offline_greedy_streamed_or_not(stack: Stack, offline:
     assert stack.prefill_hops() > hops
 
 
+def test_return_token_ids_give_the_prompt_and_output_ids(stack: Stack, offline: LLM) -> None:
+    """vLLM's return_token_ids: the prompt's ids and each choice's (streamed: the prompt's
+    with the first chunk, each chunk its own), as JSON integers; absent when not asked."""
+    client = stack.client()
+    ids = {"return_token_ids": True, "ignore_eos": True}
+    want = offline.generate([PROMPTS[1]], greedy(6))[0]
+    completion = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=6,
+                                           temperature=0, extra_body=ids)
+    extra = completion.choices[0].model_extra or {}
+    assert (extra["prompt_token_ids"], extra["token_ids"]) == (want.prompt_token_ids,
+                                                               want.token_ids)
+    assert all(type(t) is int for t in extra["prompt_token_ids"] + extra["token_ids"])
+    chunks = [c for c in client.completions.create(
+        model="tiny", prompt=PROMPTS[1], max_tokens=6, temperature=0, stream=True,
+        extra_body=ids) if c.choices]
+    assert (chunks[0].choices[0].model_extra or {})["prompt_token_ids"] == want.prompt_token_ids
+    streamed = [t for c in chunks for t in (c.choices[0].model_extra or {})["token_ids"]]
+    assert streamed == want.token_ids and all(type(t) is int for t in streamed)
+
+    chat_want = offline.generate([offline.inputs.tokenize_chat(MESSAGES)], greedy(5))[0]
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES,  # type: ignore[arg-type]
+                                          max_tokens=5, temperature=0, extra_body=ids)
+    assert (chat.model_extra or {})["prompt_token_ids"] == chat_want.prompt_token_ids
+    assert (chat.choices[0].model_extra or {})["token_ids"] == chat_want.token_ids
+    chat_chunks = list(client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=5, temperature=0,  # type: ignore[arg-type]
+        stream=True, extra_body=ids))
+    assert (chat_chunks[0].model_extra or {})["prompt_token_ids"] == chat_want.prompt_token_ids
+    assert [t for c in chat_chunks for t in (c.choices[0].model_extra or {})["token_ids"]] == (
+        chat_want.token_ids)
+
+    plain = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=2)
+    assert "token_ids" not in (plain.choices[0].model_extra or {})
+
+
 # Scored through the prefill replica (long enough for the gateway's prefill hop), and
 # nothing before has put it in a prefix cache.
 SCORED_PROMPT = " ".join(["sierra tango uniform victor whiskey xray yankee zulu"] * 6)

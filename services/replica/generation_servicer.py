@@ -50,7 +50,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 choices, response_id=response_id, model=self.model.name,
                 logprobs=plan.params.logprobs is not None, num_choices=plan.num_choices,
                 choices_per_prompt=plan.params.n, echoes=plan.echoes,
-                prompt_logprobs=plan.prompt_logprobs)
+                prompt_logprobs=plan.prompt_logprobs, prompt_token_ids=plan.prompt_token_ids)
 
     @rpc_handler
     async def CompleteStream(self, request: pb.CompletionRequest,  # noqa: N802
@@ -73,7 +73,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         choices = api.generate_choices(self.generate, response_id, plan.engines)
         chunks = api.completion_chunks(choices, response_id=response_id, model=self.model.name,
                                        include_usage=request.stream_options.include_usage,
-                                       choices_per_prompt=plan.params.n, echoes=plan.echoes)
+                                       choices_per_prompt=plan.params.n, echoes=plan.echoes,
+                                       prompt_token_ids=plan.prompt_token_ids)
         async with aclosing(choices), aclosing(chunks):
             async for chunk in chunks:
                 yield chunk
@@ -90,7 +91,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 choices, response_id=response_id, model=self.model.name,
                 logprobs=chat.engine.params.logprobs is not None,
                 num_choices=chat.engine.params.n, tools=chat.tools, reasoning=chat.reasoning,
-                prompt_logprobs=chat.engine.params.prompt_logprobs)
+                prompt_logprobs=chat.engine.params.prompt_logprobs,
+                prompt_token_ids=chat.engine.prompt_token_ids if chat.return_token_ids else None)
 
     @rpc_handler
     async def ChatCompleteStream(self, request: pb.ChatCompletionRequest,  # noqa: N802
@@ -113,7 +115,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         choices = api.generate_choices(self.generate, response_id, [chat.engine])
         chunks = api.chat_chunks(choices, response_id=response_id, model=self.model.name,
                                  include_usage=request.stream_options.include_usage,
-                                 tools=chat.tools, reasoning=chat.reasoning)
+                                 tools=chat.tools, reasoning=chat.reasoning,
+                                 prompt_token_ids=(chat.engine.prompt_token_ids
+                                                   if chat.return_token_ids else None))
         async with aclosing(choices), aclosing(chunks):
             async for chunk in chunks:
                 yield chunk

@@ -188,6 +188,12 @@ class CompletionPlan:
     echoes: list[Echo] | None = None  # one per prompt, with echo
     # vLLM's prompt_logprobs field: each choice's prompt_logprobs, with this many top entries.
     prompt_logprobs: int | None = None
+    return_token_ids: bool = False  # vLLM's: token ids in the answer
+
+    @property
+    def prompt_token_ids(self) -> list[list[int]] | None:
+        """Each prompt's token ids, where the answer carries them."""
+        return [e.prompt_token_ids for e in self.engines] if self.return_token_ids else None
 
     @property
     def params(self) -> SamplingParams:
@@ -243,7 +249,8 @@ def completion_to_engine_request(request: pb.CompletionRequest,
                     else inputs.detokenize(prompt_token_ids))
             echoes.append(Echo(text, inputs.detokenize(prompt_token_ids[:1]), logprobs,
                                scores_only))
-    return CompletionPlan(engines, echoes if echo else None, prompt_logprobs)
+    return CompletionPlan(engines, echoes if echo else None, prompt_logprobs,
+                          request.return_token_ids)
 
 
 def _truncated(prompt_token_ids: list[int],
@@ -299,6 +306,7 @@ class ChatRequest:
     engine: EngineRequest
     tools: ToolPlan
     reasoning: ReasoningPlan = ReasoningPlan()
+    return_token_ids: bool = False  # vLLM's: token ids in the answer
 
 
 def chat_to_engine_request(request: pb.ChatCompletionRequest,
@@ -337,7 +345,7 @@ def chat_to_engine_request(request: pb.ChatCompletionRequest,
             waits_if_first=None if reasoning.opened else opener))
     return ChatRequest(
         EngineRequest(prompt_token_ids, params, request.priority, request.cache_salt or None),
-        tools, reasoning)
+        tools, reasoning, request.return_token_ids)
 
 
 def _flag(request: pb.ChatCompletionRequest | pb.TokenizeRequest, name: str,
@@ -453,6 +461,12 @@ def _usage(lasts: Mapping[int, GenerationDelta], choices_per_prompt: int = 1) ->
     )
 
 
+def _set_ids(field: struct_pb2.ListValue, token_ids: Sequence[int]) -> None:
+    """Fill a message's token-id list; present (``[]``) even when there are none."""
+    field.SetInParent()
+    field.extend(token_ids)
+
+
 def _json_logprob(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else _LOGPROB_FLOOR
 
@@ -526,11 +540,14 @@ def _chat_logprobs(positions: Sequence[PositionLogprobs]) -> pb.ChatLogprobs:
 async def completion_chunks(
     choices: AsyncIterator[ChoiceDelta], *, response_id: str, model: str, include_usage: bool,
     choices_per_prompt: int = 1, echoes: Sequence[Echo] | None = None,
+    prompt_token_ids: Sequence[list[int]] | None = None,
 ) -> AsyncGenerator[pb.CompletionResponse, None]:
     """CompleteStream's messages: one chunk per delta that carries anything (its one choice
     carries the choice's index), then (with ``include_usage``) a last chunk with no choices
     and the usage, once every choice finished. With ``echoes`` (one per prompt) each
-    choice's first chunk starts with its prompt (and its logprobs, if asked for)."""
+    choice's first chunk starts with its prompt (and its logprobs, if asked for). With
+    ``prompt_token_ids`` (one list per prompt: return_token_ids) a choice's first chunk
+    carries its prompt's, and every chunk its own tokens' ids."""
     created = int(time.time())
     text_offsets: dict[int, int] = {}
     lasts: dict[int, GenerationDelta] = {}
@@ -538,12 +555,18 @@ async def completion_chunks(
         choices = _without_output(choices)
     async for choice_delta in choices:
         index, delta = choice_delta.index, choice_delta.delta
-        echoed = (echoes[index // choices_per_prompt]
-                  if echoes is not None and index not in lasts else None)
+        first = index not in lasts
+        echoed = echoes[index // choices_per_prompt] if echoes is not None and first else None
         lasts[index] = delta
-        if not (delta.text or delta.finish_reason or delta.logprobs or echoed):
+        with_ids = prompt_token_ids is not None
+        if not (delta.text or delta.finish_reason or delta.logprobs or echoed
+                or (with_ids and (first or delta.token_ids))):
             continue  # tokens whose text is held back (a possible stop string)
         choice = pb.CompletionChoice(index=index, text=delta.text)
+        if prompt_token_ids is not None:
+            _set_ids(choice.token_ids, delta.token_ids)
+            if first:
+                _set_ids(choice.prompt_token_ids, prompt_token_ids[index // choices_per_prompt])
         if echoed is not None:
             choice.text = echoed.text + delta.text
         if delta.finish_reason is not None:
@@ -566,6 +589,7 @@ class _Collected:
     text: str = ""
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     last: GenerationDelta = field(default_factory=lambda: GenerationDelta("", []))
 
 
@@ -578,6 +602,7 @@ async def _collect(choices: AsyncIterator[ChoiceDelta], num_choices: int) -> lis
         parts[index].append(delta.text)
         collected[index].logprobs.extend(delta.logprobs)
         collected[index].prompt_logprobs.extend(delta.prompt_logprobs or ())
+        collected[index].token_ids.extend(delta.token_ids)
         collected[index].last = delta
     for one, texts in zip(collected, parts, strict=True):
         one.text = "".join(texts)
@@ -587,10 +612,13 @@ async def _collect(choices: AsyncIterator[ChoiceDelta], num_choices: int) -> lis
 async def completion_response(choices: AsyncIterator[ChoiceDelta], *, response_id: str,
                               model: str, logprobs: bool, num_choices: int = 1,
                               choices_per_prompt: int = 1, echoes: Sequence[Echo] | None = None,
-                              prompt_logprobs: int | None = None) -> pb.CompletionResponse:
+                              prompt_logprobs: int | None = None,
+                              prompt_token_ids: Sequence[list[int]] | None = None,
+                              ) -> pb.CompletionResponse:
     """Complete's answer: each choice's stream folded into one choice, ordered by index;
     with ``echoes`` (one per prompt) each choice's text (and logprobs) starts with its
-    prompt's, with ``prompt_logprobs`` each choice carries vLLM's list of them."""
+    prompt's, with ``prompt_logprobs`` each choice carries vLLM's list of them, with
+    ``prompt_token_ids`` (one list per prompt) its prompt's token ids and its own."""
     if echoes and echoes[0].scores_only:
         choices = _without_output(choices)
     collected = await _collect(choices, num_choices)
@@ -612,12 +640,16 @@ async def completion_response(choices: AsyncIterator[ChoiceDelta], *, response_i
         if prompt_logprobs is not None:
             choice.prompt_logprobs.CopyFrom(
                 _prompt_logprobs_list(one.prompt_logprobs, prompt_logprobs))
+        if prompt_token_ids is not None:
+            _set_ids(choice.prompt_token_ids, prompt_token_ids[index // choices_per_prompt])
+            _set_ids(choice.token_ids, one.token_ids)
     return response
 
 
 async def chat_chunks(
     choices: AsyncIterator[ChoiceDelta], *, response_id: str, model: str, include_usage: bool,
     tools: ToolPlan | None = None, reasoning: ReasoningPlan | None = None,
+    prompt_token_ids: list[int] | None = None,
 ) -> AsyncGenerator[pb.ChatCompletionChunk, None]:
     """ChatCompleteStream's messages; each choice's first chunk carries the role
     "assistant", and the usage (with ``include_usage``) comes last, once. A reasoning
@@ -634,6 +666,7 @@ async def chat_chunks(
     thinking: dict[int, ReasoningStream | None] = {}
     texts: dict[int, list[str]] = {}  # "required": each choice's text, parsed at its end
     streams: dict[int, CallStream] = {}  # "auto"
+    prompt_ids_sent = False
     async for choice_delta in choices:
         index, delta = choice_delta.index, choice_delta.delta
         lasts[index] = delta
@@ -646,7 +679,8 @@ async def chat_chunks(
             if delta.finish_reason is not None:
                 more_thoughts, more_text = split.finish()
                 thoughts, text = thoughts + more_thoughts, text + more_text
-        if not (first or text or thoughts or delta.finish_reason or delta.logprobs):
+        if not (first or text or thoughts or delta.finish_reason or delta.logprobs
+                or (prompt_token_ids is not None and delta.token_ids)):
             continue
         choice = pb.ChatChunkChoice(index=index)
         choice.delta.SetInParent()
@@ -690,8 +724,15 @@ async def chat_chunks(
             choice.finish_reason = tools.finish_reason(delta.finish_reason, made_calls)
         if delta.logprobs:
             choice.logprobs.CopyFrom(_chat_logprobs(delta.logprobs))
-        yield pb.ChatCompletionChunk(id=response_id, object="chat.completion.chunk",
-                                     created=created, model=model, choices=[choice])
+        if prompt_token_ids is not None:
+            _set_ids(choice.token_ids, delta.token_ids)
+        # The chunk holds a copy of the choice: the choice is complete by now.
+        chunk = pb.ChatCompletionChunk(id=response_id, object="chat.completion.chunk",
+                                       created=created, model=model, choices=[choice])
+        if prompt_token_ids is not None and not prompt_ids_sent:
+            _set_ids(chunk.prompt_token_ids, prompt_token_ids)
+            prompt_ids_sent = True
+        yield chunk
     if include_usage and lasts:
         yield pb.ChatCompletionChunk(id=response_id, object="chat.completion.chunk",
                                      created=created, model=model, usage=_usage(lasts))
@@ -707,9 +748,11 @@ async def chat_response(choices: AsyncIterator[ChoiceDelta], *, response_id: str
                         model: str, logprobs: bool, num_choices: int = 1,
                         tools: ToolPlan | None = None,
                         reasoning: ReasoningPlan | None = None,
-                        prompt_logprobs: int | None = None) -> pb.ChatCompletionResponse:
+                        prompt_logprobs: int | None = None,
+                        prompt_token_ids: list[int] | None = None) -> pb.ChatCompletionResponse:
     """ChatComplete's answer; with ``prompt_logprobs``, vLLM's list of the rendered prompt's
-    logprobs (the prompt is the same for every choice: the first one's)."""
+    logprobs (the prompt is the same for every choice: the first one's); with
+    ``prompt_token_ids`` those ids, and each choice its tokens' ids."""
     tools = tools or ToolPlan()
     reasoning = reasoning or ReasoningPlan()
     collected = await _collect(choices, num_choices)
@@ -729,6 +772,10 @@ async def chat_response(choices: AsyncIterator[ChoiceDelta], *, response_id: str
             choice.finish_reason = tools.finish_reason(one.last.finish_reason, bool(calls))
         if logprobs:
             choice.logprobs.CopyFrom(_chat_logprobs(one.logprobs))
+        if prompt_token_ids is not None:
+            _set_ids(choice.token_ids, one.token_ids)
+    if prompt_token_ids is not None:
+        _set_ids(response.prompt_token_ids, prompt_token_ids)
     if prompt_logprobs is not None:
         response.prompt_logprobs.CopyFrom(
             _prompt_logprobs_list(collected[0].prompt_logprobs, prompt_logprobs))

@@ -39,12 +39,26 @@ _ERROR_TYPES = {
 }
 
 
+# Lists of numbers (google.protobuf.ListValue) whose numbers are token ids: printed as
+# integers, as Envoy's transcoder prints them (Python's printer writes 5.0).
+_TOKEN_ID_LISTS = frozenset({"token_ids", "prompt_token_ids"})
+
+
 def event(chunk: Message) -> bytes:
     """One chunk as one event; the JSON is a single line, as SSE requires."""
-    text = json_format.MessageToJson(chunk, preserving_proto_field_name=True,
-                                     always_print_fields_with_no_presence=True,
-                                     indent=None, ensure_ascii=False)
+    body = json_format.MessageToDict(chunk, preserving_proto_field_name=True,
+                                     always_print_fields_with_no_presence=True)
+    text = json.dumps(_integer_token_ids(body), ensure_ascii=False)
     return b"data: " + text.encode() + b"\n\n"
+
+
+def _integer_token_ids(value: object) -> object:
+    if isinstance(value, dict):
+        return {key: [int(t) for t in item] if key in _TOKEN_ID_LISTS and isinstance(item, list)
+                else _integer_token_ids(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_integer_token_ids(item) for item in value]
+    return value
 
 
 def error_event(error: Exception) -> bytes:
