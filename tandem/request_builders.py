@@ -67,6 +67,8 @@ class GenerationOptions(TypedDict, total=False):
     # Keep only the prompt's last this many tokens (-1: as many as leave room for
     # max_tokens).
     truncate_prompt_tokens: int
+    # The prompt's token ids and each choice's in the result (token_ids, prompt_token_ids).
+    return_token_ids: bool
 
 
 _OPTION_NAMES = frozenset(GenerationOptions.__annotations__)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from google.protobuf import struct_pb2
+from google.protobuf.message import Message
 
 from protos.tandem.v1 import generation_pb2 as pb
 
@@ -56,6 +57,9 @@ class CompletionChoice:
     finish_reason: str | None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None  # with the request's prompt_logprobs
+    # With return_token_ids (streamed: the prompt's on a choice's first chunk only).
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,8 @@ class CompletionChunk:
     usage: Usage | None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     index: int = 0
+    token_ids: list[int] | None = None  # with return_token_ids
+    prompt_token_ids: list[int] | None = None  # with return_token_ids, on the first chunk
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,7 @@ class ChatChoice:
     # A reasoning model's thinking (its <think> block), apart from the content; None when
     # the model's chat template has no such block.
     reasoning: str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,7 @@ class ChatCompletion:
     tool_calls: list[ToolCall] = field(default_factory=list)
     reasoning: str | None = None
     prompt_logprobs: PromptLogprobs | None = None  # the rendered prompt's, when asked for
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 @dataclass(frozen=True)
@@ -143,6 +151,8 @@ class ChatCompletionChunk:
     index: int = 0
     tool_calls: list[ToolCall] = field(default_factory=list)
     reasoning: str = ""  # the piece of the reasoning this chunk adds
+    token_ids: list[int] | None = None  # with return_token_ids
+    prompt_token_ids: list[int] | None = None  # with return_token_ids, on the first chunk
 
 
 @dataclass(frozen=True)
@@ -175,6 +185,13 @@ def _completion_logprobs(logprobs: pb.CompletionLogprobs) -> list[TokenLogprob]:
         TokenLogprob(token=token, logprob=_number_or_none(value), top_logprobs=top)
         for token, value, top in zip(logprobs.tokens, values, tops, strict=True)
     ]
+
+
+def _ids(message: Message, name: str) -> list[int] | None:
+    """A token-id list field, None where the response has none."""
+    if not message.HasField(name):
+        return None
+    return [int(v.number_value) for v in getattr(message, name).values]
 
 
 def _number_or_none(value: struct_pb2.Value) -> float | None:
@@ -222,6 +239,8 @@ def _completion_choice(choice: pb.CompletionChoice) -> CompletionChoice:
         finish_reason=_finish_reason(choice),
         logprobs=_completion_logprobs(choice.logprobs),
         prompt_logprobs=_prompt_logprobs(choice),
+        token_ids=_ids(choice, "token_ids"),
+        prompt_token_ids=_ids(choice, "prompt_token_ids"),
     )
 
 
@@ -248,6 +267,8 @@ def completion_chunk_from_pb(response: pb.CompletionResponse) -> CompletionChunk
         usage=usage_from_pb(response),
         logprobs=choice.logprobs,
         index=choice.index,
+        token_ids=choice.token_ids,
+        prompt_token_ids=choice.prompt_token_ids,
     )
 
 
@@ -262,6 +283,7 @@ def _chat_choice(choice: pb.ChatChoice) -> ChatChoice:
                     for i, c in enumerate(choice.message.tool_calls)],
         reasoning=(choice.message.reasoning if choice.message.HasField("reasoning")
                    else None),
+        token_ids=_ids(choice, "token_ids"),
     )
 
 
@@ -282,6 +304,7 @@ def chat_completion_from_pb(response: pb.ChatCompletionResponse) -> ChatCompleti
         tool_calls=first.tool_calls,
         reasoning=first.reasoning,
         prompt_logprobs=_prompt_logprobs(response),
+        prompt_token_ids=_ids(response, "prompt_token_ids"),
     )
 
 
@@ -302,6 +325,8 @@ def chat_chunk_from_pb(chunk: pb.ChatCompletionChunk) -> ChatCompletionChunk:
         tool_calls=[ToolCall(c.index, c.id, c.function.name, c.function.arguments)
                     for c in delta.tool_calls],
         reasoning=delta.reasoning,
+        token_ids=_ids(choice, "token_ids"),
+        prompt_token_ids=_ids(chunk, "prompt_token_ids"),
     )
 
 

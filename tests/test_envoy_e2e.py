@@ -200,6 +200,18 @@ def test_return_token_ids_give_the_prompt_and_output_ids(stack: Stack, offline: 
     plain = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=2)
     assert "token_ids" not in (plain.choices[0].model_extra or {})
 
+    # The gRPC SDK, through the gateway.
+    with Client(stack.gateway, timeout=60) as sdk:
+        answer = sdk.complete(PROMPTS[1], max_tokens=6, temperature=0, ignore_eos=True,
+                              return_token_ids=True)
+        assert (answer.choices[0].prompt_token_ids, answer.choices[0].token_ids) == (
+            want.prompt_token_ids, want.token_ids)
+        pieces = list(sdk.chat_stream(MESSAGES, max_tokens=5, temperature=0, ignore_eos=True,
+                                      return_token_ids=True))
+        assert pieces[0].prompt_token_ids == chat_want.prompt_token_ids
+        assert [t for p in pieces for t in p.token_ids or []] == chat_want.token_ids
+        assert sdk.complete(PROMPTS[1], max_tokens=2).choices[0].token_ids is None
+
 
 # Scored through the prefill replica (long enough for the gateway's prefill hop), and
 # nothing before has put it in a prefix cache.
