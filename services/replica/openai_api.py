@@ -558,9 +558,8 @@ async def completion_chunks(
         first = index not in lasts
         echoed = echoes[index // choices_per_prompt] if echoes is not None and first else None
         lasts[index] = delta
-        with_ids = prompt_token_ids is not None
         if not (delta.text or delta.finish_reason or delta.logprobs or echoed
-                or (with_ids and (first or delta.token_ids))):
+                or (prompt_token_ids is not None and (first or delta.token_ids))):
             continue  # tokens whose text is held back (a possible stop string)
         choice = pb.CompletionChoice(index=index, text=delta.text)
         if prompt_token_ids is not None:
