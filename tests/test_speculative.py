@@ -22,6 +22,7 @@ from engine_common.config import CacheConfig, EngineConfig, SchedulerConfig, Spe
 from engine_common.llm import LLM
 from engine_common.ngram_drafter import NgramDrafter
 from engine_common.sampling_params import SamplingParams
+from services.replica.main import build_parser, options_from_args
 from tandem.cli import add_suite_args, suite_config
 from tandem.client import Client
 from tests.hf_reference import hf_greedy, random_prompts
@@ -155,3 +156,16 @@ def test_tandem_up_passes_speculation_to_its_replicas():
         argv[argv.index("--speculative-ngram") + 1] == "3" for argv in replicas)
     plain = plan_suite(suite_config(parser.parse_args([])))
     assert all("--speculative-ngram" not in spec.argv for spec in plain.specs)
+
+
+def test_replica_flags_configure_speculation(tiny_llama_dir):
+    parser = build_parser()
+    options = options_from_args(parser.parse_args([
+        "--model", str(tiny_llama_dir), "--speculative-ngram", "3",
+        "--speculative-ngram-range", "1:5", "--speculative-max-batch", "2"]))
+    assert options.engine.speculative == SpeculativeConfig(
+        num_tokens=3, ngram_min=1, ngram_max=5, max_batch_size=2)
+    assert options_from_args(parser.parse_args(["--model", str(tiny_llama_dir)])).engine \
+        .speculative.num_tokens == 0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-ngram-range", "4:2"])

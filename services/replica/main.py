@@ -128,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculative decoding by n-gram lookup for greedy requests: up to K "
                         "draft tokens per decode step, taken from where the sequence's last "
                         "tokens occurred before (0: off; default: %(default)s)")
+    p.add_argument("--speculative-ngram-range", type=_ngram_range,
+                   default=f"{spec.ngram_min}:{spec.ngram_max}", metavar="MIN:MAX",
+                   help="lengths of the sequence's last tokens looked up, longest first "
+                        "(default: %(default)s)")
     p.add_argument("--speculative-max-batch", type=int, default=spec.max_batch_size,
                    help="speculate only while at most this many requests run (default: "
                         "%(default)s)")
@@ -201,12 +205,25 @@ def options_from_args(args: argparse.Namespace) -> ReplicaOptions:
             port=args.kv_port, lease_seconds=args.kv_lease_seconds,
             pull_timeout_seconds=args.kv_pull_timeout, fallback=args.kv_fallback),
         speculative=replace(SpeculativeConfig(), num_tokens=args.speculative_ngram,
+                            ngram_min=args.speculative_ngram_range[0],
+                            ngram_max=args.speculative_ngram_range[1],
                             max_batch_size=args.speculative_max_batch),
     )
     return ReplicaOptions(
         engine=engine, role=args.role, host=args.host, port=args.port,
         metrics_port=args.metrics_port, served_model_name=args.served_model_name,
         max_waiting=args.max_waiting, shutdown_grace_s=args.shutdown_grace)
+
+
+def _ngram_range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(":")
+    try:
+        ngram_min, ngram_max = int(low), int(high or low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN:MAX, e.g. 2:4; got {text!r}") from None
+    if not 1 <= ngram_min <= ngram_max:
+        raise argparse.ArgumentTypeError(f"need 1 <= MIN <= MAX, got {text!r}")
+    return ngram_min, ngram_max
 
 
 def main(argv: list[str] | None = None) -> int:
