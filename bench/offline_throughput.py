@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -27,31 +26,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.report import ratios_over_tandem, write_report  # noqa: E402
 from engine_common.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from engine_common.default_model import ensure_default_model  # noqa: E402
 from engine_common.llm import LLM  # noqa: E402
 from engine_common.sampling_params import SamplingParams  # noqa: E402
 
 PEER_PYTHON = ROOT / ".venv-peer" / "bin" / "python"
-
-
-def machine() -> dict[str, object]:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "nproc": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
 
 
 def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -252,31 +233,15 @@ def main() -> None:
     results["tandem_fp32_vs_hf_fp32"] = exact
     print(f"tandem fp32 vs HF fp32 (8 prompts x 32 tokens): {exact}", flush=True)
 
-    ratios: dict[str, object] = {}
-    for name, runs in seconds.items():
-        if name == "tandem":
-            continue
-        # Throughput ratio: the peer's median time over Tandem's.
-        ratios[f"tandem_over_{name}"] = statistics.median(runs) / statistics.median(
-            seconds["tandem"])
-        # Each round's engines ran minutes apart: the ratio within a round is the fairer one.
-        ratios[f"tandem_over_{name}_per_round"] = [
-            peer / ours for peer, ours in zip(runs, seconds["tandem"], strict=True)]
-    report = {
-        "benchmark": "offline_throughput",
-        "machine": machine(),
-        "workload": {"model": "SmolLM2-135M-Instruct (bf16)", "num_prompts": args.num_prompts,
-                     "prompt_len": args.prompt_len, "output_len": args.output_len,
-                     "greedy": True, "ignore_eos": True, "rounds": args.rounds,
-                     "order": "tandem, hf, vllm eager, vllm compiled, per round"},
-        "results": results,
-        "ratios": ratios,
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    ratios = ratios_over_tandem(seconds)
     print(json.dumps(ratios, indent=2))
-    print(f"wrote {args.out}")
+    write_report(
+        args.out, "offline_throughput",
+        workload={"model": "SmolLM2-135M-Instruct (bf16)", "num_prompts": args.num_prompts,
+                  "prompt_len": args.prompt_len, "output_len": args.output_len,
+                  "greedy": True, "ignore_eos": True, "rounds": args.rounds,
+                  "order": "tandem, hf, vllm eager, vllm compiled, per round"},
+        results=results, ratios=ratios)
 
 
 if __name__ == "__main__":

@@ -71,8 +71,8 @@ from tokenizers import Tokenizer
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.offline_throughput import machine  # noqa: E402
 from bench.prefix_routing import WORDS  # noqa: E402
+from bench.report import machine  # noqa: E402
 from deploy.supervisor import SuiteConfig, Supervisor, plan_suite  # noqa: E402
 from engine_common.default_model import ensure_default_model  # noqa: E402
 

@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.offline_throughput import machine  # noqa: E402
+from bench.report import write_report  # noqa: E402
 from deploy.supervisor import SuiteConfig, Supervisor, plan_suite  # noqa: E402
 from engine_common.default_model import ensure_default_model  # noqa: E402
 from tandem.client import AsyncClient  # noqa: E402
@@ -155,14 +155,10 @@ def main() -> None:
         f"ttft_{q}_pd_over_both": pd["long_prompt_ttft_s"][q] / both["long_prompt_ttft_s"][q]  # type: ignore[index]
         for q in ("p50", "p99")
     }
-    report = {"benchmark": "pd_mixed_workload", "machine": machine(),
-              "settings": {k: v for k, v in vars(args).items() if k != "out"} | {"model": model},
-              "results": results, "ratios": ratios,
-              "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
     print(json.dumps(ratios, indent=2))
-    print(f"wrote {args.out}")
+    write_report(args.out, "pd_mixed_workload",
+                 settings={k: v for k, v in vars(args).items() if k != "out"} | {"model": model},
+                 results=results, ratios=ratios)
 
 
 if __name__ == "__main__":

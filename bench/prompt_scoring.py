@@ -27,7 +27,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.offline_throughput import PEER_PYTHON, machine, make_prompts  # noqa: E402
+from bench.offline_throughput import PEER_PYTHON, make_prompts  # noqa: E402
+from bench.report import ratios_over_tandem, write_report  # noqa: E402
 from engine_common.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from engine_common.default_model import ensure_default_model  # noqa: E402
 from engine_common.llm import LLM  # noqa: E402
@@ -157,27 +158,14 @@ def main() -> None:
     results["tandem_fp32_vs_hf_fp32"] = exact
     print(f"tandem fp32 vs HF fp32 (4 prompts): {exact}", flush=True)
 
-    ratios: dict[str, object] = {}
-    for name, runs in seconds.items():
-        if name != "tandem":
-            ratios[f"tandem_over_{name}"] = statistics.median(runs) / statistics.median(
-                seconds["tandem"])
-            ratios[f"tandem_over_{name}_per_round"] = [
-                peer / ours for peer, ours in zip(runs, seconds["tandem"], strict=True)]
-    report = {
-        "benchmark": "prompt_scoring",
-        "machine": machine(),
-        "workload": {"model": "SmolLM2-135M-Instruct (bf16)", "num_prompts": args.num_prompts,
-                     "prompt_len": args.prompt_len, "prompt_logprobs": 1, "max_tokens": 1,
-                     "rounds": args.rounds, "order": "tandem, hf, vllm eager, per round"},
-        "results": results,
-        "ratios": ratios,
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    ratios = ratios_over_tandem(seconds)
     print(json.dumps(ratios, indent=2))
-    print(f"wrote {args.out}")
+    write_report(
+        args.out, "prompt_scoring",
+        workload={"model": "SmolLM2-135M-Instruct (bf16)", "num_prompts": args.num_prompts,
+                  "prompt_len": args.prompt_len, "prompt_logprobs": 1, "max_tokens": 1,
+                  "rounds": args.rounds, "order": "tandem, hf, vllm eager, per round"},
+        results=results, ratios=ratios)
 
 
 if __name__ == "__main__":

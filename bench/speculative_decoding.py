@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.offline_throughput import machine  # noqa: E402
+from bench.report import write_report  # noqa: E402
 from engine_common.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from engine_common.default_model import ensure_default_model  # noqa: E402
 from engine_common.llm import LLM  # noqa: E402
@@ -104,19 +104,13 @@ def main() -> None:
                                                   strict=False)) if a != b), None),
         }
         print(json.dumps(results[name], indent=2), flush=True)
-    report = {
-        "benchmark": "speculative_decoding",
-        "machine": machine(),
-        "workload": {"model": "SmolLM2-135M-Instruct (bf16)", "greedy": True,
-                     "max_tokens": args.max_tokens, "concurrency": 1, "rounds": args.rounds,
-                     "speculative": {"method": "ngram", "num_tokens": 4, "ngram_min": 2,
-                                     "ngram_max": 4}},
-        "results": results,
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    write_report(
+        args.out, "speculative_decoding",
+        workload={"model": "SmolLM2-135M-Instruct (bf16)", "greedy": True,
+                  "max_tokens": args.max_tokens, "concurrency": 1, "rounds": args.rounds,
+                  "speculative": {"method": "ngram", "num_tokens": 4, "ngram_min": 2,
+                                  "ngram_max": 4}},
+        results=results)
 
 
 if __name__ == "__main__":

@@ -292,11 +292,12 @@ class ModelRunner:
             end = int(query_start_loc[i + 1])
             request, num_drafts = scheduled[i].request, len(scheduled[i].draft_token_ids)
             params = request.sampling_params
-            stops = (frozenset() if params.ignore_eos else self.eos_token_ids) | frozenset(
-                params.stop_token_ids)
-            for j in range(num_drafts + 1):
-                if request.num_output_tokens + j < params.min_tokens:
-                    suppressed.extend((len(rows) + j, token) for token in stops)
+            pending = min(num_drafts + 1, params.min_tokens - request.num_output_tokens)
+            if pending > 0:  # positions still under min_tokens
+                stops = (frozenset() if params.ignore_eos else self.eos_token_ids) | frozenset(
+                    params.stop_token_ids)
+                suppressed.extend((len(rows) + j, token) for j in range(pending)
+                                  for token in stops)
             rows.extend(range(end - 1 - num_drafts, end))
         logits = self.model.compute_logits(hidden[rows])
         if suppressed:

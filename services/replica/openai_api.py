@@ -336,7 +336,7 @@ def chat_to_engine_request(request: pb.ChatCompletionRequest,
     reasoning = reasoning_plan(
         getattr(inputs.tokenizer, "chat_template", None), prompt,
         constrained=params.structured_output is not None,
-        include=request.include_reasoning if request.HasField("include_reasoning") else True,
+        include=_flag(request, "include_reasoning", True),
         think_tokens=_think_tokens(inputs) if params.structured_output is not None else None)
     if params.structured_output is not None and reasoning.think_tokens is not None:
         opener, closer = reasoning.think_tokens

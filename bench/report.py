@@ -1,0 +1,58 @@
+"""What every benchmark's results file holds besides its own numbers.
+
+Owns describing the machine a run was on, the ratios of a two-or-more-engine run against
+Tandem (of the medians, and round by round), and writing the results file (the benchmark's
+name, the machine, its fields, a timestamp). It does not own any workload or measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def machine() -> dict[str, object]:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "nproc": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def ratios_over_tandem(seconds: dict[str, list[float]]) -> dict[str, object]:
+    """Each peer's time over Tandem's (above 1: Tandem is faster): of the medians, and per
+    round (engines ran minutes apart across rounds: the ratio within a round is fairer)."""
+    ours = seconds["tandem"]
+    ratios: dict[str, object] = {}
+    for name, runs in seconds.items():
+        if name != "tandem":
+            ratios[f"tandem_over_{name}"] = statistics.median(runs) / statistics.median(ours)
+            ratios[f"tandem_over_{name}_per_round"] = [
+                peer / mine for peer, mine in zip(runs, ours, strict=True)]
+    return ratios
+
+
+def write_report(out: Path, benchmark: str, **fields: object) -> None:
+    """``{"benchmark", "machine", **fields, "timestamp"}`` as indented JSON at ``out``."""
+    report = {"benchmark": benchmark, "machine": machine(), **fields,
+              "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
