@@ -9,7 +9,10 @@ every round), the ratio, the share of drafts accepted, and where the two runs' o
 differ, if they do: greedy speculation changes no token in exact arithmetic (the tests check
 it in float32), but in bf16 checking a draft runs a multi-token step whose rounding differs
 from a one-token step's, so a near-tie between the top two tokens can go the other way (as
-a different batch can). Results: ``bench/results/speculative_decoding.json``.
+a different batch can). It also times one forward step of 5 tokens per sequence (the last
+token and 4 drafts) against one of 1 token, at batch 1, 4 and 16 over a 256-token context:
+what checking drafts costs, and why ``--speculative-max-batch`` exists. Results:
+``bench/results/speculative_decoding.json``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -28,6 +33,7 @@ from bench.report import write_report  # noqa: E402
 from engine_common.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from engine_common.default_model import ensure_default_model  # noqa: E402
 from engine_common.llm import LLM  # noqa: E402
+from engine_common.model.attention.backend import AttentionMetadata  # noqa: E402
 from engine_common.sampling_params import SamplingParams  # noqa: E402
 
 PARAGRAPH = (
@@ -61,6 +67,34 @@ def run(model: Path, prompt: list[int], num_drafts: int, max_tokens: int,
     return elapsed, result.token_ids, accepted / drafted if drafted else 0.0
 
 
+def step_seconds(llm: LLM, batch: int, query_len: int, context: int = 256,
+                 repeats: int = 20) -> float:
+    """One forward step (and the LM head at each sequence's last token) of ``batch``
+    sequences with ``query_len`` new tokens each after ``context`` cached ones."""
+    runner = llm.core.model_runner
+    block_size = runner.block_size
+    blocks_per_seq = -(-(context + query_len) // block_size)
+    tables = torch.arange(batch * blocks_per_seq, dtype=torch.int32).view(batch, blocks_per_seq)
+    positions = torch.arange(context, context + query_len).repeat(batch)
+    slots = (tables.repeat_interleave(query_len, 0)[
+        torch.arange(batch * query_len), positions // block_size].long() * block_size
+        + positions % block_size)
+    metadata = AttentionMetadata(
+        slot_mapping=slots,
+        query_start_loc=torch.arange(0, batch * query_len + 1, query_len, dtype=torch.int32),
+        seq_lens=torch.full((batch,), context + query_len, dtype=torch.int32),
+        block_tables=tables, max_query_len=query_len, max_seq_len=context + query_len,
+        query_lens_cpu=[query_len] * batch, seq_lens_cpu=[context + query_len] * batch)
+    ids = torch.randint(100, 40000, (batch * query_len,))
+    with torch.inference_mode():
+        for i in range(repeats + 3):  # three warm-up steps
+            if i == 3:
+                start = time.perf_counter()
+            hidden = runner.model(ids, positions, runner.kv_cache, metadata)
+            runner.model.compute_logits(hidden[query_len - 1::query_len])
+    return (time.perf_counter() - start) / repeats
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--max-tokens", type=int, default=160)
@@ -72,6 +106,13 @@ def main() -> None:
     probe = LLM(EngineConfig(model=str(model), dtype="bfloat16"))
     prompts = {name: probe.inputs.tokenize_chat([{"role": "user", "content": text}])
                for name, text in TASKS.items()}
+    step_cost = {}
+    for batch in (1, 4, 16):
+        one, five = step_seconds(probe, batch, 1), step_seconds(probe, batch, 5)
+        step_cost[f"batch_{batch}"] = {"1_token_ms": one * 1000, "5_tokens_ms": five * 1000,
+                                       "ratio": five / one}
+        print(f"batch {batch:2d}: a 5-token step costs {five / one:.2f}x a 1-token step",
+              flush=True)
     del probe
 
     results: dict[str, object] = {}
@@ -110,7 +151,7 @@ def main() -> None:
                   "max_tokens": args.max_tokens, "concurrency": 1, "rounds": args.rounds,
                   "speculative": {"method": "ngram", "num_tokens": 4, "ngram_min": 2,
                                   "ngram_max": 4}},
-        results=results)
+        results=results, step_cost=step_cost)
 
 
 if __name__ == "__main__":
