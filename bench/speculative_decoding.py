@@ -1,15 +1,16 @@
 """Speculative decoding by n-gram lookup: Tandem with drafts vs Tandem without, same script.
 
-Two greedy chat tasks on the default model (SmolLM2-135M-Instruct, bf16), one request at a
-time (where a decode step is memory-bound and checking drafts costs almost nothing): one
-that copies from its prompt (rewrite a paragraph with one change, as editing and extraction
-do), one that does not (an open question). Each task runs with ``--speculative-ngram 4``
-and without, in ``--rounds`` interleaved rounds; reported: output tokens/s (medians and
-every round), the ratio, the share of drafts accepted, and where the two runs' outputs first
-differ, if they do: greedy speculation changes no token in exact arithmetic (the tests check
-it in float32), but in bf16 checking a draft runs a multi-token step whose rounding differs
-from a one-token step's, so a near-tie between the top two tokens can go the other way (as
-a different batch can). It also times one forward step of 5 tokens per sequence (the last
+Chat tasks on the default model (SmolLM2-135M-Instruct, bf16), one request at a time
+(where a decode step is memory-bound and checking drafts costs almost nothing): one that
+copies from its prompt (rewrite a paragraph with one change, as editing and extraction do),
+greedy and sampled (temperature 0.7, seeded), and one that does not (an open question,
+greedy). Each task runs with ``--speculative-ngram 4`` and without, in ``--rounds``
+interleaved rounds; reported: output tokens/s (medians and every round), the ratio, the
+share of drafts accepted, and where the two runs' outputs first differ, if they do:
+speculation changes no token of a greedy or seeded request in exact arithmetic (the tests
+check it in float32), but in bf16 checking a draft runs a multi-token step whose rounding
+differs from a one-token step's, so a near-tie can go the other way (as a different batch
+can). It also times one forward step of 5 tokens per sequence (the last
 token and 4 drafts) against one of 1 token, at batch 1, 4 and 16 over a 256-token context:
 what checking drafts costs, and why ``--speculative-max-batch`` exists. Results:
 ``bench/results/speculative_decoding.json``.
@@ -42,19 +43,22 @@ PARAGRAPH = (
     "after six in the morning. Tickets can be bought on board, but a seat in the sleeping "
     "car must be booked a day ahead. Bicycles travel free in the last carriage."
 )
+COPY_EDIT = (f"Rewrite this text exactly as it is, but say platform five instead of "
+             f"platform four:\n\n{PARAGRAPH}")
+# name -> (prompt, temperature); the sampled task is seeded, so both runs draw the same.
 TASKS = {
-    "copy-edit": f"Rewrite this text exactly as it is, but say platform five instead of "
-                 f"platform four:\n\n{PARAGRAPH}",
-    "open-question": "Why do trains run on rails? Explain it to a child.",
+    "copy-edit": (COPY_EDIT, 0.0),
+    "copy-edit-sampled": (COPY_EDIT, 0.7),
+    "open-question": ("Why do trains run on rails? Explain it to a child.", 0.0),
 }
 
 
-def run(model: Path, prompt: list[int], num_drafts: int, max_tokens: int,
+def run(model: Path, prompt: list[int], temperature: float, num_drafts: int, max_tokens: int,
         ) -> tuple[float, list[int], float]:
     """Seconds, output tokens, share of drafts accepted."""
     llm = LLM(EngineConfig(model=str(model), dtype="bfloat16",
                            speculative=SpeculativeConfig(num_tokens=num_drafts)))
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    params = SamplingParams(temperature=temperature, seed=0, max_tokens=max_tokens)
     llm.generate([prompt[:8]], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     start = time.perf_counter()
     result = llm.generate([prompt], params)[0]
@@ -105,7 +109,7 @@ def main() -> None:
     model = ensure_default_model()
     probe = LLM(EngineConfig(model=str(model), dtype="bfloat16"))
     prompts = {name: probe.inputs.tokenize_chat([{"role": "user", "content": text}])
-               for name, text in TASKS.items()}
+               for name, (text, _) in TASKS.items()}
     step_cost = {}
     for batch in (1, 4, 16):
         one, five = step_seconds(probe, batch, 1), step_seconds(probe, batch, 5)
@@ -117,28 +121,34 @@ def main() -> None:
 
     results: dict[str, object] = {}
     for name, prompt in prompts.items():
+        temperature = TASKS[name][1]
         seconds: dict[str, list[float]] = {"speculative": [], "plain": []}
         outputs: dict[str, list[int]] = {}
         acceptance = 0.0
         for round_index in range(args.rounds):
             for mode, drafts in (("speculative", 4), ("plain", 0)):
-                elapsed, tokens, accepted = run(model, prompt, drafts, args.max_tokens)
+                elapsed, tokens, accepted = run(model, prompt, temperature, drafts,
+                                                args.max_tokens)
                 seconds[mode].append(elapsed)
                 outputs[mode] = tokens
                 if drafts:
                     acceptance = accepted
-                print(f"{name:14s} round {round_index + 1} {mode:11s} "
+                print(f"{name:17s} round {round_index + 1} {mode:11s} "
                       f"{len(tokens) / elapsed:7.1f} tok/s", flush=True)
-        num_tokens = len(outputs["plain"])
+        # Both runs of a task usually give the same tokens; where bf16 rounding makes them
+        # part, their lengths may differ, so each mode's rate counts its own tokens.
+        rates = {mode: len(outputs[mode]) / statistics.median(runs)
+                 for mode, runs in seconds.items()}
         results[name] = {
-            "output_tokens": num_tokens,
-            "tokens_per_s": {mode: num_tokens / statistics.median(runs)
-                             for mode, runs in seconds.items()},
+            "temperature": temperature,
+            "output_tokens": {mode: len(tokens) for mode, tokens in outputs.items()},
+            "tokens_per_s": rates,
             "seconds_per_round": seconds,
-            "speculative_over_plain": statistics.median(seconds["plain"])
-            / statistics.median(seconds["speculative"]),
-            "per_round_ratio": [p / s for p, s in zip(seconds["plain"], seconds["speculative"],
-                                                      strict=True)],
+            "speculative_over_plain": rates["speculative"] / rates["plain"],
+            "per_round_ratio": [
+                len(outputs["speculative"]) / s_time / (len(outputs["plain"]) / p_time)
+                for s_time, p_time in zip(seconds["speculative"], seconds["plain"],
+                                          strict=True)],
             "draft_acceptance": acceptance,
             "first_difference": next(
                 (i for i, (a, b) in enumerate(zip(outputs["speculative"], outputs["plain"],
@@ -147,7 +157,7 @@ def main() -> None:
         print(json.dumps(results[name], indent=2), flush=True)
     write_report(
         args.out, "speculative_decoding",
-        workload={"model": "SmolLM2-135M-Instruct (bf16)", "greedy": True,
+        workload={"model": "SmolLM2-135M-Instruct (bf16)", "seed": 0,
                   "max_tokens": args.max_tokens, "concurrency": 1, "rounds": args.rounds,
                   "speculative": {"method": "ngram", "num_tokens": 4, "ngram_min": 2,
                                   "ngram_max": 4}},

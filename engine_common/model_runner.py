@@ -5,7 +5,7 @@ generators. It sizes the KV cache from the memory budget, and on CUDA replays de
 from CUDA graphs (``DecodeGraphRunner``). Rows with a grammar (structured outputs) get their
 allowed-token mask applied to the logits before anything samples them. It scores prompt
 positions for requests that ask for prompt logprobs, and checks speculative drafts against
-the model's own greedy choice. It does not decide
+the tokens the model samples after them. It does not decide
 what runs (``Scheduler``) or which blocks a request holds (``KVCacheManager``): it receives
 block ids; nor does it advance grammars (the scheduler accepts the sampled tokens).
 """
@@ -154,11 +154,15 @@ class ModelRunner:
         if gen is None:
             gen = torch.Generator(device=self.device).manual_seed(seed)
             if not is_greedy(request.sampling_params):
-                skipped = torch.empty(self.arch.vocab_size, device=self.device)
-                for _ in range(request.num_sampled_elsewhere):
-                    skipped.exponential_(generator=gen)
+                self._skip_draws(gen, request.num_sampled_elsewhere)
             self._generators[request.request_id] = gen
         return gen
+
+    def _skip_draws(self, generator: torch.Generator, num_tokens: int) -> None:
+        """Advance ``generator`` past the draws of ``num_tokens`` sampled tokens."""
+        skipped = torch.empty(self.arch.vocab_size, device=self.device)
+        for _ in range(num_tokens):
+            skipped.exponential_(generator=generator)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -251,26 +255,13 @@ class ModelRunner:
         rows = []
         for row, i in enumerate(sample_items):
             request = scheduled[i].request
-            params = request.sampling_params
-            suppress: frozenset[int] = frozenset()
-            if request.num_output_tokens < params.min_tokens:
-                eos = frozenset() if params.ignore_eos else self.eos_token_ids
-                suppress = eos | frozenset(params.stop_token_ids)
-                if (bitmask is not None and request.grammar is not None
-                        and request.grammar.masks
-                        and not bitmask.allows_other_than(row, suppress)):
-                    # The grammar can only end here: it wins over min_tokens, or no
-                    # token would be left to sample.
-                    suppress = frozenset()
-            rows.append(
-                SamplingRow(
-                    params=params,
-                    prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=request.output_token_ids,
-                    generator=self._generator_for(request),
-                    suppress_token_ids=suppress,
-                )
-            )
+            suppress = self._min_tokens_suppression(request, request.num_output_tokens)
+            if (suppress and bitmask is not None and request.grammar is not None
+                    and request.grammar.masks and not bitmask.allows_other_than(row, suppress)):
+                # The grammar can only end here: it wins over min_tokens, or no token
+                # would be left to sample.
+                suppress = frozenset()
+            rows.append(self._sampling_row(request, request.output_token_ids, suppress))
         batch = SamplingBatch.build(rows, self.arch.vocab_size, dev)
         result = self.sampler(logits, batch)
         output.sampled.update({
@@ -282,28 +273,38 @@ class ModelRunner:
     def _check_drafts(self, scheduled: list[ScheduledRequest], speculated: list[int],
                       query_start_loc: np.ndarray, hidden: torch.Tensor,
                       output: ModelRunnerOutput) -> None:
-        """Speculative decoding, greedy requests only: the argmax at the last known token
-        and at each draft. The leading drafts that equal the argmax before them are
-        accepted, and the argmax after the last accepted one is the step's token, so the
-        output is what one token per step would give."""
-        rows: list[int] = []
-        suppressed: list[tuple[int, int]] = []  # (row, token) that min_tokens rules out
+        """Speculative decoding: a token is sampled at the last known position and after
+        each draft, as one token per step would sample it (penalties and ``min_tokens``
+        count the drafts before it as output). The leading drafts equal to the token
+        sampled before them are accepted, and the token sampled after the last accepted one
+        is the step's token. For a sampled request this is the rejection sampler of a
+        one-hot draft: a draft is kept with the probability the model gives it, and a
+        rejected position's token comes from the rest of the distribution. A seeded
+        request's generator is rewound to have drawn once per token kept, so its output
+        is the same as without drafts."""
+        positions: list[int] = []
         for i in speculated:
             end = int(query_start_loc[i + 1])
-            request, num_drafts = scheduled[i].request, len(scheduled[i].draft_token_ids)
-            params = request.sampling_params
-            pending = min(num_drafts + 1, params.min_tokens - request.num_output_tokens)
-            if pending > 0:  # positions still under min_tokens
-                stops = (frozenset() if params.ignore_eos else self.eos_token_ids) | frozenset(
-                    params.stop_token_ids)
-                suppressed.extend((len(rows) + j, token) for j in range(pending)
-                                  for token in stops)
-            rows.extend(range(end - 1 - num_drafts, end))
-        logits = self.model.compute_logits(hidden[rows])
-        if suppressed:
-            row_index, token_index = zip(*suppressed, strict=True)
-            logits[list(row_index), list(token_index)] = float("-inf")
-        predicted: list[int] = logits.argmax(dim=-1).tolist()
+            positions.extend(range(end - 1 - len(scheduled[i].draft_token_ids), end))
+        logits = self.model.compute_logits(hidden[positions])
+        rewinds: dict[str, tuple[torch.Generator, torch.Tensor]] = {}
+        if all(takes_argmax(scheduled[i].request.sampling_params,
+                            scheduled[i].request.num_output_tokens) for i in speculated):
+            predicted: list[int] = logits.argmax(dim=-1).tolist()
+        else:
+            rows: list[SamplingRow] = []
+            for i in speculated:
+                request, drafts = scheduled[i].request, scheduled[i].draft_token_ids
+                # The sampler suppresses these only at positions still under min_tokens.
+                suppress = self._min_tokens_suppression(request, request.num_output_tokens)
+                rows.extend(self._sampling_row(request, request.output_token_ids + drafts[:j],
+                                               suppress) for j in range(len(drafts) + 1))
+                generator = rows[-1].generator
+                if generator is not None and not is_greedy(request.sampling_params):
+                    rewinds[request.request_id] = (generator, generator.get_state())
+            predicted = self.sampler(
+                logits, SamplingBatch.build(rows, self.arch.vocab_size, self.device)
+            ).sampled_token_ids
         offset = 0
         for i in speculated:
             drafts = scheduled[i].draft_token_ids
@@ -315,6 +316,26 @@ class ModelRunner:
             request_id = scheduled[i].request.request_id
             output.accepted_drafts[request_id] = drafts[:accepted]
             output.sampled[request_id] = (mine[accepted], None)
+            if request_id in rewinds:
+                generator, state = rewinds[request_id]
+                generator.set_state(state)
+                self._skip_draws(generator, accepted + 1)
+
+    def _sampling_row(self, request: Request, output_token_ids: list[int],
+                      suppress_token_ids: frozenset[int]) -> SamplingRow:
+        return SamplingRow(params=request.sampling_params,
+                           prompt_token_ids=request.prompt_token_ids,
+                           output_token_ids=output_token_ids,
+                           generator=self._generator_for(request),
+                           suppress_token_ids=suppress_token_ids)
+
+    def _min_tokens_suppression(self, request: Request, num_output_tokens: int) -> frozenset[int]:
+        """The tokens that would end the request while it has fewer than ``min_tokens``."""
+        params = request.sampling_params
+        if num_output_tokens >= params.min_tokens:
+            return frozenset()
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        return eos | frozenset(params.stop_token_ids)
 
     def _prompt_logprobs(self, scheduled: list[ScheduledRequest], starts: list[int],
                          query_start_loc: np.ndarray, hidden: torch.Tensor,

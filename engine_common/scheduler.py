@@ -8,7 +8,7 @@ exhausted a running request is preempted by recompute: its blocks are freed and 
 to the front of the waiting queue with ``num_computed_tokens = 0`` (its prompt and output so
 far are recomputed, mostly from the prefix cache; a grammar keeps its state, since the
 output is kept). Sampled tokens are accepted here: appended to the request and, for a
-structured output, advanced through its grammar. With speculative decoding a greedy
+structured output, advanced through its grammar. With speculative decoding a
 request's decode step also runs draft tokens (``NgramDrafter``); the model runner says how
 many it agrees with, and the KV of the rest is recomputed. It does not own blocks
 (``KVCacheManager``) or the forward pass (``ModelRunner``).
@@ -29,7 +29,6 @@ from engine_common.kv_cache_manager import KVCacheManager
 from engine_common.ngram_drafter import NgramDrafter
 from engine_common.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
 from engine_common.request import Request, RequestStatus
-from engine_common.sampler import is_plain_greedy
 
 logger = logging.getLogger(__name__)
 
@@ -338,11 +337,13 @@ class Scheduler:
         return True
 
     def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
-        """Speculative decoding: the drafts for a greedy request's decode step, within the
-        step's budget and the request's length limit; none while the batch is large."""
+        """Speculative decoding: the drafts for a request's decode step, within the step's
+        budget and the request's length limit; none while the batch is large, and none for
+        a request with a grammar or logprobs (its drafts would need their own masks and
+        logprobs)."""
         if (self.drafter is None or len(self.running) > self.drafter.config.max_batch_size
                 or num_new != 1 or request.num_computed_tokens != request.num_tokens - 1
-                or request.grammar is not None or not is_plain_greedy(request.sampling_params)):
+                or request.grammar is not None or request.sampling_params.logprobs is not None):
             return []
         # The step appends the accepted drafts and one more token.
         room = min(budget - 1, request.max_total_tokens - request.num_tokens - 1)

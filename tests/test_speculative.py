@@ -4,7 +4,8 @@ Hugging Face and against the engine without speculation.
 Greedy speculation must not change a single token: the engine with drafts must equal HF's
 greedy ``generate`` (fp32) and the engine without drafts, whatever else runs beside it
 (sampled requests, chunked prefills), when a stop token or ``max_tokens`` falls inside a
-run of accepted drafts, and under preemption. The drafts must actually be proposed and
+run of accepted drafts, and under preemption. Seeded sampled requests (with penalties,
+logit bias, min_tokens) must keep their tokens too. The drafts must actually be proposed and
 accepted (counted in the metrics), or the test proves nothing.
 """
 
@@ -110,6 +111,14 @@ def test_drafts_change_nothing_beside_sampling_chunking_and_stops(tiny_llama_dir
     assert run(SPEC) == run(None)
 
 
+def test_requests_with_logprobs_are_not_speculated(tiny_llama_dir, prompts):
+    llm = engine(tiny_llama_dir, SPEC)
+    results = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                   min_tokens=MAX_TOKENS, logprobs=1))
+    assert spec_counts(llm, tiny_llama_dir) == (0.0, 0.0)
+    assert all(len(r.logprobs or []) == MAX_TOKENS for r in results)
+
+
 def test_preemption_with_drafts(tiny_llama_dir, prompts):
     llm = engine(tiny_llama_dir, SPEC, num_blocks=40)
     results = llm.generate(prompts * 2, GREEDY)
@@ -169,3 +178,38 @@ def test_replica_flags_configure_speculation(tiny_llama_dir):
         .speculative.num_tokens == 0
     with pytest.raises(SystemExit):
         parser.parse_args(["--speculative-ngram-range", "4:2"])
+
+
+def test_sampled_requests_keep_their_seeded_tokens(tiny_llama_dir, prompts):
+    """Sampled requests speculate too: a draft is kept when the token sampled before it
+    equals it. Seeded, each request's tokens are the same with drafts as without: the
+    penalties and ``min_tokens`` see the drafts as output, and the generator is rewound to
+    one draw per kept token (without the rewind, the next step's draw is off)."""
+    plain = engine(tiny_llama_dir).generate(prompts, GREEDY)
+    # Two tokens biased far above the rest, with a frequency penalty: which of the two comes
+    # next depends on how often each came before, drafts kept in this step included.
+    biased = {plain[2].token_ids[3]: 20.0, plain[2].token_ids[5]: 20.0}
+    params = [
+        SamplingParams(temperature=0.3, seed=11, max_tokens=MAX_TOKENS, top_p=0.9,
+                       ignore_eos=True),
+        SamplingParams(temperature=0.5, seed=12, max_tokens=MAX_TOKENS, top_k=20, min_p=0.05,
+                       repetition_penalty=1.1, presence_penalty=0.2, min_tokens=30,
+                       stop_token_ids=[plain[1].token_ids[10]]),
+        SamplingParams(temperature=0.4, seed=13, max_tokens=MAX_TOKENS, ignore_eos=True,
+                       logit_bias=biased, frequency_penalty=1.0),
+        # The same, with one of the two a stop token under min_tokens: it ends the request
+        # at the first position min_tokens allows, inside a step of drafts or not.
+        *(SamplingParams(temperature=0.4, seed=14, max_tokens=MAX_TOKENS, min_tokens=n,
+                         stop_token_ids=[plain[2].token_ids[3]], logit_bias=biased,
+                         frequency_penalty=1.0) for n in (6, 7)),
+    ]
+
+    def run(speculative: SpeculativeConfig | None) -> list[list[int]]:
+        llm = engine(tiny_llama_dir, speculative)
+        results = [r.token_ids for r in llm.generate(prompts + [prompts[2]] * 2, params)]
+        if speculative is not None:
+            drafted, accepted = spec_counts(llm, tiny_llama_dir)
+            assert accepted > 0 and accepted < drafted, (drafted, accepted)
+        return results
+
+    assert run(SPEC) == run(None)
