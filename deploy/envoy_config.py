@@ -12,10 +12,10 @@ Owns the one Envoy configuration of the project, in two variants that share ever
 The HTTP semantics that the transcoder alone lacks live in one Lua script (``OPENAI_LUA``),
 which runs before the transcoder on requests and after it on responses:
 
-- ``"stream": true`` in a completions or chat body moves the request to the ``:stream``
-  path, the ``*Events`` RPC: the server writes the server-sent events itself (each a
-  ``google.api.HttpBody`` the transcoder passes through), ``data: [DONE]`` last, and the
-  script labels them ``text/event-stream``.
+- ``"stream": true`` in a completions, chat or responses body moves the request to the
+  ``:stream`` path, the ``*Events`` RPC: the server writes the server-sent events itself
+  (each a ``google.api.HttpBody`` the transcoder passes through), ``data: [DONE]`` last,
+  and the script labels them ``text/event-stream``.
 - Every error (a gRPC status the transcoder turned into an HTTP status with
   ``convert_grpc_status``, the transcoder's own 400 for bad JSON, Envoy's 503 when the
   upstream is down) leaves with OpenAI's body, ``{"error": {"message", "type", "param",
@@ -47,8 +47,8 @@ API_KEY_FILTER = "envoy.filters.http.api_key_auth"
 LUA_FILTER = "envoy.filters.http.lua"
 # Paths the transcoder serves (from generation.proto's google.api.http rules) and the gRPC
 # services reachable through the same port.
-OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize",
-                "/detokenize")
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models",
+                "/tokenize", "/detokenize")
 GRPC_SERVICES = (GENERATION_SERVICE, HEALTH_SERVICE, "grpc.reflection.v1alpha.ServerReflection",
                  "grpc.reflection.v1.ServerReflection")
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
@@ -65,10 +65,11 @@ OPENAI_LUA = r"""
 local STREAM_PATHS = {
   ["/v1/completions"] = "/v1/completions:stream",
   ["/v1/chat/completions"] = "/v1/chat/completions:stream",
+  ["/v1/responses"] = "/v1/responses:stream",
 }
 local OPENAI_PATHS = {
-  ["/v1/completions"] = true, ["/v1/chat/completions"] = true, ["/v1/models"] = true,
-  ["/tokenize"] = true, ["/detokenize"] = true,
+  ["/v1/completions"] = true, ["/v1/chat/completions"] = true, ["/v1/responses"] = true,
+  ["/v1/models"] = true, ["/tokenize"] = true, ["/detokenize"] = true,
 }
 local NAMESPACE = "tandem.openai"
 local GRPC_CODES = {
@@ -254,7 +255,7 @@ def _routes(cluster: str) -> list[dict[str, Any]]:
     routes: list[dict[str, Any]] = [
         {"match": {"path": path}, "route": forward} for path in OPENAI_PATHS]
     routes += [{"match": {"prefix": f"/v1/{name}:stream"}, "route": forward}
-               for name in ("completions", "chat/completions")]
+               for name in ("completions", "chat/completions", "responses")]
     routes += [{"match": {"prefix": f"/{service}/"}, "route": forward}
                for service in GRPC_SERVICES]
     for route in routes:
@@ -264,7 +265,7 @@ def _routes(cluster: str) -> list[dict[str, Any]]:
                 "@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig",
                 "disabled": True}}
     not_found = ('{"error":{"message":"no such endpoint; Tandem serves /v1/completions, '
-                 '/v1/chat/completions, /v1/models, /tokenize and /detokenize",'
+                 '/v1/chat/completions, /v1/responses, /v1/models, /tokenize and /detokenize",'
                  '"type":"not_found_error","param":null,"code":null}}')
     routes.append({
         "match": {"prefix": "/"},

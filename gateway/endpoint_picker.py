@@ -53,7 +53,7 @@ from protos.third_party.envoy.extensions.filters.http.ext_proc.v3 import process
 from protos.third_party.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from protos.third_party.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from protos.third_party.envoy.type.v3 import http_status_pb2
-from services.replica import openai_api
+from services.replica import openai_api, responses_api
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +110,10 @@ _CHAT_PATHS = frozenset({
     "/v1/chat/completions", "/v1/chat/completions:stream",
     "/tandem.v1.Generation/ChatComplete", "/tandem.v1.Generation/ChatCompleteStream",
     "/tandem.v1.Generation/ChatCompleteEvents"})
+_RESPONSES_PATHS = frozenset({
+    "/v1/responses", "/v1/responses:stream",
+    "/tandem.v1.Generation/CreateResponse", "/tandem.v1.Generation/CreateResponseStream",
+    "/tandem.v1.Generation/CreateResponseEvents"})
 
 
 def _parse_body(body: bytes, content_type: str, message: Message) -> None:
@@ -125,8 +129,8 @@ def _parse_body(body: bytes, content_type: str, message: Message) -> None:
 
 def read_request(path: str, content_type: str, body: bytes,
                  inputs: InputProcessor) -> RequestFeatures | None:
-    """The prompt, salt and priority of a completion or chat request, tokenized as the
-    replicas tokenize it; None when the path carries no prompt or the body cannot be served
+    """The prompt, salt and priority of a completion, chat or responses request, tokenized
+    as the replicas tokenize it; None when the path carries no prompt or the body cannot be served
     (the replica will say why)."""
     path = path.split("?", 1)[0]
     try:
@@ -139,6 +143,11 @@ def read_request(path: str, content_type: str, body: bytes,
             chat = pb.ChatCompletionRequest()
             _parse_body(body, content_type, chat)
             request = openai_api.chat_to_engine_request(chat, inputs).engine
+        elif path in _RESPONSES_PATHS:
+            response_request = pb.ResponseRequest()
+            _parse_body(body, content_type, response_request)
+            request = openai_api.chat_to_engine_request(
+                responses_api.chat_request(response_request), inputs).engine
         else:
             return None
     except Exception as error:  # noqa: BLE001 - any unreadable body is routed by load alone

@@ -132,6 +132,21 @@ class GatewayGenerationServicer(GenerationServicer):
         await self._observed(
             "ChatCompleteEvents", context, super().ChatCompleteEvents(request, context))
 
+    async def CreateResponse(self, request: pb.ResponseRequest,  # noqa: N802
+                             context: grpc.aio.ServicerContext) -> pb.Response:
+        return await self._observed(
+            "CreateResponse", context, super().CreateResponse(request, context))
+
+    async def CreateResponseStream(self, request: pb.ResponseRequest,  # noqa: N802
+                                   context: grpc.aio.ServicerContext) -> None:
+        await self._observed(
+            "CreateResponseStream", context, super().CreateResponseStream(request, context))
+
+    async def CreateResponseEvents(self, request: pb.ResponseRequest,  # noqa: N802
+                                   context: grpc.aio.ServicerContext) -> None:
+        await self._observed(
+            "CreateResponseEvents", context, super().CreateResponseEvents(request, context))
+
 
 def load_inputs(model_dir: str) -> InputProcessor:
     """The replicas' tokenizer and limits, from the model directory they serve."""

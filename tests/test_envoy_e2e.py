@@ -1,12 +1,13 @@
 """End to end over HTTP: the real ``openai`` SDK and curl -> Envoy -> gateway -> replicas.
 
-One cluster for the module, all real processes on loopback: a prefill and a decode replica
-on a tiny model, the gateway in front of them, and Envoy (``deploy.envoy_runner``) in front
-of the gateway. Greedy text must equal the offline engine's (``engine_common.llm.LLM``) on
-the same model, streamed (server-sent events) or not; errors must come back with the right
-HTTP status and OpenAI's error body; gRPC reflection must work through the same port. The
-decode replica admits one request at a time and the gateway tries one replica, so overload is
-easy to provoke; the last test stops the decode replica.
+One cluster for the module (``tests.openai_http.running_stack``), all real processes on
+loopback: a prefill and a decode replica on a tiny model, the gateway in front of them, and
+Envoy (``deploy.envoy_runner``) in front of the gateway. Greedy text must equal the offline
+engine's (``engine_common.llm.LLM``) on the same model, streamed (server-sent events) or
+not; errors must come back with the right HTTP status and OpenAI's error body; gRPC
+reflection must work through the same port. The decode replica admits one request at a time
+and the gateway tries one replica, so overload is easy to provoke; the last test stops the
+decode replica.
 """
 
 from __future__ import annotations
@@ -19,34 +20,37 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import openai
 import pytest
-from google.protobuf import json_format
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 import tandem
-from engine_common.config import CacheConfig, EngineConfig
 from engine_common.llm import LLM
 from engine_common.sampling_params import SamplingParams
 from protos.tandem.v1 import generation_pb2, generation_pb2_grpc
 from services.replica.openai_api import chat_to_engine_request
-from services.replica.tool_calls import tool_plan
 from tandem.client import Client
 from tandem.errors import AuthenticationError
 from tandem.request_builders import chat_message, chat_request
+from tests.openai_http import (
+    CITY_SCHEMA,
+    CLOCK,
+    TOOL_MESSAGES,
+    WEATHER,
+    Stack,
+    expected_tool_text,
+    offline_engine,
+    running_stack,
+)
 from tests.replica_process import (
-    ReplicaProcess,
     envoy_answers,
     free_port,
     is_serving,
     spawn_module,
-    start_replicas,
     wait_until,
 )
 
@@ -59,79 +63,15 @@ MESSAGES = [{"role": "system", "content": "be brief"},
 pytestmark = pytest.mark.timeout(400)
 
 
-@dataclass
-class Stack:
-    replicas: dict[str, ReplicaProcess]
-    gateway: str
-    gateway_metrics_port: int
-    http_port: int
-    logs: Path
-
-    def prefill_hops(self) -> float:
-        url = f"http://127.0.0.1:{self.gateway_metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as response:
-            text = response.read().decode()
-        return sum(sample.value for family in text_string_to_metric_families(text)
-                   for sample in family.samples
-                   if sample.name == "tandem:gateway_routing_decisions_total"
-                   and sample.labels.get("pd") == "prefill_hop")
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}/v1"
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0,
-                             timeout=120)
-
-
 @pytest.fixture(scope="module")
 def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    logs = tmp_path_factory.mktemp("envoy-e2e-logs")
-    common = ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--served-model-name", "tiny",
-              "--log-level", "WARNING"]
-    replicas = start_replicas(tiny_llama_dir, logs, {
-        "prefill": [*common, "--role", "prefill"],
-        "decode": [*common, "--role", "decode", "--max-num-seqs", "1", "--max-waiting", "0"],
-    })
-    gateway_port, gateway_metrics_port, http_port = free_port(), free_port(), free_port()
-    processes: list[subprocess.Popen[bytes]] = []
-
-    def spawn(name: str, argv: list[str]) -> None:
-        processes.append(spawn_module(logs, name, argv))
-
-    try:
-        spawn("gateway", ["gateway", "--model", str(tiny_llama_dir), "--served-model-name",
-                          "tiny", "--host", "127.0.0.1", "--port", str(gateway_port),
-                          "--metrics-port", str(gateway_metrics_port), "--max-attempts", "1",
-                          *[a for r in replicas.values() for a in ("--replica", r.target)]])
-        spawn("envoy", ["deploy.envoy_runner", "--http-port", str(http_port), "--upstream",
-                        f"127.0.0.1:{gateway_port}", "--concurrency", "1"])
-        deadline = time.monotonic() + 120
-        wait_until(lambda: is_serving(f"127.0.0.1:{gateway_port}"), deadline, "gateway", logs)
-        wait_until(lambda: envoy_answers(http_port), deadline, "envoy", logs)
-        time.sleep(1.0)  # the prefill replica registered too, load reports in
-        yield Stack(replicas, f"127.0.0.1:{gateway_port}", gateway_metrics_port, http_port, logs)
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-        for replica in replicas.values():
-            if replica.process.poll() is None:
-                replica.process.send_signal(signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-        for replica in replicas.values():
-            replica.stop()
+    with running_stack(tiny_llama_dir, tmp_path_factory.mktemp("envoy-e2e-logs")) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
 def offline(tiny_llama_dir: Path) -> LLM:
-    return LLM(EngineConfig(model=str(tiny_llama_dir), dtype="float32",
-                            cache=CacheConfig(num_gpu_blocks_override=512)))
+    return offline_engine(tiny_llama_dir)
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -380,9 +320,6 @@ def test_reasoning_is_returned_apart_from_the_content(stack: Stack, offline: LLM
         assert sdk.chat(MESSAGES, include_reasoning=False, **sdk_options).reasoning is None
 
 
-CITY_SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]},
-                                               "days": {"type": "integer"}},
-               "required": ["city", "days"], "additionalProperties": False}
 
 
 def test_continue_final_message_continues_the_assistant_turn(stack: Stack,
@@ -465,32 +402,6 @@ def test_chat_template_kwargs_may_not_override_the_request(stack: Stack) -> None
         stack.client().chat.completions.create(
             model="tiny", messages=MESSAGES, max_tokens=2,  # type: ignore[arg-type]
             extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
-
-
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "the weather in a city",
-    "parameters": {"type": "object",
-                   "properties": {"city": {"enum": ["Oslo", "Lima"]},
-                                  "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-                   "required": ["city", "days"], "additionalProperties": False}}}
-CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
-    "additionalProperties": False}}}
-TOOL_MESSAGES = [{"role": "user", "content": "What is the weather in Oslo?"}]
-
-
-def expected_tool_text(offline: LLM, tool_choice: Any, max_tokens: int = 48,
-                       **extra: Any) -> str:
-    """The offline engine's greedy text under the schema a forced call is generated with, on
-    the prompt the replica renders (the tiny model's template, with the tools)."""
-    request = generation_pb2.ChatCompletionRequest()
-    json_format.ParseDict({"messages": TOOL_MESSAGES, "tools": [WEATHER, CLOCK],
-                           "tool_choice": tool_choice, **extra}, request)
-    plan = tool_plan(request)
-    prompt = offline.inputs.tokenize_chat(TOOL_MESSAGES, plan.tools)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                            structured_output=plan.constraint())
-    return offline.generate([prompt], params)[0].text
 
 
 def test_a_named_tool_choice_forces_that_call(stack: Stack, offline: LLM) -> None:

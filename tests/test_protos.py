@@ -86,13 +86,15 @@ def test_descriptor_set_carries_the_openai_http_routes() -> None:
         "CompleteEvents": ("post", "/v1/completions:stream", "*"),
         "ChatComplete": ("post", "/v1/chat/completions", "*"),
         "ChatCompleteEvents": ("post", "/v1/chat/completions:stream", "*"),
+        "CreateResponse": ("post", "/v1/responses", "*"),
+        "CreateResponseEvents": ("post", "/v1/responses:stream", "*"),
         "ListModels": ("get", "/v1/models", ""),
         "Tokenize": ("post", "/tokenize", "*"),
         "Detokenize": ("post", "/detokenize", "*"),
     }
     streaming = {m.name for m in service.method if m.server_streaming}
     assert streaming == {"CompleteStream", "ChatCompleteStream", "CompleteEvents",
-                         "ChatCompleteEvents"}
+                         "ChatCompleteEvents", "CreateResponseStream", "CreateResponseEvents"}
     # HTTP clients get server-sent events the server writes (ending in "data: [DONE]").
     assert {m.output_type for m in service.method if m.name.endswith("Events")} == {
         ".google.api.HttpBody"}

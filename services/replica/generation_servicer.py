@@ -3,6 +3,7 @@
 Owns the RPC handlers: check the model name, resolve the request (``openai_api``), run its
 ``n`` choices through the ``GenerateFn`` (``openai_api.generate_choices``) and write
 OpenAI-shaped responses; every failure becomes a status (``errors.rpc_handler``). The
+Responses API runs as the chat request it translates to (``responses_api``). The
 ``*Events`` RPCs write the streams' chunks as server-sent events for HTTP clients
 (``server_sent_events``). Streams are
 closed explicitly, so a client that cancels or runs out of deadline aborts every choice of its
@@ -24,6 +25,7 @@ from engine_common.input_processor import InputProcessor
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 from services.replica import openai_api as api
+from services.replica import responses_api
 from services.replica.errors import InvalidArgument, rpc_handler
 from services.replica.served_model import ServedModel
 from services.replica.server_sent_events import write_events
@@ -107,10 +109,23 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def _chat_chunks(
             self, request: pb.ChatCompletionRequest,
     ) -> AsyncGenerator[pb.ChatCompletionChunk, None]:
+        chat = self._chat_stream_request(request)
+        chunks = self._chat_chunks_of(request, chat)
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
+
+    def _chat_stream_request(self, request: pb.ChatCompletionRequest) -> api.ChatRequest:
+        """The chat request resolved for streaming; raises before anything streams."""
         self.model.check(request.model)
         chat = api.chat_to_engine_request(request, self.inputs)
         if chat.engine.params.prompt_logprobs is not None:
             raise InvalidArgument(_NO_STREAMED_PROMPT_LOGPROBS)
+        return chat
+
+    async def _chat_chunks_of(
+            self, request: pb.ChatCompletionRequest, chat: api.ChatRequest,
+    ) -> AsyncGenerator[pb.ChatCompletionChunk, None]:
         response_id = api.new_chat_completion_id()
         choices = api.generate_choices(self.generate, response_id, [chat.engine])
         chunks = api.chat_chunks(choices, response_id=response_id, model=self.model.name,
@@ -121,6 +136,36 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         async with aclosing(choices), aclosing(chunks):
             async for chunk in chunks:
                 yield chunk
+
+    @rpc_handler
+    async def CreateResponse(self, request: pb.ResponseRequest,  # noqa: N802
+                             context: grpc.aio.ServicerContext) -> pb.Response:
+        events = self._response_events(request)
+        async with aclosing(events):
+            return await responses_api.final_response(events)
+
+    @rpc_handler
+    async def CreateResponseStream(self, request: pb.ResponseRequest,  # noqa: N802
+                                   context: grpc.aio.ServicerContext) -> None:
+        await _write_all(self._response_events(request), context)
+
+    @rpc_handler
+    async def CreateResponseEvents(self, request: pb.ResponseRequest,  # noqa: N802
+                                   context: grpc.aio.ServicerContext) -> None:
+        await write_events(self._response_events(request), context,
+                           name=lambda event: event.type)
+
+    async def _response_events(
+            self, request: pb.ResponseRequest) -> AsyncGenerator[pb.ResponseStreamEvent, None]:
+        chat_request = responses_api.chat_request(request)
+        # Resolved before the first event, so that a bad request fails with its status.
+        chat = self._chat_stream_request(chat_request)
+        events = responses_api.response_events(
+            self._chat_chunks_of(chat_request, chat), request=request,
+            response_id=responses_api.new_response_id(), model=self.model.name)
+        async with aclosing(events):
+            async for event in events:
+                yield event
 
     @rpc_handler
     async def ListModels(self, request: pb.ListModelsRequest,  # noqa: N802

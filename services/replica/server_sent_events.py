@@ -1,8 +1,8 @@
 """A stream of response chunks written as server-sent events, for OpenAI's HTTP clients.
 
-Owns the bytes of the ``CompleteEvents`` / ``ChatCompleteEvents`` streams: each chunk as one
-``data: {json}`` event in a ``google.api.HttpBody`` (which Envoy's transcoder passes through
-as is), the JSON printed as the transcoder prints messages (OpenAI's snake_case names,
+Owns the bytes of the ``*Events`` streams: each chunk as one ``data: {json}`` event (with an
+``event:`` name for the Responses API's typed events) in a ``google.api.HttpBody`` (which
+Envoy's transcoder passes through as is), the JSON printed as the transcoder prints messages (OpenAI's snake_case names,
 zero values included), an OpenAI-shaped error event when the stream fails after its first
 event, and ``data: [DONE]`` last, as OpenAI and vLLM end their streams.
 
@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
+from typing import TypeVar
 
 import grpc
 import grpc.aio
@@ -28,6 +29,8 @@ from google.protobuf.message import Message
 from services.replica.errors import status_of
 
 logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=Message)
 
 CONTENT_TYPE = "text/event-stream"
 DONE = b"data: [DONE]\n\n"
@@ -44,12 +47,14 @@ _ERROR_TYPES = {
 _TOKEN_ID_LISTS = frozenset({"token_ids", "prompt_token_ids"})
 
 
-def event(chunk: Message) -> bytes:
-    """One chunk as one event; the JSON is a single line, as SSE requires."""
+def event(chunk: Message, name: str | None = None) -> bytes:
+    """One chunk as one event (named ``name``, if given); the JSON is a single line, as SSE
+    requires."""
     body = json_format.MessageToDict(chunk, preserving_proto_field_name=True,
                                      always_print_fields_with_no_presence=True)
     text = json.dumps(_integer_token_ids(body), ensure_ascii=False)
-    return b"data: " + text.encode() + b"\n\n"
+    data = b"data: " + text.encode() + b"\n\n"
+    return data if name is None else b"event: " + name.encode() + b"\n" + data
 
 
 def _integer_token_ids(value: object) -> object:
@@ -73,15 +78,16 @@ def error_event(error: Exception) -> bytes:
     return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
 
 
-async def write_events(chunks: AsyncGenerator[Message, None],
-                       context: grpc.aio.ServicerContext) -> None:
-    """Writes every chunk as an event, then ``[DONE]``; closes ``chunks`` on the way out
-    (a client that went away cancels this call, which must abort the generation)."""
+async def write_events(chunks: AsyncGenerator[M, None], context: grpc.aio.ServicerContext,
+                       name: Callable[[M], str] | None = None) -> None:
+    """Writes every chunk as an event (named by ``name``, as the Responses API's events
+    are), then ``[DONE]``; closes ``chunks`` on the way out (a client that went away cancels
+    this call, which must abort the generation)."""
     started = False
     async with aclosing(chunks):
         try:
             async for chunk in chunks:
-                await context.write(_body(event(chunk)))
+                await context.write(_body(event(chunk, None if name is None else name(chunk))))
                 started = True
         except Exception as error:  # noqa: BLE001 - after the first event it must be an event
             if not started:

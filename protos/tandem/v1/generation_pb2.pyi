@@ -463,6 +463,232 @@ class ChatCompletionChunk(_message.Message):
     prompt_token_ids: _struct_pb2.ListValue
     def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., created: _Optional[int] = ..., model: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[ChatChunkChoice, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[_struct_pb2.ListValue, _Mapping]] = ...) -> None: ...
 
+class ResponseRequest(_message.Message):
+    __slots__ = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "tools", "tool_choice", "parallel_tool_calls", "text", "store", "previous_response_id", "metadata", "user", "seed", "top_k", "min_p", "repetition_penalty", "cache_salt", "priority", "chat_template_kwargs")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    input: _struct_pb2.Value
+    instructions: str
+    max_output_tokens: int
+    temperature: float
+    top_p: float
+    stream: bool
+    tools: _containers.RepeatedCompositeFieldContainer[ResponseTool]
+    tool_choice: _struct_pb2.Value
+    parallel_tool_calls: bool
+    text: ResponseTextConfig
+    store: bool
+    previous_response_id: str
+    metadata: _containers.ScalarMap[str, str]
+    user: str
+    seed: int
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    cache_salt: str
+    priority: int
+    chat_template_kwargs: _struct_pb2.Struct
+    def __init__(self, model: _Optional[str] = ..., input: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., instructions: _Optional[str] = ..., max_output_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stream: _Optional[bool] = ..., tools: _Optional[_Iterable[_Union[ResponseTool, _Mapping]]] = ..., tool_choice: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., text: _Optional[_Union[ResponseTextConfig, _Mapping]] = ..., store: _Optional[bool] = ..., previous_response_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., user: _Optional[str] = ..., seed: _Optional[int] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+
+class ResponseTool(_message.Message):
+    __slots__ = ("type", "name", "description", "parameters", "strict")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    STRICT_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    name: str
+    description: str
+    parameters: _struct_pb2.Struct
+    strict: bool
+    def __init__(self, type: _Optional[str] = ..., name: _Optional[str] = ..., description: _Optional[str] = ..., parameters: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., strict: _Optional[bool] = ...) -> None: ...
+
+class ResponseTextConfig(_message.Message):
+    __slots__ = ("format",)
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    format: ResponseTextFormat
+    def __init__(self, format: _Optional[_Union[ResponseTextFormat, _Mapping]] = ...) -> None: ...
+
+class ResponseTextFormat(_message.Message):
+    __slots__ = ("type", "name", "description", "schema", "strict")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    STRICT_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    name: str
+    description: str
+    schema: _struct_pb2.Struct
+    strict: bool
+    def __init__(self, type: _Optional[str] = ..., name: _Optional[str] = ..., description: _Optional[str] = ..., schema: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., strict: _Optional[bool] = ...) -> None: ...
+
+class ResponseContentPart(_message.Message):
+    __slots__ = ("type", "text", "annotations")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    ANNOTATIONS_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    text: str
+    annotations: _containers.RepeatedCompositeFieldContainer[_struct_pb2.Struct]
+    def __init__(self, type: _Optional[str] = ..., text: _Optional[str] = ..., annotations: _Optional[_Iterable[_Union[_struct_pb2.Struct, _Mapping]]] = ...) -> None: ...
+
+class ResponseOutputItem(_message.Message):
+    __slots__ = ("type", "id", "status", "role", "content", "call_id", "name", "arguments", "summary")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    id: str
+    status: str
+    role: str
+    content: _containers.RepeatedCompositeFieldContainer[ResponseContentPart]
+    call_id: str
+    name: str
+    arguments: str
+    summary: _struct_pb2.ListValue
+    def __init__(self, type: _Optional[str] = ..., id: _Optional[str] = ..., status: _Optional[str] = ..., role: _Optional[str] = ..., content: _Optional[_Iterable[_Union[ResponseContentPart, _Mapping]]] = ..., call_id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ..., summary: _Optional[_Union[_struct_pb2.ListValue, _Mapping]] = ...) -> None: ...
+
+class ResponseIncompleteDetails(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class ResponseInputTokensDetails(_message.Message):
+    __slots__ = ("cached_tokens",)
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    cached_tokens: int
+    def __init__(self, cached_tokens: _Optional[int] = ...) -> None: ...
+
+class ResponseOutputTokensDetails(_message.Message):
+    __slots__ = ("reasoning_tokens",)
+    REASONING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    reasoning_tokens: int
+    def __init__(self, reasoning_tokens: _Optional[int] = ...) -> None: ...
+
+class ResponseUsage(_message.Message):
+    __slots__ = ("input_tokens", "input_tokens_details", "output_tokens", "output_tokens_details", "total_tokens")
+    INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_TOKENS_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    input_tokens: int
+    input_tokens_details: ResponseInputTokensDetails
+    output_tokens: int
+    output_tokens_details: ResponseOutputTokensDetails
+    total_tokens: int
+    def __init__(self, input_tokens: _Optional[int] = ..., input_tokens_details: _Optional[_Union[ResponseInputTokensDetails, _Mapping]] = ..., output_tokens: _Optional[int] = ..., output_tokens_details: _Optional[_Union[ResponseOutputTokensDetails, _Mapping]] = ..., total_tokens: _Optional[int] = ...) -> None: ...
+
+class Response(_message.Message):
+    __slots__ = ("id", "object", "created_at", "model", "status", "incomplete_details", "output", "usage", "instructions", "max_output_tokens", "temperature", "top_p", "tool_choice", "tools", "text", "parallel_tool_calls", "metadata", "store")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    INCOMPLETE_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    object: str
+    created_at: int
+    model: str
+    status: str
+    incomplete_details: ResponseIncompleteDetails
+    output: _containers.RepeatedCompositeFieldContainer[ResponseOutputItem]
+    usage: ResponseUsage
+    instructions: str
+    max_output_tokens: int
+    temperature: float
+    top_p: float
+    tool_choice: _struct_pb2.Value
+    tools: _containers.RepeatedCompositeFieldContainer[ResponseTool]
+    text: ResponseTextConfig
+    parallel_tool_calls: bool
+    metadata: _containers.ScalarMap[str, str]
+    store: bool
+    def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., created_at: _Optional[int] = ..., model: _Optional[str] = ..., status: _Optional[str] = ..., incomplete_details: _Optional[_Union[ResponseIncompleteDetails, _Mapping]] = ..., output: _Optional[_Iterable[_Union[ResponseOutputItem, _Mapping]]] = ..., usage: _Optional[_Union[ResponseUsage, _Mapping]] = ..., instructions: _Optional[str] = ..., max_output_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., tool_choice: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[ResponseTool, _Mapping]]] = ..., text: _Optional[_Union[ResponseTextConfig, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., metadata: _Optional[_Mapping[str, str]] = ..., store: _Optional[bool] = ...) -> None: ...
+
+class ResponseStreamEvent(_message.Message):
+    __slots__ = ("type", "sequence_number", "response", "output_index", "content_index", "item_id", "item", "part", "delta", "text", "arguments")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_NUMBER_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ITEM_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEM_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    sequence_number: int
+    response: Response
+    output_index: int
+    content_index: int
+    item_id: str
+    item: ResponseOutputItem
+    part: ResponseContentPart
+    delta: str
+    text: str
+    arguments: str
+    def __init__(self, type: _Optional[str] = ..., sequence_number: _Optional[int] = ..., response: _Optional[_Union[Response, _Mapping]] = ..., output_index: _Optional[int] = ..., content_index: _Optional[int] = ..., item_id: _Optional[str] = ..., item: _Optional[_Union[ResponseOutputItem, _Mapping]] = ..., part: _Optional[_Union[ResponseContentPart, _Mapping]] = ..., delta: _Optional[str] = ..., text: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+
 class ListModelsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

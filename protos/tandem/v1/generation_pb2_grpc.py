@@ -27,7 +27,8 @@ if _version_not_supported:
 
 
 class GenerationStub:
-    """Completions, chat completions, models and (de)tokenization, as OpenAI's HTTP API has them.
+    """Completions, chat completions, responses, models and (de)tokenization, as OpenAI's HTTP API
+    has them.
     """
 
     def __init__(self, channel):
@@ -66,6 +67,21 @@ class GenerationStub:
                 request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ChatCompletionRequest.SerializeToString,
                 response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
                 _registered_method=True)
+        self.CreateResponse = channel.unary_unary(
+                '/tandem.v1.Generation/CreateResponse',
+                request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ResponseRequest.SerializeToString,
+                response_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.Response.FromString,
+                _registered_method=True)
+        self.CreateResponseStream = channel.unary_stream(
+                '/tandem.v1.Generation/CreateResponseStream',
+                request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ResponseRequest.SerializeToString,
+                response_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ResponseStreamEvent.FromString,
+                _registered_method=True)
+        self.CreateResponseEvents = channel.unary_stream(
+                '/tandem.v1.Generation/CreateResponseEvents',
+                request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ResponseRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/tandem.v1.Generation/ListModels',
                 request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
@@ -84,7 +100,8 @@ class GenerationStub:
 
 
 class GenerationServicer:
-    """Completions, chat completions, models and (de)tokenization, as OpenAI's HTTP API has them.
+    """Completions, chat completions, responses, models and (de)tokenization, as OpenAI's HTTP API
+    has them.
     """
 
     def Complete(self, request, context):
@@ -125,6 +142,31 @@ class GenerationServicer:
 
     def ChatCompleteEvents(self, request, context):
         """ChatCompleteStream's chunks as server-sent events, as CompleteEvents writes them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateResponse(self, request, context):
+        """OpenAI's Responses API without server-side state: POST /v1/responses with "stream" absent
+        or false. Served by the chat completions machinery (same template, tools, reasoning,
+        structured output), answered in the Responses shape.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateResponseStream(self, request, context):
+        """The response's stream events, in OpenAI's order (see ResponseStreamEvent).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateResponseEvents(self, request, context):
+        """CreateResponseStream's events as server-sent events, each with its type as the event
+        name ("event: TYPE\ndata: {json}\n\n"), "data: [DONE]\n\n" last. The HTTP layer routes
+        POST /v1/responses with "stream": true here.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -181,6 +223,21 @@ def add_GenerationServicer_to_server(servicer, server):
                     request_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ChatCompletionRequest.FromString,
                     response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
             ),
+            'CreateResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateResponse,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ResponseRequest.FromString,
+                    response_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.Response.SerializeToString,
+            ),
+            'CreateResponseStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.CreateResponseStream,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ResponseRequest.FromString,
+                    response_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ResponseStreamEvent.SerializeToString,
+            ),
+            'CreateResponseEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.CreateResponseEvents,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ResponseRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
                     request_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ListModelsRequest.FromString,
@@ -205,7 +262,8 @@ def add_GenerationServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Generation:
-    """Completions, chat completions, models and (de)tokenization, as OpenAI's HTTP API has them.
+    """Completions, chat completions, responses, models and (de)tokenization, as OpenAI's HTTP API
+    has them.
     """
 
     @staticmethod
@@ -359,6 +417,87 @@ class Generation:
             target,
             '/tandem.v1.Generation/ChatCompleteEvents',
             protos_dot_tandem_dot_v1_dot_generation__pb2.ChatCompletionRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Generation/CreateResponse',
+            protos_dot_tandem_dot_v1_dot_generation__pb2.ResponseRequest.SerializeToString,
+            protos_dot_tandem_dot_v1_dot_generation__pb2.Response.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateResponseStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.Generation/CreateResponseStream',
+            protos_dot_tandem_dot_v1_dot_generation__pb2.ResponseRequest.SerializeToString,
+            protos_dot_tandem_dot_v1_dot_generation__pb2.ResponseStreamEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateResponseEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.Generation/CreateResponseEvents',
+            protos_dot_tandem_dot_v1_dot_generation__pb2.ResponseRequest.SerializeToString,
             google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
             options,
             channel_credentials,

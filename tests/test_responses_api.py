@@ -1,0 +1,251 @@
+"""OpenAI's Responses API end to end: the real ``openai`` SDK -> Envoy -> gateway -> P/D.
+
+The same kind of cluster as ``test_envoy_e2e``'s (``tests.openai_http``), one for the
+module. A response must say what the offline engine says for the equivalent chat (greedy,
+float32), streamed or not; the stream's events must come in OpenAI's order and build, in the
+SDK's own accumulator (``client.responses.stream``), the same text; function tools, earlier calls
+and their outputs in the input, structured output and reasoning must come back as their
+items; what cannot be served must be a 400 that names the field, streamed or not.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import openai
+import pytest
+from google.protobuf import json_format
+
+from engine_common.llm import LLM
+from engine_common.output_processor import RequestOutput
+from engine_common.sampling_params import SamplingParams
+from gateway.endpoint_picker import read_request
+from protos.tandem.v1 import generation_pb2, generation_pb2_grpc
+from services.replica.responses_api import chat_request
+from tests.openai_http import (
+    CITY_SCHEMA,
+    CLOCK,
+    TOOL_MESSAGES,
+    WEATHER,
+    Stack,
+    expected_tool_text,
+    offline_engine,
+    running_stack,
+)
+
+INSTRUCTIONS = "be brief"
+QUESTION = "Tell me a \"story\" about envoy"
+MESSAGES = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}]
+
+pytestmark = pytest.mark.timeout(400)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with running_stack(tiny_llama_dir, tmp_path_factory.mktemp("responses-logs")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama_dir: Path) -> LLM:
+    return offline_engine(tiny_llama_dir)
+
+
+def offline_chat(offline: LLM, messages: list[dict[str, Any]], max_tokens: int,
+                 **template: Any) -> tuple[RequestOutput, int]:
+    """The offline engine's greedy answer to a chat, and the rendered prompt's length."""
+    prompt = offline.inputs.tokenize_chat(messages, **template)
+    want = offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]
+    return want, len(prompt)
+
+
+def event_types(events: list[Any]) -> list[str]:
+    return [e.type.removeprefix("response.") for e in events]
+
+
+def test_a_response_says_what_the_chat_says_streamed_or_not(stack: Stack,
+                                                           offline: LLM) -> None:
+    want, prompt_len = offline_chat(offline, MESSAGES, 10)
+    text = want.text
+    status = "incomplete" if want.finish_reason == "length" else "completed"
+    client = stack.client()
+    response = client.responses.create(model="tiny", instructions=INSTRUCTIONS, input=QUESTION,
+                                       max_output_tokens=10, temperature=0,
+                                       metadata={"ticket": "42"})
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert (response.output_text, response.status) == (text, status)
+    if status == "incomplete":
+        assert response.incomplete_details is not None
+        assert response.incomplete_details.reason == "max_output_tokens"
+    [message] = response.output
+    assert message.type == "message" and message.role == "assistant"
+    assert message.id.startswith("msg_") and message.status == status
+    assert response.usage is not None and response.usage.input_tokens == prompt_len
+    assert response.usage.output_tokens == len(want.token_ids)
+    assert response.usage.total_tokens == prompt_len + response.usage.output_tokens
+    assert (response.store, response.metadata, response.max_output_tokens) == (
+        False, {"ticket": "42"}, 10)
+    # The same conversation as input items (system as "developer", content as parts).
+    items = [{"role": "developer", "content": INSTRUCTIONS},
+             {"type": "message", "role": "user",
+              "content": [{"type": "input_text", "text": QUESTION}]}]
+    assert client.responses.create(model="tiny", input=items, max_output_tokens=10,  # type: ignore[arg-type]
+                                   temperature=0).output_text == text
+
+    events = list(client.responses.create(model="tiny", instructions=INSTRUCTIONS,
+                                          input=QUESTION, max_output_tokens=10, temperature=0,
+                                          stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert event_types(events) == [
+        "created", "in_progress", "output_item.added", "content_part.added",
+        *["output_text.delta"] * len(deltas), "output_text.done", "content_part.done",
+        "output_item.done", status]
+    assert events[0].response.status == "in_progress" and not events[0].response.output  # type: ignore[union-attr]
+    assert "".join(d.delta for d in deltas) == text  # type: ignore[attr-defined]
+    assert events[-1].response.output_text == text  # type: ignore[union-attr]
+    assert events[-1].response.usage.input_tokens == prompt_len  # type: ignore[union-attr]
+    # The SDK's own accumulator rebuilds the text from the events (its final response
+    # exists only for a response.completed, as with OpenAI's own incomplete responses).
+    with client.responses.stream(model="tiny", instructions=INSTRUCTIONS, input=QUESTION,
+                                 max_output_tokens=10, temperature=0) as stream:
+        accumulated = list(stream)
+    assert [e.snapshot for e in accumulated  # type: ignore[union-attr]
+            if e.type == "response.output_text.delta"][-1] == text
+    assert accumulated[-1].type == f"response.{status}"
+
+
+def test_function_calls_and_their_outputs(stack: Stack, offline: LLM) -> None:
+    """A named tool choice forces that call, as the chat API's does; the call and its output
+    sent back as input items continue the conversation as tool messages do."""
+    tools = [{"type": "function", **tool["function"]} for tool in (WEATHER, CLOCK)]
+    want = expected_tool_text(offline, {"type": "function", "function": {"name": "get_weather"}})
+    client = stack.client()
+    options: dict[str, Any] = {"model": "tiny", "input": TOOL_MESSAGES, "tools": tools,
+                               "tool_choice": {"type": "function", "name": "get_weather"},
+                               "max_output_tokens": 48, "temperature": 0}
+    response = client.responses.create(**options)
+    [call] = response.output
+    assert call.type == "function_call" and call.id.startswith("fc_")
+    assert call.call_id.startswith("call_") and call.status == "completed"
+    assert (call.name, call.arguments) == ("get_weather", want)
+    assert response.status == "completed" and response.output_text == ""
+
+    events = list(client.responses.create(stream=True, **options))
+    pieces = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    assert event_types(events) == [
+        "created", "in_progress", "output_item.added",
+        *["function_call_arguments.delta"] * len(pieces), "function_call_arguments.done",
+        "output_item.done", "completed"]
+    assert events[2].item.name == "get_weather"  # type: ignore[union-attr]
+    assert "".join(p.delta for p in pieces) == want  # type: ignore[attr-defined]
+    assert events[-3].arguments == want  # type: ignore[union-attr]
+
+    # The call and its result as input items: the chat's assistant turn and tool turn.
+    follow_up = [*TOOL_MESSAGES,
+                 {"type": "function_call", "call_id": call.call_id, "name": "get_weather",
+                  "arguments": want},
+                 {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
+    rendered = [*TOOL_MESSAGES, {"role": "assistant", "content": ""},
+                {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}]
+    text = offline_chat(offline, rendered, 6)[0].text
+    answer = client.responses.create(model="tiny", input=follow_up, tools=tools,  # type: ignore[arg-type]
+                                     tool_choice="none", max_output_tokens=6, temperature=0)
+    assert answer.output_text == text
+
+
+def test_structured_output_and_reasoning_items(stack: Stack, offline: LLM) -> None:
+    client = stack.client()
+    # text.format json_schema is the chat's response_format json_schema.
+    chat = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=40, temperature=0,  # type: ignore[arg-type]
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "city", "schema": CITY_SCHEMA}})
+    response = client.responses.create(
+        model="tiny", instructions=INSTRUCTIONS, input=QUESTION, max_output_tokens=40,
+        temperature=0, text={"format": {"type": "json_schema", "name": "city",
+                                        "schema": CITY_SCHEMA}})
+    assert response.output_text == chat.choices[0].message.content
+    assert json.loads(response.output_text)["city"] in ("Oslo", "Lima")
+
+    # An open <think> block (the tiny template's enable_thinking) makes a reasoning item.
+    kwargs = {"enable_thinking": True}
+    text = offline_chat(offline, MESSAGES, 8, template_kwargs=kwargs)[0].text
+    options: dict[str, Any] = {"model": "tiny", "instructions": INSTRUCTIONS, "input": QUESTION,
+                               "max_output_tokens": 8, "temperature": 0,
+                               "extra_body": {"chat_template_kwargs": kwargs}}
+    response = client.responses.create(**options)
+    [reasoning] = response.output
+    assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_")
+    assert [part.text for part in reasoning.content or []] == [text]
+    assert reasoning.summary == [] and response.output_text == ""
+    events = list(client.responses.create(stream=True, **options))
+    assert "".join(e.delta for e in events  # type: ignore[union-attr]
+                   if e.type == "response.reasoning_text.delta") == text
+    assert event_types(events)[2:4] == ["output_item.added", "content_part.added"]
+
+
+def test_the_grpc_stream_and_the_endpoint_picker(stack: Stack, offline: LLM) -> None:
+    """gRPC clients get the same events as messages; the endpoint picker reads a responses
+    body as the chat it stands for."""
+    request = json_format.ParseDict({"model": "tiny", "instructions": INSTRUCTIONS,
+                                     "input": QUESTION, "max_output_tokens": 6,
+                                     "temperature": 0}, generation_pb2.ResponseRequest())
+    text = offline_chat(offline, MESSAGES, 6)[0].text
+    with grpc.insecure_channel(stack.gateway) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        events = list(stub.CreateResponseStream(request, timeout=60))
+        assert events[-1].response.output[0].content[0].text == text
+        assert stub.CreateResponse(request, timeout=60).output[0].content[0].text == text
+
+    features = read_request("/v1/responses", "application/json",
+                            json_format.MessageToJson(request).encode(), offline.inputs)
+    assert features is not None
+    assert features.prompt_token_ids == offline.inputs.tokenize_chat(MESSAGES)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_what_cannot_be_served_is_a_400_naming_the_field(stack: Stack, stream: bool) -> None:
+    client = stack.client()
+    for options, message in [
+        ({"input": "hi", "previous_response_id": "resp_1"}, "keeps none"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+         "input[0].content[0] has type 'input_image'"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0] has type"),
+        ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
+        ({"input": []}, "non-empty list"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, "function tools only"),
+        ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
+        ({"input": "hi", "temperature": -1}, "temperature must be non-negative"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as raised:
+            result = client.responses.create(model="tiny", stream=stream, **options)
+            list(result)  # type: ignore[call-overload]
+        assert raised.value.status_code == 400 and message in raised.value.message, (
+            options, raised.value.message)
+
+
+def test_the_request_translation_keeps_every_setting() -> None:
+    request = json_format.ParseDict({
+        "model": "tiny", "instructions": "sys", "input": "hi", "max_output_tokens": 5,
+        "temperature": 0.5, "top_p": 0.9, "seed": 3, "top_k": 7, "parallel_tool_calls": False,
+        "cache_salt": "tenant", "priority": 2, "user": "u",
+        "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"},
+                   "strict": True}],
+        "tool_choice": {"type": "function", "name": "f"},
+        "text": {"format": {"type": "json_object"}}}, generation_pb2.ResponseRequest())
+    chat = json_format.MessageToDict(chat_request(request), preserving_proto_field_name=True)
+    assert chat == {
+        "model": "tiny", "user": "u", "cache_salt": "tenant", "priority": 2,
+        "messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}],
+        "max_completion_tokens": 5, "temperature": 0.5, "top_p": 0.9, "seed": "3",
+        "top_k": 7, "parallel_tool_calls": False,
+        "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object"}, "strict": True}}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}},
+        "response_format": {"type": "json_object"},
+        "stream_options": {"include_usage": True}}
