@@ -281,7 +281,7 @@ class ModelRunner:
         one-hot draft: a draft is kept with the probability the model gives it, and a
         rejected position's token comes from the rest of the distribution. A seeded
         request's generator is rewound to have drawn once per token kept, so its output
-        is the same as without drafts."""
+        is the same as without drafts. Logprobs, where asked for, are each position's own."""
         positions: list[int] = []
         for i in speculated:
             end = int(query_start_loc[i + 1])
@@ -291,6 +291,7 @@ class ModelRunner:
         if all(takes_argmax(scheduled[i].request.sampling_params,
                             scheduled[i].request.num_output_tokens) for i in speculated):
             predicted: list[int] = logits.argmax(dim=-1).tolist()
+            logprobs: list[TokenLogprobs | None] = [None] * len(predicted)
         else:
             rows: list[SamplingRow] = []
             for i in speculated:
@@ -302,20 +303,23 @@ class ModelRunner:
                 generator = rows[-1].generator
                 if generator is not None and not is_greedy(request.sampling_params):
                     rewinds[request.request_id] = (generator, generator.get_state())
-            predicted = self.sampler(
-                logits, SamplingBatch.build(rows, self.arch.vocab_size, self.device)
-            ).sampled_token_ids
+            result = self.sampler(
+                logits, SamplingBatch.build(rows, self.arch.vocab_size, self.device))
+            predicted, logprobs = result.sampled_token_ids, result.logprobs
         offset = 0
         for i in speculated:
             drafts = scheduled[i].draft_token_ids
             mine = predicted[offset:offset + len(drafts) + 1]
+            my_logprobs = logprobs[offset:offset + len(drafts) + 1]
             offset += len(drafts) + 1
             accepted = 0
             while accepted < len(drafts) and mine[accepted] == drafts[accepted]:
                 accepted += 1
             request_id = scheduled[i].request.request_id
             output.accepted_drafts[request_id] = drafts[:accepted]
-            output.sampled[request_id] = (mine[accepted], None)
+            if scheduled[i].request.sampling_params.logprobs is not None:
+                output.accepted_draft_logprobs[request_id] = my_logprobs[:accepted]
+            output.sampled[request_id] = (mine[accepted], my_logprobs[accepted])
             if request_id in rewinds:
                 generator, state = rewinds[request_id]
                 generator.set_state(state)

@@ -65,9 +65,10 @@ class ModelRunnerOutput:
 
     sampled: dict[str, tuple[int, TokenLogprobs | None]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-    # Speculative decoding: the leading drafts the model agreed with; the sampled token
-    # follows them.
+    # Speculative decoding: the leading drafts the model agreed with, and their logprobs
+    # for requests that asked for logprobs; the sampled token follows them.
     accepted_drafts: dict[str, list[int]] = field(default_factory=dict)
+    accepted_draft_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
 
 
 @dataclass

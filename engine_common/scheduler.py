@@ -339,11 +339,11 @@ class Scheduler:
     def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
         """Speculative decoding: the drafts for a request's decode step, within the step's
         budget and the request's length limit; none while the batch is large, and none for
-        a request with a grammar or logprobs (its drafts would need their own masks and
-        logprobs)."""
+        a request with a grammar (its drafts would need masks from grammar states it has
+        not reached yet)."""
         if (self.drafter is None or len(self.running) > self.drafter.config.max_batch_size
                 or num_new != 1 or request.num_computed_tokens != request.num_tokens - 1
-                or request.grammar is not None or request.sampling_params.logprobs is not None):
+                or request.grammar is not None):
             return []
         # The step appends the accepted drafts and one more token.
         room = min(budget - 1, request.max_total_tokens - request.num_tokens - 1)
@@ -408,7 +408,8 @@ class Scheduler:
             output = EngineCoreOutput(
                 request_id=request.request_id,
                 new_token_ids=new_token_ids,
-                new_logprobs=[logprobs] if len(new_token_ids) == 1 else [None] * len(new_token_ids),
+                new_logprobs=[*runner_output.accepted_draft_logprobs.get(
+                    request.request_id, [None] * len(accepted)), logprobs][:len(new_token_ids)],
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 num_preemptions=request.num_preemptions,
                 first_scheduled_time=request.first_scheduled_time,

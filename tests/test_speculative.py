@@ -5,7 +5,7 @@ Greedy speculation must not change a single token: the engine with drafts must e
 greedy ``generate`` (fp32) and the engine without drafts, whatever else runs beside it
 (sampled requests, chunked prefills), when a stop token or ``max_tokens`` falls inside a
 run of accepted drafts, and under preemption. Seeded sampled requests (with penalties,
-logit bias, min_tokens) must keep their tokens too. The drafts must actually be proposed and
+logit bias, min_tokens) must keep their tokens too, and logprobs must be each position's own. The drafts must actually be proposed and
 accepted (counted in the metrics), or the test proves nothing.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -111,12 +112,36 @@ def test_drafts_change_nothing_beside_sampling_chunking_and_stops(tiny_llama_dir
     assert run(SPEC) == run(None)
 
 
-def test_requests_with_logprobs_are_not_speculated(tiny_llama_dir, prompts):
-    llm = engine(tiny_llama_dir, SPEC)
-    results = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                                                   min_tokens=MAX_TOKENS, logprobs=1))
-    assert spec_counts(llm, tiny_llama_dir) == (0.0, 0.0)
-    assert all(len(r.logprobs or []) == MAX_TOKENS for r in results)
+def test_logprobs_of_kept_drafts_are_their_positions_own(tiny_llama_dir, prompts):
+    """A request with logprobs speculates too: every token, kept draft or not, carries the
+    logprob, rank and top tokens one token per step gives it (float32: equal to rounding)."""
+    plain = engine(tiny_llama_dir).generate(prompts[2:], GREEDY)[0]
+    # Two tokens that alternate (see the test above), so that drafts are kept; the logprobs
+    # see the bias and the penalty, which counts the kept drafts before each position.
+    pattern = {"logit_bias": {plain.token_ids[3]: 20.0, plain.token_ids[5]: 20.0},
+               "frequency_penalty": 1.0}
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS,
+                             logprobs=3),
+              SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS,
+                             logprobs=3, **pattern),
+              SamplingParams(temperature=0.5, seed=21, max_tokens=MAX_TOKENS, ignore_eos=True,
+                             logprobs=0, **pattern)]
+    batch = [prompts[0], prompts[2], prompts[2]]
+
+    def run(speculative: SpeculativeConfig | None) -> list[tuple[list[int], list[Any]]]:
+        llm = engine(tiny_llama_dir, speculative)
+        results = llm.generate(batch, params)
+        if speculative is not None:
+            assert spec_counts(llm, tiny_llama_dir)[1] > 10
+        return [(r.token_ids, r.logprobs) for r in results]
+
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(run(SPEC), run(None),
+                                                                strict=True):
+        assert tokens == want_tokens and len(logprobs) == len(tokens)
+        for got, want in zip(logprobs, want_logprobs, strict=True):
+            assert (got.token_id, got.rank) == (want.token_id, want.rank)
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+            assert [t for t, _ in got.top] == [t for t, _ in want.top]
 
 
 def test_preemption_with_drafts(tiny_llama_dir, prompts):
