@@ -40,8 +40,7 @@ class SpeculativeConfig:
     """Speculative decoding by n-gram lookup (vLLM's ``ngram`` method): a decode step also
     runs up to ``num_tokens`` drafted tokens and keeps those that match what the model
     samples after them, so the output is the same (greedy, or seeded) or has the same
-    distribution (sampled), sometimes several tokens per step. Requests with a grammar are
-    not speculated."""
+    distribution (sampled), sometimes several tokens per step."""
 
     num_tokens: int = 0  # draft tokens per step; 0: off
     ngram_min: int = 2

@@ -243,8 +243,6 @@ class ModelRunner:
                     if (grammar := scheduled[i].request.grammar) is not None and grammar.masks]
         bitmask = None
         if grammars:
-            # Masked in place (the logits are this step's own), before anything samples:
-            # a greedy constrained row may then take the argmax like any other.
             bitmask = self._apply_grammars(logits, grammars)
         if all(takes_argmax(scheduled[i].request.sampling_params,
                             scheduled[i].request.num_output_tokens) for i in sample_items):
@@ -252,16 +250,10 @@ class ModelRunner:
             output.sampled.update({scheduled[i].request.request_id: (token, None)
                                    for i, token in zip(sample_items, tokens, strict=True)})
             return output
-        rows = []
-        for row, i in enumerate(sample_items):
-            request = scheduled[i].request
-            suppress = self._min_tokens_suppression(request, request.num_output_tokens)
-            if (suppress and bitmask is not None and request.grammar is not None
-                    and request.grammar.masks and not bitmask.allows_other_than(row, suppress)):
-                # The grammar can only end here: it wins over min_tokens, or no token
-                # would be left to sample.
-                suppress = frozenset()
-            rows.append(self._sampling_row(request, request.output_token_ids, suppress))
+        masked_rows = {row for row, _ in grammars}
+        rows = [self._sampling_row(scheduled[i].request, scheduled[i].request.output_token_ids,
+                                   bitmask if row in masked_rows else None, row)
+                for row, i in enumerate(sample_items)]
         batch = SamplingBatch.build(rows, self.arch.vocab_size, dev)
         result = self.sampler(logits, batch)
         output.sampled.update({
@@ -281,25 +273,35 @@ class ModelRunner:
         one-hot draft: a draft is kept with the probability the model gives it, and a
         rejected position's token comes from the rest of the distribution. A seeded
         request's generator is rewound to have drawn once per token kept, so its output
-        is the same as without drafts. Logprobs, where asked for, are each position's own."""
+        is the same as without drafts. Logprobs, where asked for, are each position's own,
+        and a grammar masks each position with its state after the drafts before it."""
         positions: list[int] = []
+        grammars: list[tuple[int, RequestGrammar]] = []  # each position's grammar state
         for i in speculated:
             end = int(query_start_loc[i + 1])
-            positions.extend(range(end - 1 - len(scheduled[i].draft_token_ids), end))
+            item = scheduled[i]
+            if item.request.grammar is not None:
+                states = [item.request.grammar, *item.draft_grammars]
+                grammars.extend((len(positions) + j, state) for j, state in enumerate(states)
+                                if state.masks)
+            positions.extend(range(end - 1 - len(item.draft_token_ids), end))
         logits = self.model.compute_logits(hidden[positions])
+        bitmask = self._apply_grammars(logits, grammars) if grammars else None
         rewinds: dict[str, tuple[torch.Generator, torch.Tensor]] = {}
         if all(takes_argmax(scheduled[i].request.sampling_params,
                             scheduled[i].request.num_output_tokens) for i in speculated):
             predicted: list[int] = logits.argmax(dim=-1).tolist()
             logprobs: list[TokenLogprobs | None] = [None] * len(predicted)
         else:
+            masked_rows = {row for row, _ in grammars}
             rows: list[SamplingRow] = []
             for i in speculated:
                 request, drafts = scheduled[i].request, scheduled[i].draft_token_ids
-                # The sampler suppresses these only at positions still under min_tokens.
-                suppress = self._min_tokens_suppression(request, request.num_output_tokens)
-                rows.extend(self._sampling_row(request, request.output_token_ids + drafts[:j],
-                                               suppress) for j in range(len(drafts) + 1))
+                first = len(rows)
+                rows.extend(self._sampling_row(
+                    request, request.output_token_ids + drafts[:j],
+                    bitmask if first + j in masked_rows else None, first + j)
+                    for j in range(len(drafts) + 1))
                 generator = rows[-1].generator
                 if generator is not None and not is_greedy(request.sampling_params):
                     rewinds[request.request_id] = (generator, generator.get_state())
@@ -326,20 +328,21 @@ class ModelRunner:
                 self._skip_draws(generator, accepted + 1)
 
     def _sampling_row(self, request: Request, output_token_ids: list[int],
-                      suppress_token_ids: frozenset[int]) -> SamplingRow:
-        return SamplingRow(params=request.sampling_params,
-                           prompt_token_ids=request.prompt_token_ids,
-                           output_token_ids=output_token_ids,
-                           generator=self._generator_for(request),
-                           suppress_token_ids=suppress_token_ids)
-
-    def _min_tokens_suppression(self, request: Request, num_output_tokens: int) -> frozenset[int]:
-        """The tokens that would end the request while it has fewer than ``min_tokens``."""
+                      bitmask: GrammarBitmask | None, row: int) -> SamplingRow:
+        """What the sampler needs for one position of ``request`` with ``output_token_ids``
+        before it; ``bitmask``: the step's masks, if a grammar masked this ``row``."""
         params = request.sampling_params
-        if num_output_tokens >= params.min_tokens:
-            return frozenset()
-        eos = frozenset() if params.ignore_eos else self.eos_token_ids
-        return eos | frozenset(params.stop_token_ids)
+        suppress: frozenset[int] = frozenset()
+        if len(output_token_ids) < params.min_tokens:
+            eos = frozenset() if params.ignore_eos else self.eos_token_ids
+            suppress = eos | frozenset(params.stop_token_ids)
+            if bitmask is not None and not bitmask.allows_other_than(row, suppress):
+                # The grammar can only end here: it wins over min_tokens, or no token
+                # would be left to sample.
+                suppress = frozenset()
+        return SamplingRow(params=params, prompt_token_ids=request.prompt_token_ids,
+                           output_token_ids=output_token_ids,
+                           generator=self._generator_for(request), suppress_token_ids=suppress)
 
     def _prompt_logprobs(self, scheduled: list[ScheduledRequest], starts: list[int],
                          query_start_loc: np.ndarray, hidden: torch.Tensor,
@@ -370,6 +373,8 @@ class ModelRunner:
 
     def _apply_grammars(self, logits: torch.Tensor,
                         grammars: list[tuple[int, RequestGrammar]]) -> GrammarBitmask:
+        """Masks ``logits`` in place (they are this step's own), before anything samples:
+        a greedy constrained row may then take the argmax like any other."""
         if self._grammar_bitmask is None:
             self._grammar_bitmask = GrammarBitmask(
                 self.config.scheduler.max_num_seqs, self.arch.vocab_size, self.device)

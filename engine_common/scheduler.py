@@ -23,12 +23,16 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine_common.config import SchedulerConfig, SpeculativeConfig
 from engine_common.kv_cache_manager import KVCacheManager
 from engine_common.ngram_drafter import NgramDrafter
 from engine_common.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
 from engine_common.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from engine_common.structured_output.grammar import RequestGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +43,10 @@ class ScheduledRequest:
     num_new_tokens: int  # the drafts included
     block_ids: list[int]
     # Speculative decoding: tokens guessed to follow the request's last one, run after it
-    # in this step; the model keeps those it agrees with.
+    # in this step; the model keeps those it agrees with. With a grammar, the grammar's
+    # state after each draft (the masks of the positions that follow them).
     draft_token_ids: list[int] = field(default_factory=list)
+    draft_grammars: list[RequestGrammar] = field(default_factory=list)
 
     @property
     def completes_sequence(self) -> bool:
@@ -232,12 +238,13 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
-            drafts = self._drafts(request, num_new, budget)
+            drafts, draft_grammars = self._drafts(request, num_new, budget)
             # Drafts only take blocks that leave one free for each running request.
             if drafts and kv.allocate_slots(request, num_new + len(drafts),
                                             num_reserved_blocks=len(self.running)) is not None:
                 out.scheduled.append(ScheduledRequest(
-                    request, num_new + len(drafts), kv.get_block_ids(request.request_id), drafts))
+                    request, num_new + len(drafts), kv.get_block_ids(request.request_id), drafts,
+                    draft_grammars))
                 budget -= num_new + len(drafts)
                 index += 1
                 continue
@@ -336,18 +343,29 @@ class Scheduler:
                                       num_computed // kv.block_size))
         return True
 
-    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+    def _drafts(self, request: Request, num_new: int,
+                budget: int) -> tuple[list[int], list[RequestGrammar]]:
         """Speculative decoding: the drafts for a request's decode step, within the step's
-        budget and the request's length limit; none while the batch is large, and none for
-        a request with a grammar (its drafts would need masks from grammar states it has
-        not reached yet)."""
+        budget and the request's length limit (none while the batch is large), and for a
+        request with a grammar its states after each: only the leading drafts the grammar
+        allows are kept, short of one that would complete it (the completing token ends the
+        request, and is sampled like any step's last token)."""
         if (self.drafter is None or len(self.running) > self.drafter.config.max_batch_size
-                or num_new != 1 or request.num_computed_tokens != request.num_tokens - 1
-                or request.grammar is not None):
-            return []
+                or num_new != 1 or request.num_computed_tokens != request.num_tokens - 1):
+            return [], []
         # The step appends the accepted drafts and one more token.
         room = min(budget - 1, request.max_total_tokens - request.num_tokens - 1)
-        return self.drafter.propose(request.all_token_ids, room)
+        drafts = self.drafter.propose(request.all_token_ids, room)
+        if request.grammar is None:
+            return drafts, []
+        states: list[RequestGrammar] = []
+        state = request.grammar
+        for token_id in drafts:
+            state = state.fork()
+            if not state.accept(token_id) or state.is_terminated:
+                break
+            states.append(state)
+        return drafts[:len(states)], states
 
     def _cap_new_tokens(self, request: Request, remaining: int, budget: int) -> int:
         threshold = self.config.long_prefill_token_threshold
@@ -395,6 +413,9 @@ class Scheduler:
             if result is None:
                 continue  # a prefill chunk that does not reach the end yet
             token_id, logprobs = result
+            if accepted and item.draft_grammars:
+                # The state that has accepted the kept drafts (the scheduler checked them).
+                request.grammar = item.draft_grammars[len(accepted) - 1]
             if request.grammar is not None and not request.grammar.accept(token_id):
                 outputs.append(self._end_rejected(request, token_id))
                 continue

@@ -12,6 +12,8 @@ accepted (counted in the metrics), or the test proves nothing.
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from engine_common.config import CacheConfig, EngineConfig, SchedulerConfig, Spe
 from engine_common.llm import LLM
 from engine_common.ngram_drafter import NgramDrafter
 from engine_common.sampling_params import SamplingParams
+from engine_common.structured_output.spec import StructuredOutputSpec
 from services.replica.main import build_parser, options_from_args
 from tandem.cli import add_suite_args, suite_config
 from tandem.client import Client
@@ -238,3 +241,43 @@ def test_sampled_requests_keep_their_seeded_tokens(tiny_llama_dir, prompts):
         return results
 
     assert run(SPEC) == run(None)
+
+
+REPEAT = "(alpha bravo )+charlie"
+
+
+def test_grammar_requests_speculate_inside_their_grammar(tiny_llama_dir, prompts):
+    """Structured outputs speculate: only the drafts the grammar allows are run, each
+    position is masked with the grammar's state after the drafts before it, and the kept
+    drafts advance the request's grammar. Greedy, seeded and deferred (the grammar starts
+    after a trigger token) outputs are the same as without drafts, and valid."""
+    free = engine(tiny_llama_dir).generate(
+        [prompts[0]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    trigger = free.token_ids[4]
+    array = {"type": "array", "items": {"enum": ["alpha", "bravo"]}, "minItems": 4,
+             "maxItems": 4}
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                       structured_output=StructuredOutputSpec.parse("regex", REPEAT)),
+        SamplingParams(temperature=0.7, seed=9, max_tokens=MAX_TOKENS,
+                       structured_output=StructuredOutputSpec.parse("json_schema",
+                                                                    json.dumps(array))),
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                       structured_output=StructuredOutputSpec.parse(
+                           "regex", REPEAT, starts_after=(trigger,))),
+    ]
+
+    def run(speculative: SpeculativeConfig | None) -> list[tuple[list[int], str]]:
+        llm = engine(tiny_llama_dir, speculative)
+        results = llm.generate([prompts[0]] * 3, params)
+        if speculative is not None:
+            assert spec_counts(llm, tiny_llama_dir)[1] > 10
+        return [(r.token_ids, r.text) for r in results]
+
+    outputs = run(SPEC)
+    assert outputs == run(None)
+    (_, repeated), (_, listed), (deferred_ids, _) = outputs
+    assert re.fullmatch(REPEAT, repeated) or len(outputs[0][0]) == MAX_TOKENS, repeated
+    assert json.loads(listed) and set(json.loads(listed)) <= {"alpha", "bravo"}
+    start = deferred_ids.index(trigger) + 1
+    assert deferred_ids[:start] == free.token_ids[:start]

@@ -159,6 +159,13 @@ class RequestGrammar:
             return True
         return bool(self._matcher.accept_token(token_id))
 
+    def fork(self) -> RequestGrammar:
+        """An independent copy at the same position (speculative decoding advances one past
+        each draft, to mask the positions after it)."""
+        copy = RequestGrammar(self._matcher.fork(), self._trigger, self._opener)
+        copy._recent, copy._state = self._recent, self._state
+        return copy
+
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and has accepted a stop token: nothing may follow."""
@@ -175,21 +182,25 @@ class GrammarBitmask:
     """The allowed-token masks of one step's constrained rows, applied to the logits in place.
 
     One CPU buffer of ``max_rows`` rows (pinned on CUDA, copied to the device each step) is
-    reused every step: a step's copy has finished before the next step writes the buffer,
-    since every step waits for its sampled tokens.
+    reused every step, grown when a step has more rows: a step's copy has finished before the
+    next step writes the buffer, since every step waits for its sampled tokens.
     """
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size
         self.device = device
-        self._cpu = xgr.allocate_token_bitmask(max_rows, vocab_size)
-        if device.type == "cuda":
-            self._cpu = self._cpu.pin_memory()
+        self._cpu = self._allocate(max_rows)
+
+    def _allocate(self, num_rows: int) -> torch.Tensor:
+        buffer = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+        return buffer.pin_memory() if self.device.type == "cuda" else buffer
 
     def apply(self, logits: torch.Tensor, grammars: Sequence[tuple[int, RequestGrammar]]) -> None:
         """Set every token that ``grammar`` forbids next to -inf in ``logits[row]``, for each
         (row, grammar); other rows are left alone. The rows' masks stay readable
         (``allows_other_than``) until the next call."""
+        if logits.shape[0] > self._cpu.shape[0]:  # speculative steps have a row per draft
+            self._cpu = self._allocate(logits.shape[0])
         for row, grammar in grammars:
             grammar.fill_bitmask(self._cpu, row)
         num_rows = logits.shape[0]
