@@ -3,8 +3,9 @@
 Chat tasks on the default model (SmolLM2-135M-Instruct, bf16), one request at a time
 (where a decode step is memory-bound and checking drafts costs almost nothing): one that
 copies from its prompt (rewrite a paragraph with one change, as editing and extraction do),
-greedy and sampled (temperature 0.7, seeded), and one that does not (an open question,
-greedy). Each task runs with ``--speculative-ngram 4`` and without, in ``--rounds``
+greedy and sampled (temperature 0.7, seeded), one that fills a JSON schema from its prompt
+(greedy, constrained: drafts run inside the grammar), and one that does not copy (an open
+question, greedy). Each task runs with ``--speculative-ngram 4`` and without, in ``--rounds``
 interleaved rounds; reported: output tokens/s (medians and every round), the ratio, the
 share of drafts accepted, and where the two runs' outputs first differ, if they do:
 speculation changes no token of a greedy or seeded request in exact arithmetic (the tests
@@ -36,6 +37,7 @@ from engine_common.default_model import ensure_default_model  # noqa: E402
 from engine_common.llm import LLM  # noqa: E402
 from engine_common.model.attention.backend import AttentionMetadata  # noqa: E402
 from engine_common.sampling_params import SamplingParams  # noqa: E402
+from engine_common.structured_output.spec import StructuredOutputSpec  # noqa: E402
 
 PARAGRAPH = (
     "The night train to the coast leaves from platform four at eleven. It stops at the old "
@@ -45,20 +47,30 @@ PARAGRAPH = (
 )
 COPY_EDIT = (f"Rewrite this text exactly as it is, but say platform five instead of "
              f"platform four:\n\n{PARAGRAPH}")
-# name -> (prompt, temperature); the sampled task is seeded, so both runs draw the same.
-TASKS = {
-    "copy-edit": (COPY_EDIT, 0.0),
-    "copy-edit-sampled": (COPY_EDIT, 0.7),
-    "open-question": ("Why do trains run on rails? Explain it to a child.", 0.0),
+EXTRACT = (f"Fill in this JSON from the text: the platform, the stops and the luggage rule, "
+           f"each in the text's own words.\n\n{PARAGRAPH}")
+EXTRACT_SCHEMA = {"type": "object", "properties": {
+    "platform": {"type": "string"}, "stops": {"type": "array", "items": {"type": "string"}},
+    "luggage": {"type": "string"}}, "required": ["platform", "stops", "luggage"]}
+# name -> (prompt, temperature, constraint); the sampled task is seeded, so both runs draw
+# the same.
+TASKS: dict[str, tuple[str, float, StructuredOutputSpec | None]] = {
+    "copy-edit": (COPY_EDIT, 0.0, None),
+    "copy-edit-sampled": (COPY_EDIT, 0.7, None),
+    "json-extract": (EXTRACT, 0.0,
+                     StructuredOutputSpec.parse("json_schema", json.dumps(EXTRACT_SCHEMA))),
+    "open-question": ("Why do trains run on rails? Explain it to a child.", 0.0, None),
 }
 
 
-def run(model: Path, prompt: list[int], temperature: float, num_drafts: int, max_tokens: int,
+def run(model: Path, prompt: list[int], task: str, num_drafts: int, max_tokens: int,
         ) -> tuple[float, list[int], float]:
     """Seconds, output tokens, share of drafts accepted."""
     llm = LLM(EngineConfig(model=str(model), dtype="bfloat16",
                            speculative=SpeculativeConfig(num_tokens=num_drafts)))
-    params = SamplingParams(temperature=temperature, seed=0, max_tokens=max_tokens)
+    _, temperature, constraint = TASKS[task]
+    params = SamplingParams(temperature=temperature, seed=0, max_tokens=max_tokens,
+                            structured_output=constraint)
     llm.generate([prompt[:8]], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     start = time.perf_counter()
     result = llm.generate([prompt], params)[0]
@@ -109,7 +121,7 @@ def main() -> None:
     model = ensure_default_model()
     probe = LLM(EngineConfig(model=str(model), dtype="bfloat16"))
     prompts = {name: probe.inputs.tokenize_chat([{"role": "user", "content": text}])
-               for name, (text, _) in TASKS.items()}
+               for name, (text, _, _) in TASKS.items()}
     step_cost = {}
     for batch in (1, 4, 16):
         one, five = step_seconds(probe, batch, 1), step_seconds(probe, batch, 5)
@@ -121,14 +133,13 @@ def main() -> None:
 
     results: dict[str, object] = {}
     for name, prompt in prompts.items():
-        temperature = TASKS[name][1]
+        _, temperature, constraint = TASKS[name]
         seconds: dict[str, list[float]] = {"speculative": [], "plain": []}
         outputs: dict[str, list[int]] = {}
         acceptance = 0.0
         for round_index in range(args.rounds):
             for mode, drafts in (("speculative", 4), ("plain", 0)):
-                elapsed, tokens, accepted = run(model, prompt, temperature, drafts,
-                                                args.max_tokens)
+                elapsed, tokens, accepted = run(model, prompt, name, drafts, args.max_tokens)
                 seconds[mode].append(elapsed)
                 outputs[mode] = tokens
                 if drafts:
@@ -141,6 +152,7 @@ def main() -> None:
                  for mode, runs in seconds.items()}
         results[name] = {
             "temperature": temperature,
+            "json_schema": constraint is not None,
             "output_tokens": {mode: len(tokens) for mode, tokens in outputs.items()},
             "tokens_per_s": rates,
             "seconds_per_round": seconds,

@@ -1,9 +1,11 @@
 """Draft tokens for speculative decoding by n-gram lookup ("prompt lookup decoding").
 
 Owns proposing, for a sequence, the tokens that followed the latest earlier occurrence of its
-last n tokens (the longest n in ``[ngram_min, ngram_max]`` that occurs): text that repeats
-its prompt or itself (quoting, editing code, extraction, lists) is predicted for free, and a
-decode step checks the guess at almost no extra cost where it is memory-bound. It does not
+last n tokens (the longest n in ``[ngram_min, ngram_max]`` that occurs), continuing past the
+end of the sequence as an overlapping copy (a loop of period p repeats every p tokens): text
+that repeats its prompt or itself (quoting, editing code, extraction, lists) is predicted
+for free, and a decode step checks the guess at almost no extra cost where it is
+memory-bound. It does not
 decide which requests speculate or check the drafts (``scheduler``, ``model_runner``).
 """
 
@@ -39,5 +41,8 @@ class NgramDrafter:
             starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
             if starts.size:
                 follow = int(starts[-1]) + n  # the latest occurrence's next token
-                return tokens[follow:follow + limit].tolist()
+                # Copied as if the drafts were already there (an overlapping copy): a match
+                # close to the end repeats its period instead of running out of tokens.
+                period = len(tokens) - follow
+                return [int(tokens[follow + i % period]) for i in range(limit)]
         return []

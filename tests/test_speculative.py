@@ -46,6 +46,9 @@ def test_drafter_continues_the_latest_longest_match():
     # A longer match wins over a more recent shorter one: "2 3" -> 4, not "3" -> 9.
     assert drafter.propose([2, 3, 4, 1, 3, 9, 5, 2, 3], 10) == [4, 1, 3]
     assert drafter.propose([1, 2, 3, 1, 2, 3, 1, 2], 2) == [3, 1]  # capped by the caller
+    # A match near the end continues as an overlapping copy: the loop repeats.
+    assert drafter.propose([4, 9, 1, 2, 1, 2], 10) == [1, 2, 1]
+    assert drafter.propose([4, 7, 7], 10) == [7, 7, 7]
     assert drafter.propose([1, 2, 3, 4], 5) == []  # nothing repeats
     assert drafter.propose([5], 5) == [] and drafter.propose([5, 5], 0) == []
     with pytest.raises(ValueError, match="ngram_min"):
