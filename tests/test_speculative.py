@@ -95,27 +95,38 @@ def test_greedy_output_equals_hf_with_drafts_accepted(tiny_llama_dir, prompts):
 
 def test_drafts_change_nothing_beside_sampling_chunking_and_stops(tiny_llama_dir, prompts):
     """One batch: greedy requests (some with a stop token, one cut by max_tokens inside a
-    run of drafts), a seeded sampled request and a long prompt chunked by a small budget;
-    with and without speculation, every output is the same."""
+    run of drafts, one with a stop string that several kept drafts reach at once), a seeded
+    sampled request and a long prompt chunked by a small budget; with and without
+    speculation, every output is the same."""
     plain = engine(tiny_llama_dir, budget=24).generate(prompts, GREEDY)
     # A token the first output produces late: the stop falls mid-stream.
     stop_token = plain[0].token_ids[25]
+    # Two tokens that alternate (see test_sampled_requests_keep_their_seeded_tokens), so
+    # that drafts are kept, and a stop string spanning a few of them, late in the text.
+    x, y = plain[2].token_ids[3], plain[2].token_ids[5]
+    pattern = {"logit_bias": {x: 20.0, y: 20.0}, "frequency_penalty": 1.0}
+    looped = engine(tiny_llama_dir).generate(
+        [prompts[2]], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, **pattern))[0]
+    stop_text = looped.text[-12:-5]
     params = [
         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[stop_token]),
         SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True),
         SamplingParams(temperature=0.9, seed=3, max_tokens=20, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=[stop_text], **pattern),
     ]
-    batch = [*prompts, prompts[0] * 4]
+    batch = [*prompts, prompts[0] * 4, prompts[2]]
 
-    def run(speculative: SpeculativeConfig | None) -> list[tuple[list[int], str | None]]:
+    def run(speculative: SpeculativeConfig | None) -> list[tuple[list[int], str, str | None]]:
         llm = engine(tiny_llama_dir, speculative, budget=24)
         results = llm.generate(batch, params)
         if speculative is not None:
             assert spec_counts(llm, tiny_llama_dir)[1] > 0
-        return [(r.token_ids, r.finish_reason) for r in results]
+        return [(r.token_ids, r.text, r.finish_reason) for r in results]
 
-    assert run(SPEC) == run(None)
+    outputs = run(SPEC)
+    assert outputs == run(None)
+    assert outputs[-1][2] == "stop" and stop_text not in outputs[-1][1]
 
 
 def test_logprobs_of_kept_drafts_are_their_positions_own(tiny_llama_dir, prompts):
