@@ -72,13 +72,18 @@ class IncrementalDetokenizer:
     def stopped(self) -> bool:
         return self.stop_string is not None
 
-    def update(self, new_token_ids: list[int]) -> str | None:
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
         """Append tokens; return the stop string if one now appears in the text, else None.
 
-        After a stop string has matched, further tokens are ignored.
+        ``stop_terminated``: the last token ended the request (EOS, a stop token id); as in
+        vLLM V1 it adds no text unless ``include_stop_str_in_output``, so an EOS decoded with
+        ``skip_special_tokens`` off does not end up in the answer. After a stop string has
+        matched, further tokens are ignored.
         """
         if self.stopped:
             return None
+        if stop_terminated and not self._include_stop:
+            new_token_ids = new_token_ids[:-1]
         old_len = len(self._text)
         pieces = [self._decode_next(token_id) for token_id in new_token_ids]
         self.num_output_tokens += len(new_token_ids)

@@ -108,7 +108,10 @@ class OutputProcessor:
             if state.scheduled_time is None:
                 state.scheduled_time = out.first_scheduled_time
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
-            stop_string = state.detokenizer.update(out.new_token_ids) if out.new_token_ids else None
+            # A stop by token (EOS, a stop id, a complete grammar's EOS) has no string reason.
+            stop_terminated = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+            stop_string = (state.detokenizer.update(out.new_token_ids, stop_terminated)
+                           if out.new_token_ids else None)
             if stop_string is not None and finish_reason is None:
                 finish_reason, stop_reason = "stop", stop_string
                 to_abort.append(out.request_id)

@@ -1,4 +1,5 @@
-"""The output processor across a resumed stream: no text lost, stop strings still caught.
+"""The output processor: across a resumed stream no text is lost and stop strings are still
+caught; the token that stopped a request shows no text.
 
 When a replica dies mid-stream the gateway resumes on another replica with the tokens
 already streamed appended to the prompt. Text the first replica was holding back (the start
@@ -48,3 +49,27 @@ def test_resumed_stream_emits_held_back_text_and_catches_spanning_stops(tiny_lla
     c.add_request("r", prompt + first, params, 0.0, num_resumed_tokens=len(first))
     more, reason = stream(c, "r", tokenizer("ld peace", add_special_tokens=False).input_ids)
     assert reason == "stop" and sent + more == " and the "
+
+
+def test_the_token_that_stopped_a_request_adds_no_text(tiny_llama_dir):
+    """As vLLM V1: a request stopped by a token (EOS, a stop token id) does not show that
+    token's text, even with skip_special_tokens off (a parser that needs special tokens must
+    not see EOS in the answer), unless include_stop_str_in_output asks for it."""
+    tokenizer = load_tokenizer(str(tiny_llama_dir))
+    words = tokenizer(" alpha bravo", add_special_tokens=False).input_ids
+    eos = tokenizer.eos_token_id
+
+    def answer(last: int, stop_reason: int | None, **options: object) -> str:
+        processor = OutputProcessor(tokenizer)
+        processor.add_request("r", [1, 2], SamplingParams(max_tokens=16, **options), 0.0)
+        [out], _ = processor.process(EngineCoreOutputs(outputs=[EngineCoreOutput(
+            "r", [*words, last], finish_reason="stop", stop_reason=stop_reason)]))
+        assert out.finished and out.new_token_ids == [*words, last]  # the ids keep it
+        return out.delta_text
+
+    plain = tokenizer.decode(words)
+    assert answer(eos, None, skip_special_tokens=False) == plain
+    assert answer(words[0], words[0], stop_token_ids=[words[0]]) == plain
+    assert answer(words[0], words[0], stop_token_ids=[words[0]],
+                  include_stop_str_in_output=True) == tokenizer.decode([*words, words[0]])
+    assert tokenizer.decode([eos], skip_special_tokens=False)  # EOS has text to leave out
