@@ -17,7 +17,7 @@ from engine_common.input_processor import InputProcessor, InvalidRequestError
 from engine_common.tokenizer import load_tokenizer
 from protos.tandem.v1 import generation_pb2 as pb
 from services.replica.errors import InvalidArgument
-from services.replica.openai_api import chat_messages
+from services.replica.openai_api import chat_messages, chat_to_engine_request
 from services.replica.tool_call_parsers import chat_template_call_format
 from services.replica.tool_calls import tool_plan
 from services.replica.validation import struct_to_dict
@@ -214,6 +214,70 @@ LLAMA3_SPLITS = [
 ]
 
 
+MISTRAL_TEXTS = [
+    "The weather is fine.",
+    # Mistral 7B v0.3 / Nemo: a JSON list after the tag.
+    'Let me check.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+    '{"name": "get_time", "arguments": {}}]',
+    # Tokenizers v11 on: name[ARGS]arguments after each tag, maybe a [CALL_ID].
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Lima", "days": 2}[TOOL_CALLS]get_time[ARGS]{}',
+    '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS] {"city": "Oslo"} ',
+    '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": ',  # cut off by max_tokens
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Li',  # cut off by max_tokens
+    "a [TOOL_CALL is not the tag",
+]
+# (content, [(name, arguments)]) of each text above.
+MISTRAL_SPLITS = [
+    ("The weather is fine.", []),
+    ("Let me check.", [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]),
+    (None, [("get_weather", '{"city": "Lima", "days": 2}'), ("get_time", "{}")]),
+    (None, [("get_weather", '{"city": "Oslo"}')]),
+    (None, [("get_weather", '{"city": ')]),
+    (None, [("get_weather", '{"city": "Li')]),
+    ("a [TOOL_CALL is not the tag", []),
+]
+
+
+def test_mistral_text_splits_into_content_and_calls() -> None:
+    plan = tool_plan(chat_request(tools=[WEATHER, CLOCK]), "mistral")
+    for text, (content, calls) in zip(MISTRAL_TEXTS, MISTRAL_SPLITS, strict=True):
+        got_content, got_calls = plan.split(text)
+        assert (got_content, [(c.function.name, c.function.arguments) for c in got_calls]) \
+            == (content, calls), text
+        # Mistral's templates take back only ids of 9 letters and digits.
+        assert all(len(c.id) == 9 and c.id.isalnum() for c in got_calls)
+
+
+def test_a_mistral_template_gets_its_tags_and_its_call_ids(tiny_llama_dir: Path) -> None:
+    """Under "auto" a Mistral model's request keeps special tokens in its text (the call
+    tags are special tokens), and earlier turns' call ids reach the template as the 9 letters
+    and digits it insists on, the call and its result still paired."""
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}"
+        "{% if c.id | length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric "
+        "strings with length 9!') }}{% endif %}[TOOL_CALLS]{{ c.function.name }}:{{ c.id }}"
+        "{% endfor %}{% if m.role == 'tool' %} result {{ m.tool_call_id }}"
+        "{% else %} {{ m.content }}{% endif %}{% endfor %}")
+    assert chat_template_call_format(tokenizer.chat_template) == "mistral"
+    inputs = InputProcessor(tokenizer, max_model_len=512, vocab_size=len(tokenizer))
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "tool_calls": [{
+                   "id": "call_0123456789abcdef", "type": "function",
+                   "function": {"name": "get_weather", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "call_0123456789abcdef", "content": "sunny"}]
+    chat = chat_to_engine_request(chat_request(messages=history, tools=[WEATHER]), inputs)
+    assert chat.tools.mode == "auto" and chat.tools.call_format == "mistral"
+    assert not chat.engine.params.skip_special_tokens
+    assert tokenizer.decode(chat.engine.prompt_token_ids).endswith(
+        "[TOOL_CALLS]get_weather:789abcdef  result 789abcdef")
+    asked = chat_to_engine_request(chat_request(messages=history, tools=[WEATHER],
+                                                skip_special_tokens=True), inputs)
+    assert asked.engine.params.skip_special_tokens  # the client's choice stands
+    plain = chat_to_engine_request(chat_request(messages=history), inputs)
+    assert plain.engine.params.skip_special_tokens  # no tools: nothing to parse
+
+
 def test_auto_is_served_for_templates_whose_call_syntax_is_known(tiny_llama_dir: Path) -> None:
     tokenizer = load_tokenizer(tiny_llama_dir)
     assert chat_template_call_format(tokenizer.chat_template) is None
@@ -268,7 +332,8 @@ def test_hermes_text_splits_into_content_and_calls() -> None:
 
 @pytest.mark.parametrize(("call_format", "text"), [
     *(("hermes", text) for text in HERMES_TEXTS),
-    *(("llama3_json", text) for text in LLAMA3_TEXTS)])
+    *(("llama3_json", text) for text in LLAMA3_TEXTS),
+    *(("mistral", text) for text in MISTRAL_TEXTS)])
 @pytest.mark.parametrize("piece", [1, 3, 7])
 def test_a_streamed_auto_choice_says_what_the_response_says(call_format: str, text: str,
                                                             piece: int) -> None:
@@ -293,3 +358,4 @@ def test_a_streamed_auto_choice_says_what_the_response_says(call_format: str, te
     assert chunks[-1].choices[0].finish_reason == response.choices[0].finish_reason
     # Nothing of a tag is ever shown as content.
     assert "<tool_call>" not in streamed_content or not message.tool_calls
+    assert "[TOOL_CALLS]" not in streamed_content

@@ -53,8 +53,10 @@ from services.replica.reasoning import (
 )
 from services.replica.served_model import ServedModel
 from services.replica.tool_call_parsers import (
+    MISTRAL_FORMAT,
     CallStream,
     chat_template_call_format,
+    mistral_call_id,
     new_tool_call_id,
 )
 from services.replica.tool_calls import ToolPlan, template_tool_calls, tool_plan
@@ -275,11 +277,13 @@ def _prompt_logprobs(request: pb.CompletionRequest | pb.ChatCompletionRequest) -
     return request.prompt_logprobs if request.HasField("prompt_logprobs") else None
 
 
-def chat_messages(messages: Sequence[pb.ChatMessage],
-                  max_model_len: int) -> list[dict[str, Any]]:
+def chat_messages(messages: Sequence[pb.ChatMessage], max_model_len: int,
+                  call_format: str | None = None) -> list[dict[str, Any]]:
     """OpenAI-style message dicts for the chat template, their contents as plain strings (an
-    assistant turn's tool calls and reasoning, a tool turn's call id kept); rejects contents
-    too long to fit the context before the template runs over them."""
+    assistant turn's tool calls and reasoning, a tool turn's call id kept; for a Mistral
+    template, call ids cut to the 9 letters and digits it accepts); rejects contents too long
+    to fit the context before the template runs over them."""
+    call_id = mistral_call_id if call_format == MISTRAL_FORMAT else str
     converted = []
     for i, message in enumerate(messages):
         entry: dict[str, Any] = {
@@ -289,8 +293,10 @@ def chat_messages(messages: Sequence[pb.ChatMessage],
             entry["name"] = message.name
         if message.tool_calls:
             entry["tool_calls"] = template_tool_calls(list(message.tool_calls))
+            for call in entry["tool_calls"]:
+                call["id"] = call_id(call["id"])
         if message.tool_call_id:
-            entry["tool_call_id"] = message.tool_call_id
+            entry["tool_call_id"] = call_id(message.tool_call_id)
         if message.reasoning or message.reasoning_content:
             entry["reasoning_content"] = message.reasoning or message.reasoning_content
         converted.append(entry)
@@ -322,12 +328,16 @@ def chat_to_engine_request(request: pb.ChatCompletionRequest,
     logprobs: int | None = None
     if request.logprobs:
         logprobs = request.top_logprobs if request.HasField("top_logprobs") else 0
-    tools = tool_plan(request, chat_template_call_format(
-        getattr(inputs.tokenizer, "chat_template", None)))
+    call_format = chat_template_call_format(getattr(inputs.tokenizer, "chat_template", None))
+    tools = tool_plan(request, call_format)
     params = replace(_sampling_params(request, max_tokens, logprobs, tools),
                      prompt_logprobs=_prompt_logprobs(request))
+    if (call_format == MISTRAL_FORMAT and tools.mode == "auto"
+            and not request.HasField("skip_special_tokens")):
+        # Mistral's call tags are special tokens: the parser must see them.
+        params = replace(params, skip_special_tokens=False)
     prompt = inputs.render_chat(
-        chat_messages(request.messages, inputs.max_model_len), tools.tools,
+        chat_messages(request.messages, inputs.max_model_len, call_format), tools.tools,
         chat_template_kwargs(request),
         add_generation_prompt=_flag(request, "add_generation_prompt", True),
         continue_final_message=_flag(request, "continue_final_message", False))
@@ -794,7 +804,9 @@ def tokenize_response(request: pb.TokenizeRequest, inputs: InputProcessor) -> pb
     if request.prompt and request.messages:
         raise InvalidArgument("give either prompt or messages, not both")
     if request.messages:
-        messages = chat_messages(request.messages, inputs.max_model_len)
+        messages = chat_messages(request.messages, inputs.max_model_len,
+                                 chat_template_call_format(
+                                     getattr(inputs.tokenizer, "chat_template", None)))
         # Counting a conversation as it stands needs the template without the assistant's
         # turn header that generation appends.
         tokens = inputs.tokenize_rendered(inputs.render_chat(

@@ -1,15 +1,21 @@
 """Tool calls out of a model's own text, for ``tool_choice: "auto"`` (vLLM's tool parsers).
 
 Under ``auto`` the model decides whether to call, and writes a call in its family's syntax,
-which its chat template teaches it. Two syntaxes are read, each recognised in the template:
+which its chat template teaches it. Three syntaxes are read, each recognised in the template:
 
 - Hermes (Qwen2.5, Qwen3, Hermes, many others; vLLM's ``hermes``): text, then
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks;
+- Mistral (vLLM's ``mistral``): text, then ``[TOOL_CALLS]`` and either a JSON list of
+  ``{"name": ..., "arguments": {...}}`` objects (Mistral 7B v0.3, Nemo, Small 2501) or, with
+  tokenizers v11 on (Small 3.1 / 3.2, Magistral, Devstral), ``name[ARGS]{...}`` after each
+  ``[TOOL_CALLS]`` (a ``[CALL_ID]...`` after the name is dropped). Those tags are special
+  tokens: the request decodes with ``skip_special_tokens`` off (``openai_api``), and its ids
+  are 9 letters and digits, the only ids Mistral's templates accept;
 - Llama 3 JSON (Llama 3.1 / 3.2 / 3.3 Instruct; vLLM's ``llama3_json``): the whole answer is
   ``{"name": ..., "parameters": {...}}``, several joined by ``;``, maybe after
   ``<|python_tag|>``; an answer that does not begin with ``{`` is plain content.
 
-Both stream: the content up to the first call (never a piece of a tag), then each call's id
+All stream: the content up to the first call (never a piece of a tag), then each call's id
 and name as soon as its ``"arguments":`` (or ``"parameters":``) is read, then its arguments
 as the model writes them, holding back only what may be the call object's closing brace or
 a closing tag. A call in another key order is parsed whole when it ends; one that is no call
@@ -24,6 +30,8 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass
 
@@ -31,7 +39,13 @@ from protos.tandem.v1 import generation_pb2 as pb
 from services.replica.streamed_tags import partial_tag_length
 
 HERMES_FORMAT = "hermes"
+MISTRAL_FORMAT = "mistral"
 LLAMA3_JSON_FORMAT = "llama3_json"
+_MISTRAL_CALLS = "[TOOL_CALLS]"
+_MISTRAL_ARGS = "[ARGS]"
+_MISTRAL_CALL_ID = "[CALL_ID]"
+_MISTRAL_ID_LENGTH = 9
+_ID_ALPHABET = string.ascii_letters + string.digits
 _HERMES_OPEN = "<tool_call>"
 _HERMES_CLOSE = "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
@@ -52,6 +66,8 @@ def chat_template_call_format(chat_template: object) -> str | None:
         return None
     if _HERMES_OPEN in chat_template:
         return HERMES_FORMAT
+    if _MISTRAL_CALLS in chat_template:
+        return MISTRAL_FORMAT
     if _LLAMA3_JSON_MARKER in chat_template:
         return LLAMA3_JSON_FORMAT
     return None
@@ -59,6 +75,17 @@ def chat_template_call_format(chat_template: object) -> str | None:
 
 def new_tool_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def new_mistral_call_id() -> str:
+    """Nine letters and digits: Mistral's chat templates refuse any other call id."""
+    return "".join(secrets.choice(_ID_ALPHABET) for _ in range(_MISTRAL_ID_LENGTH))
+
+
+def mistral_call_id(call_id: str) -> str:
+    """An earlier turn's call id as Mistral's templates accept it: its last nine letters
+    and digits (vLLM truncates the same way), so that call and result still pair up."""
+    return "".join(c for c in call_id if c in _ID_ALPHABET)[-_MISTRAL_ID_LENGTH:]
 
 
 @dataclass
@@ -76,6 +103,10 @@ class CallStream:
 
     # The tag that ends a call's text, of which a partial end is held back ("": none).
     closing_tag = ""
+
+    @staticmethod
+    def new_id() -> str:
+        return new_tool_call_id()
 
     def __init__(self) -> None:
         self.text = ""
@@ -127,7 +158,7 @@ class CallStream:
             self._call = _OpenCall(self.num_calls, header.end())
             self.num_calls += 1
             deltas.append(pb.ToolCallDelta(
-                index=self._call.index, id=new_tool_call_id(), type="function",
+                index=self._call.index, id=self.new_id(), type="function",
                 function=pb.FunctionCallDelta(name=name)))
         call = self._call
         # The header's match may end before the space that follows "arguments": in a later
@@ -159,7 +190,7 @@ class CallStream:
         if not isinstance(name, str):
             return []
         index, self.num_calls = self.num_calls, self.num_calls + 1
-        return [pb.ToolCallDelta(index=index, id=new_tool_call_id(), type="function",
+        return [pb.ToolCallDelta(index=index, id=self.new_id(), type="function",
                                  function=pb.FunctionCallDelta(name=name, arguments=(
                                      arguments if isinstance(arguments, str)
                                      else json.dumps(arguments, ensure_ascii=False))))]
@@ -247,10 +278,100 @@ class Llama3JsonStream(CallStream):
             self._end_call()
 
 
+class MistralStream(CallStream):
+    """Content, then ``[TOOL_CALLS]`` and a JSON list of calls, or ``name[ARGS]arguments``
+    after each ``[TOOL_CALLS]``; the first tag decides which."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mode = "content"  # then "deciding", and "list" or "args"
+        self._scan = 0  # where to read next
+        self._object: int | None = None  # list: where the open call object begins
+
+    @staticmethod
+    def new_id() -> str:
+        return new_mistral_call_id()
+
+    def _advance(self, final: bool) -> tuple[str, list[pb.ToolCallDelta]]:
+        text, content = self.text, ""
+        if self._mode == "content":
+            start = text.find(_MISTRAL_CALLS, self._shown)
+            if start < 0:
+                end = len(text) if final else len(text) - partial_tag_length(text, _MISTRAL_CALLS)
+                content, self._shown = text[self._shown:end], max(self._shown, end)
+                return content, []
+            content, self._shown = text[self._shown:start], start
+            self._mode, self._scan = "deciding", start + len(_MISTRAL_CALLS)
+        if self._mode == "deciding":
+            lead = text[self._scan:].lstrip()
+            if not lead:
+                return content, []
+            if lead.startswith("["):
+                self._mode, self._scan = "list", len(text) - len(lead) + 1
+            else:
+                self._mode = "args"
+        calls = self._advance_list(final) if self._mode == "list" else self._advance_args(final)
+        return content, calls
+
+    def _advance_list(self, final: bool) -> list[pb.ToolCallDelta]:
+        text = self.text
+        deltas: list[pb.ToolCallDelta] = []
+        while True:
+            if self._object is None:
+                start = self._scan
+                while start < len(text) and (text[start].isspace() or text[start] == ","):
+                    start += 1
+                if start >= len(text) or text[start] != "{":
+                    return deltas  # more to come, the list's end, or no call: nothing more
+                self._object = start
+            try:
+                _, end = json.JSONDecoder().raw_decode(text, self._object)
+            except json.JSONDecodeError:
+                end = None
+            body = text[self._object:] if end is None else text[self._object:end]
+            deltas += self._read_call(body, closed=end is not None or final)
+            if end is None:
+                return deltas
+            self._object, self._scan = None, end
+            self._end_call()
+
+    def _advance_args(self, final: bool) -> list[pb.ToolCallDelta]:
+        text = self.text
+        deltas: list[pb.ToolCallDelta] = []
+        while True:
+            if self._call is None:
+                args_at = text.find(_MISTRAL_ARGS, self._scan)
+                if args_at < 0:
+                    return deltas  # the name is still coming (or the text ended without one)
+                name = text[self._scan:args_at].split(_MISTRAL_CALL_ID)[0].strip()
+                self._call = _OpenCall(self.num_calls, args_at + len(_MISTRAL_ARGS))
+                self.num_calls += 1
+                deltas.append(pb.ToolCallDelta(
+                    index=self._call.index, id=self.new_id(), type="function",
+                    function=pb.FunctionCallDelta(name=name)))
+            call = self._call
+            next_tag = text.find(_MISTRAL_CALLS, call.arguments_at)
+            end = next_tag if next_tag >= 0 else len(text)
+            if next_tag < 0 and not final:
+                end -= partial_tag_length(text, _MISTRAL_CALLS)
+            # Space around the arguments is not theirs: held back until more text follows.
+            shown = text[call.arguments_at:end].strip()
+            if len(shown) > len(call.streamed) and shown.startswith(call.streamed):
+                deltas.append(pb.ToolCallDelta(index=call.index, function=pb.FunctionCallDelta(
+                    arguments=shown[len(call.streamed):])))
+                call.streamed = shown
+            if next_tag < 0:
+                return deltas
+            self._scan = next_tag + len(_MISTRAL_CALLS)
+            self._end_call()
+
+
 def call_stream(call_format: str) -> CallStream:
     """A fresh parser of one choice's text in ``call_format``."""
     if call_format == LLAMA3_JSON_FORMAT:
         return Llama3JsonStream()
+    if call_format == MISTRAL_FORMAT:
+        return MistralStream()
     return HermesStream()
 
 

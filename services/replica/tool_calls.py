@@ -145,8 +145,9 @@ def tool_plan(request: pb.ChatCompletionRequest, call_format: str | None = None)
             'tool_choice "auto" (the default when tools are given) lets the model decide '
             "whether to call a tool, which needs a parser of the model's tool-call syntax; "
             "this model's chat template writes none that Tandem knows (the Hermes "
-            '<tool_call> format, Llama 3 JSON). Send tool_choice "required", or {"type": '
-            '"function", "function": {"name": ...}} to force one function, or "none"')
+            "<tool_call> format, Mistral's [TOOL_CALLS], Llama 3 JSON). Send tool_choice "
+            '"required", or {"type": "function", "function": {"name": ...}} to force one '
+            'function, or "none"')
     if request.response_format.type not in ("", "text") or request.HasField("structured_outputs"):
         raise InvalidArgument("a forced tool call already constrains the output; drop "
                               "response_format / structured_outputs or set tool_choice none")
