@@ -59,11 +59,11 @@ def test_drafter_continues_the_latest_longest_match():
 
 
 def engine(model_dir: Path, speculative: SpeculativeConfig | None = None, *,
-           budget: int = 512, num_blocks: int = 512) -> LLM:
+           budget: int = 512, num_blocks: int = 512, max_num_seqs: int = 16) -> LLM:
     return LLM(EngineConfig(
         model=str(model_dir), dtype="float32",
         cache=CacheConfig(block_size=4, num_gpu_blocks_override=num_blocks),
-        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs),
         speculative=speculative or SpeculativeConfig()))
 
 
@@ -282,7 +282,8 @@ def test_grammar_requests_speculate_inside_their_grammar(tiny_llama_dir, prompts
     ]
 
     def run(speculative: SpeculativeConfig | None) -> list[tuple[list[int], str]]:
-        llm = engine(tiny_llama_dir, speculative)
+        # Three sequences, up to 15 masked rows a step: more than the bitmask's first size.
+        llm = engine(tiny_llama_dir, speculative, max_num_seqs=3)
         results = llm.generate([prompts[0]] * 3, params)
         if speculative is not None:
             assert spec_counts(llm, tiny_llama_dir)[1] > 10
