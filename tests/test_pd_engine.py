@@ -14,7 +14,13 @@ from dataclasses import replace
 
 import pytest
 
-from engine_common.config import CacheConfig, EngineConfig, KvTransferConfig, SchedulerConfig
+from engine_common.config import (
+    CacheConfig,
+    EngineConfig,
+    KvTransferConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from engine_common.engine_core import EngineCore
 from engine_common.outputs import EngineCoreRequest, RemotePrefill
 from engine_common.sampling_params import SamplingParams
@@ -22,23 +28,28 @@ from engine_common.sampling_params import SamplingParams
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-def make_core(model_dir, engine_id: str, role: str | None, **kv) -> EngineCore:
+def make_core(model_dir, engine_id: str, role: str | None,
+              speculative: SpeculativeConfig | None = None, **kv) -> EngineCore:
     return EngineCore(EngineConfig(
         model=str(model_dir), dtype="float32", engine_id=engine_id,
         cache=CacheConfig(block_size=4, num_gpu_blocks_override=128),
         scheduler=SchedulerConfig(max_num_batched_tokens=256),
         kv_transfer=KvTransferConfig(role=role, **kv),
+        speculative=speculative or SpeculativeConfig(),
     ))
 
 
-def run_until(core: EngineCore, done, timeout: float = 30.0) -> list:
+def run_until(core: EngineCore, done, timeout: float = 30.0, stats: list | None = None) -> list:
     outputs = []
     deadline = time.monotonic() + timeout
     while not done(outputs):
         assert time.monotonic() < deadline, "engine did not finish in time"
         if not core.has_runnable_requests():
             time.sleep(0.002)
-        outputs.extend(core.step().outputs)
+        step = core.step()
+        outputs.extend(step.outputs)
+        if stats is not None and step.stats is not None:
+            stats.append(step.stats)
     return outputs
 
 
@@ -53,11 +64,12 @@ def prefill(core: EngineCore, request_id: str, prompt: list[int],
 
 
 def decode(core: EngineCore, request_id: str, prompt: list[int], first: int, handle,
-           params: SamplingParams = GREEDY) -> tuple[list[int], object]:
+           params: SamplingParams = GREEDY, stats: list | None = None,
+           ) -> tuple[list[int], object]:
     core.add_request(EngineCoreRequest(
         request_id, prompt, params, time.monotonic(),
         remote_prefill=RemotePrefill(handle=handle, first_token_id=first)))
-    outs = run_until(core, lambda o: any(x.finished for x in o))
+    outs = run_until(core, lambda o: any(x.finished for x in o), stats=stats)
     report = next(o.kv_transfer for o in outs if o.kv_transfer is not None)
     return [first] + [t for o in outs for t in o.new_token_ids], report
 
@@ -132,6 +144,30 @@ def test_seeded_sampling_continues_across_replicas(cores):
     fresh = reference(both, "seeded-fresh", prompt + expected[:5],
                       replace(SEEDED, max_tokens=SEEDED.max_tokens - 5))
     assert expected[:5] + fresh != expected
+
+
+def test_a_speculating_decode_replica_keeps_the_seeded_stream(cores, tiny_llama_dir):
+    """The decode replica speculates (n-gram drafts over a prompt that repeats itself): the
+    seeded tokens are still the one-replica ones, as every rejected draft's extra draw is
+    rewound, after the skip past the prefill replica's first token."""
+    p, _, both = cores
+    d = make_core(tiny_llama_dir, "decode-spec", "consumer",
+                  SpeculativeConfig(num_tokens=4, ngram_min=1, ngram_max=3),
+                  pull_timeout_seconds=3.0)
+    try:
+        prompt = [random.Random(6).randrange(3, 300) for _ in range(8)] * 3
+        params = replace(SEEDED, max_tokens=24, temperature=0.3)
+        expected = reference(both, "spec-seeded-both", prompt, params)
+        first, handle = prefill(p, "spec-seeded-pd", prompt, params)
+        stats: list = []
+        tokens, report = decode(d, "spec-seeded-pd", prompt, first, handle, params, stats)
+        assert report.fallback_reason is None
+        assert tokens == expected
+        assert sum(s.num_draft_tokens for s in stats) > 0
+        p.release_kv(["spec-seeded-pd"])
+        wait_released(p)
+    finally:
+        d.remote_kv.close()
 
 
 def test_decode_side_prefix_hits_reduce_pulled_blocks(cores):
