@@ -130,8 +130,8 @@ def _parse_body(body: bytes, content_type: str, message: Message) -> None:
 def read_request(path: str, content_type: str, body: bytes,
                  inputs: InputProcessor) -> RequestFeatures | None:
     """The prompt, salt and priority of a completion, chat or responses request, tokenized
-    as the replicas tokenize it; None when the path carries no prompt or the body cannot be served
-    (the replica will say why)."""
+    as the replicas tokenize it; None when the path carries no prompt or the body cannot be
+    served (the replica will say why)."""
     path = path.split("?", 1)[0]
     try:
         if path in _COMPLETION_PATHS:
