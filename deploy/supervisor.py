@@ -48,6 +48,8 @@ class SuiteConfig:
     # Envoy requires one of the API keys in this file (one per line) on every request.
     envoy_api_key_file: Path | None = None
     extra_replica_args: list[str] = field(default_factory=list)
+    # Requests' sampling defaults (replicas' and gateway's --generation-config).
+    generation_config: str = "auto"
     # Give each replica its own share of this machine's CPUs (``--cpus``), so that replicas
     # compute side by side instead of time-slicing the same cores.
     pin_cpus: bool = False
@@ -106,6 +108,7 @@ def plan_suite(cfg: SuiteConfig) -> Suite:
             argv=[py, "-m", "services.replica", *model_args, "--role", role, "--host", cfg.host,
                   "--port", str(port), "--metrics-port", str(cfg.metrics_base_port + i),
                   "--engine-id", name, "--kv-cache-memory", cfg.kv_cache_memory,
+                  "--generation-config", cfg.generation_config,
                   *cpu_args[i], *cfg.extra_replica_args],
             grpc_target=target,
         ))
@@ -117,7 +120,8 @@ def plan_suite(cfg: SuiteConfig) -> Suite:
         specs.append(ProcessSpec(
             name="gateway",
             argv=[py, "-m", "gateway", *model_args, "--host", cfg.host, "--port", str(cfg.gateway_port),
-                  "--metrics-port", str(cfg.metrics_base_port + len(roles)), *replica_flags],
+                  "--metrics-port", str(cfg.metrics_base_port + len(roles)),
+                  "--generation-config", cfg.generation_config, *replica_flags],
             grpc_target=gw_target,
         ))
         endpoints["gateway (gRPC, tandem.v1.Generation)"] = gw_target

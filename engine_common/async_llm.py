@@ -37,6 +37,7 @@ from engine_common.outputs import (
     SchedulerStats,
 )
 from engine_common.request import Request, tokens_sampled_elsewhere
+from engine_common.sampling_defaults import load_sampling_defaults
 from engine_common.sampling_params import SamplingParams
 from engine_common.structured_output.grammar import GrammarCompiler
 from engine_common.tokenizer import eos_token_ids, load_tokenizer
@@ -80,7 +81,8 @@ class AsyncLLM:
         )
         self.info = self.core.info
         self.stats.num_total_blocks = self.stats.num_free_blocks = self.info.num_blocks
-        self.inputs = InputProcessor(self.tokenizer, self.info.max_model_len, self.info.vocab_size)
+        self.inputs = InputProcessor(self.tokenizer, self.info.max_model_len, self.info.vocab_size,
+                                     load_sampling_defaults(config.model, config.generation_config))
         # The frontend's own compiler (the core's lives in its process): a constraint that
         # does not compile is refused before the request is admitted.
         self.grammars = GrammarCompiler(self.tokenizer, self.info.vocab_size, self.eos_token_ids)

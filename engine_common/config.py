@@ -81,6 +81,9 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # Stable identity of this engine instance (used in KV events and KV handles).
     engine_id: str = "engine-0"
+    # Requests' sampling defaults: "auto", the model's generation_config.json (as vLLM);
+    # "vllm", the library's (``sampling_defaults``).
+    generation_config: str = "auto"
     # CPUs the engine core process runs on, one torch thread each (None: its parent's CPUs
     # and threads). Keeping the frontend off them stops it from stalling the model's threads.
     cpus: list[int] | None = None

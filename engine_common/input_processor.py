@@ -20,10 +20,14 @@ class InvalidRequestError(ValueError):
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int):
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
+                 sampling_defaults: Mapping[str, float | int] | None = None):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        # The model's recommended sampling settings (``sampling_defaults``), for requests
+        # that leave them unset.
+        self.sampling_defaults = dict(sampling_defaults or {})
 
     def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):

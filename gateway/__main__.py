@@ -14,6 +14,7 @@ import logging
 import sys
 from dataclasses import replace
 
+from engine_common.sampling_defaults import GENERATION_CONFIG_MODES
 from gateway.picker import PickerConfig
 from gateway.proxy import RetryPolicy
 from gateway.registry import DnsTarget
@@ -73,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between GetLoad polls per replica (default: %(default)s)")
     p.add_argument("--dns-interval", type=float, default=options.dns_interval_s,
                    help="seconds between DNS resolutions (default: %(default)s)")
+    p.add_argument("--generation-config", choices=GENERATION_CONFIG_MODES,
+                   default=options.generation_config,
+                   help="sampling defaults of requests that leave them unset, as the "
+                        "replicas' flag of the same name (default: %(default)s)")
     p.add_argument("--log-level", default="INFO",
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="(default: %(default)s)")
     return p
@@ -96,7 +101,8 @@ def options_from_args(args: argparse.Namespace) -> GatewayOptions:
         metrics_port=args.metrics_port, served_model_name=args.served_model_name,
         picker=picker,
         retry=RetryPolicy(max_attempts=args.max_attempts, max_resumptions=args.max_resumptions),
-        load_interval_s=args.load_interval, dns_interval_s=args.dns_interval)
+        load_interval_s=args.load_interval, dns_interval_s=args.dns_interval,
+        generation_config=args.generation_config)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,7 @@ from prometheus_client import start_http_server
 
 from engine_common.input_processor import InputProcessor
 from engine_common.model.arch_config import ModelArchConfig
+from engine_common.sampling_defaults import load_sampling_defaults
 from engine_common.tokenizer import load_tokenizer
 from gateway.cluster import ClusterView
 from gateway.metrics import GatewayMetrics
@@ -70,6 +71,9 @@ class GatewayOptions:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     load_interval_s: float = 0.05
     dns_interval_s: float = 5.0
+    # Requests' sampling defaults, as the replicas' --generation-config (the gateway resolves
+    # requests into SamplingParams itself).
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.replicas and not self.dns:
@@ -148,12 +152,13 @@ class GatewayGenerationServicer(GenerationServicer):
             "CreateResponseEvents", context, super().CreateResponseEvents(request, context))
 
 
-def load_inputs(model_dir: str) -> InputProcessor:
-    """The replicas' tokenizer and limits, from the model directory they serve."""
+def load_inputs(model_dir: str, generation_config: str = "auto") -> InputProcessor:
+    """The replicas' tokenizer, limits and sampling defaults, from the model directory they
+    serve."""
     arch = ModelArchConfig.from_model_dir(model_dir)
     # The replicas may run with a shorter context; GatewayServer adopts theirs once known.
     return InputProcessor(load_tokenizer(model_dir), arch.max_position_embeddings,
-                          arch.vocab_size)
+                          arch.vocab_size, load_sampling_defaults(model_dir, generation_config))
 
 
 class GatewayServer:
@@ -190,7 +195,7 @@ class GatewayServer:
     async def start(cls, options: GatewayOptions) -> GatewayServer:
         # Loading the tokenizer takes a moment; keep the event loop free meanwhile.
         inputs = await asyncio.get_running_loop().run_in_executor(
-            None, load_inputs, options.model)
+            None, load_inputs, options.model, options.generation_config)
         gateway = cls(options, inputs)
         await gateway._start()
         return gateway

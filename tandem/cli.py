@@ -14,6 +14,7 @@ from pathlib import Path
 
 from deploy.envoy_config import read_api_keys
 from deploy.supervisor import SuiteConfig, Supervisor, plan_suite
+from engine_common.sampling_defaults import GENERATION_CONFIG_MODES
 
 
 def add_suite_args(parser: argparse.ArgumentParser) -> None:
@@ -37,8 +38,13 @@ def add_suite_args(parser: argparse.ArgumentParser) -> None:
                         help="with --envoy: require one of the API keys in this file (one per "
                              "line) on every HTTP and gRPC request through Envoy")
     parser.add_argument("--speculative-ngram", type=int, default=0, metavar="K",
-                        help="replicas speculate up to K tokens per greedy decode step by "
-                             "n-gram lookup (0: off; see `tandem serve --help`)")
+                        help="replicas speculate up to K tokens per decode step by n-gram "
+                             "lookup (0: off; see `tandem serve --help`)")
+    parser.add_argument("--generation-config", choices=GENERATION_CONFIG_MODES, default="auto",
+                        help="sampling defaults of requests that leave them unset, for the "
+                             "replicas and the gateway: auto, the model's "
+                             "generation_config.json; vllm, the library's (default: "
+                             "%(default)s)")
     parser.add_argument("--log-dir", type=Path, default=Path(".cache/tandem/logs"))
 
 
@@ -56,7 +62,7 @@ def suite_config(args: argparse.Namespace) -> SuiteConfig:
         metrics_base_port=args.metrics_base_port, kv_cache_memory=args.kv_cache_memory,
         gateway=not args.no_gateway, envoy=args.envoy, envoy_http_port=args.http_port,
         envoy_api_key_file=args.api_key_file,
-        pin_cpus=args.pin_cpus,
+        pin_cpus=args.pin_cpus, generation_config=args.generation_config,
         extra_replica_args=(["--speculative-ngram", str(args.speculative_ngram)]
                             if args.speculative_ngram else []),
     )

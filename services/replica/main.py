@@ -21,6 +21,7 @@ from engine_common.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from engine_common.sampling_defaults import GENERATION_CONFIG_MODES
 from services.entrypoint import run_service
 from services.replica.cpu_binding import (
     AUTO,
@@ -97,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "for a decode or both replica on CPU that owns two or more (no "
                         "smaller cgroup CPU quota or OMP_NUM_THREADS), else shared "
                         "(default: %(default)s)")
+    p.add_argument("--generation-config", choices=GENERATION_CONFIG_MODES,
+                   default=engine.generation_config,
+                   help="sampling defaults of requests that leave them unset: auto, the "
+                        "model's generation_config.json (temperature, top_p, top_k, min_p, "
+                        "repetition_penalty, as vLLM); vllm, the library's (default: "
+                        "%(default)s)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run decode steps eagerly instead of replaying CUDA graphs")
     p.add_argument("--cuda-graph-max-batch-size", type=int,
@@ -125,9 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="(default: %(default)s)")
     spec = SpeculativeConfig()
     p.add_argument("--speculative-ngram", type=int, default=spec.num_tokens, metavar="K",
-                   help="speculative decoding by n-gram lookup for greedy requests: up to K "
-                        "draft tokens per decode step, taken from where the sequence's last "
-                        "tokens occurred before (0: off; default: %(default)s)")
+                   help="speculative decoding by n-gram lookup: up to K draft tokens per "
+                        "decode step, taken from where the sequence's last tokens occurred "
+                        "before (0: off; default: %(default)s)")
     p.add_argument("--speculative-ngram-range", type=_ngram_range,
                    default=f"{spec.ngram_min}:{spec.ngram_max}", metavar="MIN:MAX",
                    help="lengths of the sequence's last tokens looked up, longest first "
@@ -190,6 +197,7 @@ def options_from_args(args: argparse.Namespace) -> ReplicaOptions:
         cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
         engine_id=args.engine_id or f"{args.role}-{socket.gethostname()}-{args.port}",
         cpus=args.engine_cpus,
+        generation_config=args.generation_config,
         cache=replace(
             CacheConfig(), block_size=args.block_size,
             kv_cache_memory_bytes=args.kv_cache_memory,

@@ -152,10 +152,13 @@ _SAMPLING_FIELDS = (
 
 
 def _sampling_params(request: pb.CompletionRequest | pb.ChatCompletionRequest,
-                     max_tokens: int | None, logprobs: int | None,
+                     inputs: InputProcessor, max_tokens: int | None, logprobs: int | None,
                      tools: ToolPlan | None = None) -> SamplingParams:
-    """Unset optional fields keep SamplingParams' defaults (OpenAI's, for these fields)."""
-    chosen = {name: getattr(request, name) for name in _SAMPLING_FIELDS if request.HasField(name)}
+    """Unset optional fields take the model's sampling defaults (``inputs``), else
+    SamplingParams' (OpenAI's, for these fields)."""
+    chosen = {**inputs.sampling_defaults,
+              **{name: getattr(request, name) for name in _SAMPLING_FIELDS
+                 if request.HasField(name)}}
     stop = stop_from_value(request.stop if request.HasField("stop") else None)
     structured_output = (tools.constraint() if tools is not None and tools.forced else
                          structured_output_from_request(request.response_format,
@@ -221,7 +224,7 @@ def completion_to_engine_request(request: pb.CompletionRequest,
     engine_prompt_logprobs = prompt_logprobs
     if echo and logprobs is not None:
         engine_prompt_logprobs = max(prompt_logprobs or 0, logprobs)
-    params = replace(_sampling_params(request, 1 if scores_only else max_tokens, logprobs),
+    params = replace(_sampling_params(request, inputs, 1 if scores_only else max_tokens, logprobs),
                      prompt_logprobs=engine_prompt_logprobs)
     prompts = prompts_from_value(request.prompt if request.HasField("prompt") else None)
     if len(prompts) * params.n > MAX_CHOICES:
@@ -330,7 +333,7 @@ def chat_to_engine_request(request: pb.ChatCompletionRequest,
         logprobs = request.top_logprobs if request.HasField("top_logprobs") else 0
     call_format = chat_template_call_format(getattr(inputs.tokenizer, "chat_template", None))
     tools = tool_plan(request, call_format)
-    params = replace(_sampling_params(request, max_tokens, logprobs, tools),
+    params = replace(_sampling_params(request, inputs, max_tokens, logprobs, tools),
                      prompt_logprobs=_prompt_logprobs(request))
     if (call_format == MISTRAL_FORMAT and tools.mode == "auto"
             and not request.HasField("skip_special_tokens")):
