@@ -50,6 +50,8 @@ class SuiteConfig:
     extra_replica_args: list[str] = field(default_factory=list)
     # Requests' sampling defaults (replicas' and gateway's --generation-config).
     generation_config: str = "auto"
+    # A chat template instead of the model's (replicas' and gateway's --chat-template).
+    chat_template: str | None = None
     # Give each replica its own share of this machine's CPUs (``--cpus``), so that replicas
     # compute side by side instead of time-slicing the same cores.
     pin_cpus: bool = False
@@ -96,7 +98,11 @@ def plan_suite(cfg: SuiteConfig) -> Suite:
     roles = ["prefill"] * cfg.num_prefill + ["decode"] * cfg.num_decode + ["both"] * cfg.num_both
     if not roles:
         raise ValueError("the suite needs at least one replica")
-    model_args = ["--model", cfg.model] if cfg.model else []
+    # What the replicas and the gateway must agree on: the model, how chats render and the
+    # requests' sampling defaults.
+    model_args = [*(["--model", cfg.model] if cfg.model else []),
+                  *(["--chat-template", cfg.chat_template] if cfg.chat_template else []),
+                  "--generation-config", cfg.generation_config]
     cpu_args = replica_cpu_args(roles, cfg.pin_cpus)
     for i, role in enumerate(roles):
         port = cfg.base_port + i
@@ -108,7 +114,6 @@ def plan_suite(cfg: SuiteConfig) -> Suite:
             argv=[py, "-m", "services.replica", *model_args, "--role", role, "--host", cfg.host,
                   "--port", str(port), "--metrics-port", str(cfg.metrics_base_port + i),
                   "--engine-id", name, "--kv-cache-memory", cfg.kv_cache_memory,
-                  "--generation-config", cfg.generation_config,
                   *cpu_args[i], *cfg.extra_replica_args],
             grpc_target=target,
         ))
@@ -120,8 +125,7 @@ def plan_suite(cfg: SuiteConfig) -> Suite:
         specs.append(ProcessSpec(
             name="gateway",
             argv=[py, "-m", "gateway", *model_args, "--host", cfg.host, "--port", str(cfg.gateway_port),
-                  "--metrics-port", str(cfg.metrics_base_port + len(roles)),
-                  "--generation-config", cfg.generation_config, *replica_flags],
+                  "--metrics-port", str(cfg.metrics_base_port + len(roles)), *replica_flags],
             grpc_target=gw_target,
         ))
         endpoints["gateway (gRPC, tandem.v1.Generation)"] = gw_target

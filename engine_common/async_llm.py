@@ -54,7 +54,7 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop,
                  kv_event_capacity: int = 65536, kv_snapshot_chunk_blocks: int = 4096):
         self.config = config
-        self.tokenizer = load_tokenizer(config.model)
+        self.tokenizer = load_tokenizer(config.model, config.chat_template)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         self._loop = loop
         self._streams: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}

@@ -84,6 +84,8 @@ class EngineConfig:
     # Requests' sampling defaults: "auto", the model's generation_config.json (as vLLM);
     # "vllm", the library's (``sampling_defaults``).
     generation_config: str = "auto"
+    # A chat template (a file, or the Jinja text) used instead of the model's own.
+    chat_template: str | None = None
     # CPUs the engine core process runs on, one torch thread each (None: its parent's CPUs
     # and threads). Keeping the frontend off them stops it from stalling the model's threads.
     cpus: list[int] | None = None

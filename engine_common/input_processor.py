@@ -68,7 +68,8 @@ class InputProcessor:
                     f"messages[{i}].role must be one of system, user, assistant, tool; "
                     f"got {message.get('role')!r}")
         if getattr(self.tokenizer, "chat_template", None) is None:
-            raise InvalidRequestError("this model has no chat template; use the completions API")
+            raise InvalidRequestError("this model has no chat template; use the completions "
+                                      "API, or serve it with --chat-template")
         template_kwargs = dict(template_kwargs or {})
         reserved = sorted(template_kwargs.keys() & self._reserved_template_names())
         if reserved:

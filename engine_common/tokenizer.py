@@ -14,15 +14,34 @@ from typing import Any
 from transformers import AutoTokenizer
 
 
-def load_tokenizer(model_dir: str | Path) -> Any:
-    """The model directory's tokenizer (a transformers fast tokenizer), from local files only."""
+def load_tokenizer(model_dir: str | Path, chat_template: str | None = None) -> Any:
+    """The model directory's tokenizer (a transformers fast tokenizer), from local files only.
+
+    ``chat_template`` replaces the model's own (vLLM's ``--chat-template``): a file holding a
+    Jinja template, or the template itself; for a model that has none (a base model) or
+    whose template needs fixing.
+    """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(
             f"model directory {str(model_dir)!r} does not exist; expected a local Hugging Face "
             "model directory with tokenizer files"
         )
-    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    if chat_template is not None:
+        tokenizer.chat_template = read_chat_template(chat_template)
+    return tokenizer
+
+
+def read_chat_template(template: str) -> str:
+    """The template a ``--chat-template`` value names: a file's text, or the value itself
+    when it is a template (it has Jinja markup); raises ValueError for neither."""
+    if "{{" in template or "{%" in template:
+        return template
+    path = Path(template)
+    if not path.is_file():
+        raise ValueError(f"chat template {template!r} is neither a file nor a Jinja template")
+    return path.read_text(encoding="utf-8")
 
 
 def eos_token_ids(model_dir: str | Path, tokenizer: Any) -> frozenset[int]:

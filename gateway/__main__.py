@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                    default=options.generation_config,
                    help="sampling defaults of requests that leave them unset, as the "
                         "replicas' flag of the same name (default: %(default)s)")
+    p.add_argument("--chat-template", default=None,
+                   help="the replicas' chat template, if they were given one (a file, or the "
+                        "Jinja text): the gateway renders chats itself")
     p.add_argument("--log-level", default="INFO",
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="(default: %(default)s)")
     return p
@@ -102,7 +105,7 @@ def options_from_args(args: argparse.Namespace) -> GatewayOptions:
         picker=picker,
         retry=RetryPolicy(max_attempts=args.max_attempts, max_resumptions=args.max_resumptions),
         load_interval_s=args.load_interval, dns_interval_s=args.dns_interval,
-        generation_config=args.generation_config)
+        generation_config=args.generation_config, chat_template=args.chat_template)
 
 
 def main(argv: list[str] | None = None) -> int:

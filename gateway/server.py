@@ -74,6 +74,8 @@ class GatewayOptions:
     # Requests' sampling defaults, as the replicas' --generation-config (the gateway resolves
     # requests into SamplingParams itself).
     generation_config: str = "auto"
+    # The replicas' --chat-template (the gateway renders chats itself).
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if not self.replicas and not self.dns:
@@ -152,12 +154,13 @@ class GatewayGenerationServicer(GenerationServicer):
             "CreateResponseEvents", context, super().CreateResponseEvents(request, context))
 
 
-def load_inputs(model_dir: str, generation_config: str = "auto") -> InputProcessor:
+def load_inputs(model_dir: str, generation_config: str = "auto",
+                chat_template: str | None = None) -> InputProcessor:
     """The replicas' tokenizer, limits and sampling defaults, from the model directory they
-    serve."""
+    serve (and the chat template they were given instead of the model's, if any)."""
     arch = ModelArchConfig.from_model_dir(model_dir)
     # The replicas may run with a shorter context; GatewayServer adopts theirs once known.
-    return InputProcessor(load_tokenizer(model_dir), arch.max_position_embeddings,
+    return InputProcessor(load_tokenizer(model_dir, chat_template), arch.max_position_embeddings,
                           arch.vocab_size, load_sampling_defaults(model_dir, generation_config))
 
 
@@ -195,7 +198,7 @@ class GatewayServer:
     async def start(cls, options: GatewayOptions) -> GatewayServer:
         # Loading the tokenizer takes a moment; keep the event loop free meanwhile.
         inputs = await asyncio.get_running_loop().run_in_executor(
-            None, load_inputs, options.model, options.generation_config)
+            None, load_inputs, options.model, options.generation_config, options.chat_template)
         gateway = cls(options, inputs)
         await gateway._start()
         return gateway

@@ -45,6 +45,9 @@ def add_suite_args(parser: argparse.ArgumentParser) -> None:
                              "replicas and the gateway: auto, the model's "
                              "generation_config.json; vllm, the library's (default: "
                              "%(default)s)")
+    parser.add_argument("--chat-template", default=None,
+                        help="a chat template for the replicas and the gateway instead of "
+                             "the model's (a file, or the Jinja text)")
     parser.add_argument("--log-dir", type=Path, default=Path(".cache/tandem/logs"))
 
 
@@ -63,6 +66,7 @@ def suite_config(args: argparse.Namespace) -> SuiteConfig:
         gateway=not args.no_gateway, envoy=args.envoy, envoy_http_port=args.http_port,
         envoy_api_key_file=args.api_key_file,
         pin_cpus=args.pin_cpus, generation_config=args.generation_config,
+        chat_template=args.chat_template,
         extra_replica_args=(["--speculative-ngram", str(args.speculative_ngram)]
                             if args.speculative_ngram else []),
     )

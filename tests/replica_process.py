@@ -23,7 +23,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,10 +215,11 @@ class GatewayStack:
 
 
 @contextmanager
-def replica_behind_gateway(model_dir: Path, log_dir: Path,
-                           replica_args: list[str]) -> Iterator[GatewayStack]:
-    """One replica (``replica_args`` added to its command line) and a gateway routing to it;
-    both are killed on the way out. The served model name is "tiny"."""
+def replica_behind_gateway(model_dir: Path, log_dir: Path, replica_args: list[str],
+                           gateway_args: Sequence[str] = ()) -> Iterator[GatewayStack]:
+    """One replica (``replica_args`` added to its command line) and a gateway routing to it
+    (``gateway_args`` added to its); both are killed on the way out. The served model name
+    is "tiny"."""
     replicas = start_replicas(model_dir, log_dir, {"a": [
         "--served-model-name", "tiny", *replica_args]})
     gateway_port = free_port()
@@ -227,7 +228,7 @@ def replica_behind_gateway(model_dir: Path, log_dir: Path,
         gateway = spawn_module(log_dir, "gateway", [
             "gateway", "--model", str(model_dir), "--served-model-name", "tiny",
             "--host", "127.0.0.1", "--port", str(gateway_port), "--metrics-port", "0",
-            "--replica", replicas["a"].target])
+            "--replica", replicas["a"].target, *gateway_args])
         wait_until(lambda: is_serving(f"127.0.0.1:{gateway_port}"), time.monotonic() + 60,
                    "gateway", log_dir)
         yield GatewayStack(replicas["a"], f"127.0.0.1:{gateway_port}")

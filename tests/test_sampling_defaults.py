@@ -104,11 +104,16 @@ def test_a_model_that_recommends_greedy_is_served_greedy(tiny_llama_dir, tmp_pat
     assert greedy not in sampled and sampled[0] != sampled[1]  # temperature 1: sampled
 
 
-def test_tandem_up_passes_the_mode_to_replicas_and_gateway() -> None:
+def test_tandem_up_passes_the_mode_and_a_template_to_replicas_and_gateway() -> None:
     parser = argparse.ArgumentParser()
     add_suite_args(parser)
-    suite = plan_suite(suite_config(parser.parse_args(["--generation-config", "vllm"])))
+    suite = plan_suite(suite_config(parser.parse_args([
+        "--generation-config", "vllm", "--chat-template", "chat.jinja"])))
     served = [spec.argv for spec in suite.specs
               if "services.replica" in spec.argv or "gateway" in spec.argv]
-    assert len(served) == 3 and all(  # prefill, decode, gateway
-        argv[argv.index("--generation-config") + 1] == "vllm" for argv in served)
+    assert len(served) == 3  # prefill, decode, gateway
+    for argv in served:
+        assert argv[argv.index("--generation-config") + 1] == "vllm"
+        assert argv[argv.index("--chat-template") + 1] == "chat.jinja"
+    plain = plan_suite(suite_config(parser.parse_args([])))
+    assert all("--chat-template" not in spec.argv for spec in plain.specs)

@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "model's generation_config.json (temperature, top_p, top_k, min_p, "
                         "repetition_penalty, as vLLM); vllm, the library's (default: "
                         "%(default)s)")
+    p.add_argument("--chat-template", default=None,
+                   help="a chat template used instead of the model's (a file, or the Jinja "
+                        "text itself), for a model without one or one that needs fixing")
     p.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run decode steps eagerly instead of replaying CUDA graphs")
     p.add_argument("--cuda-graph-max-batch-size", type=int,
@@ -197,7 +200,7 @@ def options_from_args(args: argparse.Namespace) -> ReplicaOptions:
         cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
         engine_id=args.engine_id or f"{args.role}-{socket.gethostname()}-{args.port}",
         cpus=args.engine_cpus,
-        generation_config=args.generation_config,
+        generation_config=args.generation_config, chat_template=args.chat_template,
         cache=replace(
             CacheConfig(), block_size=args.block_size,
             kv_cache_memory_bytes=args.kv_cache_memory,
