@@ -50,8 +50,10 @@ class SuiteConfig:
     extra_replica_args: list[str] = field(default_factory=list)
     # Requests' sampling defaults (replicas' and gateway's --generation-config).
     generation_config: str = "auto"
-    # A chat template instead of the model's (replicas' and gateway's --chat-template).
+    # A chat template instead of the model's, the syntax of the model's tool calls
+    # (replicas' and gateway's --chat-template, --tool-call-parser).
     chat_template: str | None = None
+    tool_call_parser: str | None = None
     # Give each replica its own share of this machine's CPUs (``--cpus``), so that replicas
     # compute side by side instead of time-slicing the same cores.
     pin_cpus: bool = False
@@ -98,10 +100,12 @@ def plan_suite(cfg: SuiteConfig) -> Suite:
     roles = ["prefill"] * cfg.num_prefill + ["decode"] * cfg.num_decode + ["both"] * cfg.num_both
     if not roles:
         raise ValueError("the suite needs at least one replica")
-    # What the replicas and the gateway must agree on: the model, how chats render and the
-    # requests' sampling defaults.
+    # What the replicas and the gateway must agree on: the model, how chats render and tool
+    # calls parse, and the requests' sampling defaults.
     model_args = [*(["--model", cfg.model] if cfg.model else []),
                   *(["--chat-template", cfg.chat_template] if cfg.chat_template else []),
+                  *(["--tool-call-parser", cfg.tool_call_parser] if cfg.tool_call_parser
+                    else []),
                   "--generation-config", cfg.generation_config]
     cpu_args = replica_cpu_args(roles, cfg.pin_cpus)
     for i, role in enumerate(roles):

@@ -82,7 +82,8 @@ class AsyncLLM:
         self.info = self.core.info
         self.stats.num_total_blocks = self.stats.num_free_blocks = self.info.num_blocks
         self.inputs = InputProcessor(self.tokenizer, self.info.max_model_len, self.info.vocab_size,
-                                     load_sampling_defaults(config.model, config.generation_config))
+                                     load_sampling_defaults(config.model, config.generation_config),
+                                     config.tool_call_parser)
         # The frontend's own compiler (the core's lives in its process): a constraint that
         # does not compile is refused before the request is admitted.
         self.grammars = GrammarCompiler(self.tokenizer, self.info.vocab_size, self.eos_token_ids)

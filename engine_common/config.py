@@ -86,6 +86,9 @@ class EngineConfig:
     generation_config: str = "auto"
     # A chat template (a file, or the Jinja text) used instead of the model's own.
     chat_template: str | None = None
+    # The tool-call syntax "auto" parses ("hermes", "mistral", "llama3_json"); None: the
+    # one the chat template teaches, if Tandem knows it.
+    tool_call_parser: str | None = None
     # CPUs the engine core process runs on, one torch thread each (None: its parent's CPUs
     # and threads). Keeping the frontend off them stops it from stalling the model's threads.
     cpus: list[int] | None = None

@@ -3,7 +3,9 @@
 Owns the rules a request must pass before it reaches an engine (non-empty prompt, fits the
 context, token ids in the vocabulary) and the one way prompts and chat messages become token
 ids, so that the gateway (which hashes prompts to route them) and the replicas tokenize
-identically. It does not own sampling-parameter ranges (``SamplingParams.validate``).
+identically; it carries the serving choices that shape requests the same way in both
+(sampling defaults, the tool-call syntax). It does not own sampling-parameter ranges
+(``SamplingParams.validate``).
 """
 
 from __future__ import annotations
@@ -21,13 +23,17 @@ class InvalidRequestError(ValueError):
 
 class InputProcessor:
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
-                 sampling_defaults: Mapping[str, float | int] | None = None):
+                 sampling_defaults: Mapping[str, float | int] | None = None,
+                 tool_call_parser: str | None = None):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         # The model's recommended sampling settings (``sampling_defaults``), for requests
         # that leave them unset.
         self.sampling_defaults = dict(sampling_defaults or {})
+        # The tool-call syntax the server was told the model writes (None: read it off the
+        # chat template).
+        self.tool_call_parser = tool_call_parser
 
     def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):

@@ -20,6 +20,7 @@ from gateway.proxy import RetryPolicy
 from gateway.registry import DnsTarget
 from gateway.server import GatewayOptions, serve
 from services.entrypoint import run_service
+from services.replica.tool_call_parsers import CALL_FORMATS
 
 logger = logging.getLogger("gateway")
 
@@ -81,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None,
                    help="the replicas' chat template, if they were given one (a file, or the "
                         "Jinja text): the gateway renders chats itself")
+    p.add_argument("--tool-call-parser", choices=CALL_FORMATS, default=None,
+                   help="the replicas' tool-call syntax, if they were told one: the gateway "
+                        "parses calls itself")
     p.add_argument("--log-level", default="INFO",
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="(default: %(default)s)")
     return p
@@ -105,7 +109,8 @@ def options_from_args(args: argparse.Namespace) -> GatewayOptions:
         picker=picker,
         retry=RetryPolicy(max_attempts=args.max_attempts, max_resumptions=args.max_resumptions),
         load_interval_s=args.load_interval, dns_interval_s=args.dns_interval,
-        generation_config=args.generation_config, chat_template=args.chat_template)
+        generation_config=args.generation_config, chat_template=args.chat_template,
+        tool_call_parser=args.tool_call_parser)
 
 
 def main(argv: list[str] | None = None) -> int:

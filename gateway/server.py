@@ -74,8 +74,10 @@ class GatewayOptions:
     # Requests' sampling defaults, as the replicas' --generation-config (the gateway resolves
     # requests into SamplingParams itself).
     generation_config: str = "auto"
-    # The replicas' --chat-template (the gateway renders chats itself).
+    # The replicas' --chat-template and --tool-call-parser (the gateway renders chats and
+    # parses calls itself).
     chat_template: str | None = None
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not self.replicas and not self.dns:
@@ -155,13 +157,15 @@ class GatewayGenerationServicer(GenerationServicer):
 
 
 def load_inputs(model_dir: str, generation_config: str = "auto",
-                chat_template: str | None = None) -> InputProcessor:
+                chat_template: str | None = None,
+                tool_call_parser: str | None = None) -> InputProcessor:
     """The replicas' tokenizer, limits and sampling defaults, from the model directory they
-    serve (and the chat template they were given instead of the model's, if any)."""
+    serve (and the chat template and tool-call syntax they were given, if any)."""
     arch = ModelArchConfig.from_model_dir(model_dir)
     # The replicas may run with a shorter context; GatewayServer adopts theirs once known.
     return InputProcessor(load_tokenizer(model_dir, chat_template), arch.max_position_embeddings,
-                          arch.vocab_size, load_sampling_defaults(model_dir, generation_config))
+                          arch.vocab_size, load_sampling_defaults(model_dir, generation_config),
+                          tool_call_parser)
 
 
 class GatewayServer:
@@ -198,7 +202,8 @@ class GatewayServer:
     async def start(cls, options: GatewayOptions) -> GatewayServer:
         # Loading the tokenizer takes a moment; keep the event loop free meanwhile.
         inputs = await asyncio.get_running_loop().run_in_executor(
-            None, load_inputs, options.model, options.generation_config, options.chat_template)
+            None, load_inputs, options.model, options.generation_config, options.chat_template,
+            options.tool_call_parser)
         gateway = cls(options, inputs)
         await gateway._start()
         return gateway

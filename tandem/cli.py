@@ -15,6 +15,7 @@ from pathlib import Path
 from deploy.envoy_config import read_api_keys
 from deploy.supervisor import SuiteConfig, Supervisor, plan_suite
 from engine_common.sampling_defaults import GENERATION_CONFIG_MODES
+from services.replica.tool_call_parsers import CALL_FORMATS
 
 
 def add_suite_args(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +49,9 @@ def add_suite_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-template", default=None,
                         help="a chat template for the replicas and the gateway instead of "
                              "the model's (a file, or the Jinja text)")
+    parser.add_argument("--tool-call-parser", choices=CALL_FORMATS, default=None,
+                        help='the syntax the model writes tool calls in, for tool_choice '
+                             '"auto" (default: the one its chat template teaches, if known)')
     parser.add_argument("--log-dir", type=Path, default=Path(".cache/tandem/logs"))
 
 
@@ -66,7 +70,7 @@ def suite_config(args: argparse.Namespace) -> SuiteConfig:
         gateway=not args.no_gateway, envoy=args.envoy, envoy_http_port=args.http_port,
         envoy_api_key_file=args.api_key_file,
         pin_cpus=args.pin_cpus, generation_config=args.generation_config,
-        chat_template=args.chat_template,
+        chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
         extra_replica_args=(["--speculative-ngram", str(args.speculative_ngram)]
                             if args.speculative_ngram else []),
     )

@@ -9,14 +9,12 @@ gateway and the replica, and samples once the defaults are off.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 
-from deploy.supervisor import plan_suite
 from engine_common.config import CacheConfig, EngineConfig
 from engine_common.input_processor import InputProcessor
 from engine_common.llm import LLM
@@ -26,7 +24,6 @@ from engine_common.tokenizer import load_tokenizer
 from gateway.server import load_inputs
 from protos.tandem.v1 import generation_pb2 as pb
 from services.replica.openai_api import chat_to_engine_request, completion_to_engine_request
-from tandem.cli import add_suite_args, suite_config
 from tandem.client import Client
 from tests.replica_process import replica_behind_gateway, start_replicas
 
@@ -103,17 +100,3 @@ def test_a_model_that_recommends_greedy_is_served_greedy(tiny_llama_dir, tmp_pat
         plain.kill()
     assert greedy not in sampled and sampled[0] != sampled[1]  # temperature 1: sampled
 
-
-def test_tandem_up_passes_the_mode_and_a_template_to_replicas_and_gateway() -> None:
-    parser = argparse.ArgumentParser()
-    add_suite_args(parser)
-    suite = plan_suite(suite_config(parser.parse_args([
-        "--generation-config", "vllm", "--chat-template", "chat.jinja"])))
-    served = [spec.argv for spec in suite.specs
-              if "services.replica" in spec.argv or "gateway" in spec.argv]
-    assert len(served) == 3  # prefill, decode, gateway
-    for argv in served:
-        assert argv[argv.index("--generation-config") + 1] == "vllm"
-        assert argv[argv.index("--chat-template") + 1] == "chat.jinja"
-    plain = plan_suite(suite_config(parser.parse_args([])))
-    assert all("--chat-template" not in spec.argv for spec in plain.specs)

@@ -278,6 +278,22 @@ def test_a_mistral_template_gets_its_tags_and_its_call_ids(tiny_llama_dir: Path)
     assert plain.engine.params.skip_special_tokens  # no tools: nothing to parse
 
 
+def test_a_server_told_the_call_syntax_serves_auto_whatever_the_template(
+        tiny_llama_dir: Path) -> None:
+    """--tool-call-parser: a template Tandem cannot read a syntax off (the tiny model's)
+    refuses "auto"; told the model writes Hermes calls, the server parses them."""
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    assert chat_template_call_format(tokenizer.chat_template) is None
+    request = chat_request(tools=[WEATHER])
+    with pytest.raises(InvalidArgument, match='tool_choice "auto"'):
+        chat_to_engine_request(request, InputProcessor(tokenizer, 512, len(tokenizer)))
+    told = InputProcessor(tokenizer, 512, len(tokenizer), tool_call_parser="hermes")
+    chat = chat_to_engine_request(request, told)
+    assert (chat.tools.mode, chat.tools.call_format) == ("auto", "hermes")
+    assert chat.tools.split('<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+                            )[1][0].function.name == "get_weather"
+
+
 def test_auto_is_served_for_templates_whose_call_syntax_is_known(tiny_llama_dir: Path) -> None:
     tokenizer = load_tokenizer(tiny_llama_dir)
     assert chat_template_call_format(tokenizer.chat_template) is None

@@ -35,6 +35,7 @@ from services.replica.cpu_binding import (
     split_engine_cpus,
 )
 from services.replica.server import ROLES, ReplicaOptions, serve
+from services.replica.tool_call_parsers import CALL_FORMATS
 
 logger = logging.getLogger("services.replica")
 
@@ -107,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None,
                    help="a chat template used instead of the model's (a file, or the Jinja "
                         "text itself), for a model without one or one that needs fixing")
+    p.add_argument("--tool-call-parser", choices=CALL_FORMATS, default=None,
+                   help='the syntax the model writes tool calls in, for tool_choice "auto" '
+                        "(default: the one its chat template teaches, if known)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run decode steps eagerly instead of replaying CUDA graphs")
     p.add_argument("--cuda-graph-max-batch-size", type=int,
@@ -201,6 +205,7 @@ def options_from_args(args: argparse.Namespace) -> ReplicaOptions:
         engine_id=args.engine_id or f"{args.role}-{socket.gethostname()}-{args.port}",
         cpus=args.engine_cpus,
         generation_config=args.generation_config, chat_template=args.chat_template,
+        tool_call_parser=args.tool_call_parser,
         cache=replace(
             CacheConfig(), block_size=args.block_size,
             kv_cache_memory_bytes=args.kv_cache_memory,

@@ -331,7 +331,7 @@ def chat_to_engine_request(request: pb.ChatCompletionRequest,
     logprobs: int | None = None
     if request.logprobs:
         logprobs = request.top_logprobs if request.HasField("top_logprobs") else 0
-    call_format = chat_template_call_format(getattr(inputs.tokenizer, "chat_template", None))
+    call_format = _call_format(inputs)
     tools = tool_plan(request, call_format)
     params = replace(_sampling_params(request, inputs, max_tokens, logprobs, tools),
                      prompt_logprobs=_prompt_logprobs(request))
@@ -359,6 +359,12 @@ def chat_to_engine_request(request: pb.ChatCompletionRequest,
     return ChatRequest(
         EngineRequest(prompt_token_ids, params, request.priority, request.cache_salt or None),
         tools, reasoning, request.return_token_ids)
+
+
+def _call_format(inputs: InputProcessor) -> str | None:
+    """The tool-call syntax the server was told of, else the one the template teaches."""
+    return inputs.tool_call_parser or chat_template_call_format(
+        getattr(inputs.tokenizer, "chat_template", None))
 
 
 def _flag(request: pb.ChatCompletionRequest | pb.TokenizeRequest, name: str,
@@ -807,9 +813,7 @@ def tokenize_response(request: pb.TokenizeRequest, inputs: InputProcessor) -> pb
     if request.prompt and request.messages:
         raise InvalidArgument("give either prompt or messages, not both")
     if request.messages:
-        messages = chat_messages(request.messages, inputs.max_model_len,
-                                 chat_template_call_format(
-                                     getattr(inputs.tokenizer, "chat_template", None)))
+        messages = chat_messages(request.messages, inputs.max_model_len, _call_format(inputs))
         # Counting a conversation as it stands needs the template without the assistant's
         # turn header that generation appends.
         tokens = inputs.tokenize_rendered(inputs.render_chat(

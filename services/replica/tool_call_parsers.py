@@ -41,6 +41,7 @@ from services.replica.streamed_tags import partial_tag_length
 HERMES_FORMAT = "hermes"
 MISTRAL_FORMAT = "mistral"
 LLAMA3_JSON_FORMAT = "llama3_json"
+CALL_FORMATS = (HERMES_FORMAT, MISTRAL_FORMAT, LLAMA3_JSON_FORMAT)
 _MISTRAL_CALLS = "[TOOL_CALLS]"
 _MISTRAL_ARGS = "[ARGS]"
 _MISTRAL_CALL_ID = "[CALL_ID]"

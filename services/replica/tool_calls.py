@@ -147,7 +147,7 @@ def tool_plan(request: pb.ChatCompletionRequest, call_format: str | None = None)
             "this model's chat template writes none that Tandem knows (the Hermes "
             "<tool_call> format, Mistral's [TOOL_CALLS], Llama 3 JSON). Send tool_choice "
             '"required", or {"type": "function", "function": {"name": ...}} to force one '
-            'function, or "none"')
+            'function, or "none"; or serve the model with --tool-call-parser')
     if request.response_format.type not in ("", "text") or request.HasField("structured_outputs"):
         raise InvalidArgument("a forced tool call already constrains the output; drop "
                               "response_format / structured_outputs or set tool_choice none")
