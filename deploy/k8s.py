@@ -69,6 +69,12 @@ class K8sOptions:
     model_pvc: str | None = None
     model_mount: str = "/models"
     served_model_name: str | None = None
+    # A chat template (a file in the containers, or the Jinja text) instead of the model's,
+    # for the replicas and the endpoint picker (which renders chats to route them); the
+    # replicas' tool-call syntax and sampling defaults (``tandem serve --help``).
+    chat_template: str | None = None
+    tool_call_parser: str | None = None
+    generation_config: str = "auto"
     replica_cpu: str = "4"
     replica_memory: str = "16Gi"
     # CPU limit = request (a whole number): Guaranteed QoS, so that a kubelet with the static
@@ -110,7 +116,9 @@ def _metadata(options: K8sOptions, name: str, labels: dict[str, str]) -> dict[st
 
 
 def _model_args(options: K8sOptions) -> list[str]:
-    return ["--model", options.model] if options.model else []
+    """The model and how its chats render: what the replicas and the picker agree on."""
+    return [*(["--model", options.model] if options.model else []),
+            *(["--chat-template", options.chat_template] if options.chat_template else [])]
 
 
 def _model_volumes(options: K8sOptions) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -181,6 +189,9 @@ def replica_deployment(options: K8sOptions, role: str, replicas: int) -> dict[st
             "--engine-id", "$(POD_NAME)"]
     if options.served_model_name:
         args += ["--served-model-name", options.served_model_name]
+    if options.tool_call_parser:
+        args += ["--tool-call-parser", options.tool_call_parser]
+    args += ["--generation-config", options.generation_config]
     resources: dict[str, Any] = {
         "requests": {"cpu": options.replica_cpu, "memory": options.replica_memory},
         "limits": {"memory": options.replica_memory},

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import sys
 from dataclasses import dataclass, field, replace
@@ -60,6 +61,8 @@ class PickerOptions:
     shedding: SheddingPolicy = field(default_factory=SheddingPolicy)
     load_interval_s: float = 0.05
     dns_interval_s: float = 5.0
+    # The replicas' --chat-template: the picker renders chats to route them by prefix.
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if not self.replicas and not self.dns:
@@ -87,8 +90,10 @@ class EndpointPickerServer:
 
     @classmethod
     async def start(cls, options: PickerOptions) -> EndpointPickerServer:
-        inputs = await asyncio.get_running_loop().run_in_executor(
-            None, load_inputs, options.model)
+        # Routing reads prompts only: no sampling defaults.
+        inputs = await asyncio.get_running_loop().run_in_executor(None, functools.partial(
+            load_inputs, options.model, generation_config="vllm",
+            chat_template=options.chat_template))
         metrics = GatewayMetrics()
         cluster = ClusterView.create(
             options.replicas, options.dns, dns_interval_s=options.dns_interval_s,
@@ -173,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV-cache fill at which a replica counts as saturated "
                         "(default: %(default)s)")
     p.add_argument("--dns-interval", type=float, default=defaults.dns_interval_s)
+    p.add_argument("--chat-template", default=None,
+                   help="the replicas' chat template, if they were given one (a file, or the "
+                        "Jinja text): chats are routed by the prompt they render to")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
 
@@ -188,7 +196,7 @@ def options_from_args(args: argparse.Namespace) -> PickerOptions:
         picker=replace(PickerConfig(), prefix_weight=args.prefix_weight,
                        kv_usage_weight=args.kv_usage_weight, queue_weight=args.queue_weight),
         shedding=SheddingPolicy(args.shed_queue_depth, args.shed_kv_cache_usage),
-        dns_interval_s=args.dns_interval)
+        dns_interval_s=args.dns_interval, chat_template=args.chat_template)
 
 
 def main(argv: list[str] | None = None) -> int:

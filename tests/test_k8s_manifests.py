@@ -30,6 +30,10 @@ from deploy.k8s import (
     K8sOptions,
     render_k8s_manifests,
 )
+from gateway.endpoint_picker_main import build_parser as picker_parser
+from gateway.endpoint_picker_main import options_from_args as picker_options
+from services.replica.main import build_parser as replica_parser
+from services.replica.main import options_from_args as replica_options
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"ConfigMap": "V1ConfigMap", "Service": "V1Service", "Deployment": "V1Deployment"}
@@ -238,6 +242,25 @@ def test_exclusive_cpus_make_replica_pods_guaranteed() -> None:
             guaranteed = resources["limits"] == resources["requests"]
             assert guaranteed == exclusive, resources
             assert resources["requests"]["cpu"] == "3"
+
+
+def test_replicas_and_picker_parse_their_args_and_agree_on_the_template() -> None:
+    """The rendered args are what ``tandem serve`` and ``tandem picker`` accept: the chat
+    template reaches both (the picker renders chats to route them), the tool-call syntax and
+    sampling defaults the replicas."""
+    objects = render(chat_template="/models/llama/chat.jinja", tool_call_parser="hermes",
+                     generation_config="vllm")
+    deployments = by_kind(objects, "Deployment")
+    replica_args = deployments["tandem-decode"]["spec"]["template"]["spec"]["containers"][0][
+        "args"]
+    assert replica_args[0] == "serve"
+    engine = replica_options(replica_parser().parse_args(replica_args[1:])).engine
+    assert (engine.chat_template, engine.tool_call_parser, engine.generation_config) == (
+        "/models/llama/chat.jinja", "hermes", "vllm")
+    picker_args = deployments["tandem-epp"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert picker_args[0] == "picker"
+    assert picker_options(picker_parser().parse_args(picker_args[1:])).chat_template == (
+        "/models/llama/chat.jinja")
 
 
 def test_cli_writes_one_file_per_object(tmp_path: Path) -> None:
