@@ -271,6 +271,10 @@ def test_a_mistral_template_gets_its_tags_and_its_call_ids(tiny_llama_dir: Path)
     assert not chat.engine.params.skip_special_tokens
     assert tokenizer.decode(chat.engine.prompt_token_ids).endswith(
         "[TOOL_CALLS]get_weather:789abcdef  result 789abcdef")
+    history[1]["tool_calls"][0]["id"] = history[2]["tool_call_id"] = "call_1"  # too short
+    short = chat_to_engine_request(chat_request(messages=history, tools=[WEATHER]), inputs)
+    assert tokenizer.decode(short.engine.prompt_token_ids).endswith(
+        "[TOOL_CALLS]get_weather:0000call1  result 0000call1")
     asked = chat_to_engine_request(chat_request(messages=history, tools=[WEATHER],
                                                 skip_special_tokens=True), inputs)
     assert asked.engine.params.skip_special_tokens  # the client's choice stands

@@ -85,8 +85,10 @@ def new_mistral_call_id() -> str:
 
 def mistral_call_id(call_id: str) -> str:
     """An earlier turn's call id as Mistral's templates accept it: its last nine letters
-    and digits (vLLM truncates the same way), so that call and result still pair up."""
-    return "".join(c for c in call_id if c in _ID_ALPHABET)[-_MISTRAL_ID_LENGTH:]
+    and digits (vLLM truncates the same way), zero-padded when it has fewer, so that a call
+    and its result still pair up."""
+    kept = "".join(c for c in call_id if c in _ID_ALPHABET)[-_MISTRAL_ID_LENGTH:]
+    return kept.rjust(_MISTRAL_ID_LENGTH, "0")
 
 
 @dataclass
