@@ -249,3 +249,35 @@ def test_the_request_translation_keeps_every_setting() -> None:
         "tool_choice": {"type": "function", "function": {"name": "f"}},
         "response_format": {"type": "json_object"},
         "stream_options": {"include_usage": True}}
+
+
+def test_output_text_logprobs_are_the_chats(stack: Stack) -> None:
+    """include "message.output_text.logprobs" (with top_logprobs) gives the output text's
+    tokens with the logprobs the chat API gives for the same request, on the part and on
+    the deltas; without it, there are none."""
+    client = stack.client()
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6,  # type: ignore[arg-type]
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    assert chat.choices[0].logprobs is not None and chat.choices[0].logprobs.content
+    want = [(t.token, round(t.logprob, 4), [(x.token, round(x.logprob, 4))
+                                            for x in t.top_logprobs])
+            for t in chat.choices[0].logprobs.content]
+    options: dict[str, Any] = {"model": "tiny", "instructions": INSTRUCTIONS, "input": QUESTION,
+                               "max_output_tokens": 6, "temperature": 0, "top_logprobs": 2,
+                               "include": ["message.output_text.logprobs"]}
+
+    def entries(logprobs: Any) -> list[Any]:
+        return [(e.token, round(e.logprob, 4), [(x.token, round(x.logprob, 4))
+                                                for x in e.top_logprobs]) for e in logprobs]
+
+    response = client.responses.create(**options)
+    part = response.output[0].content[0]  # type: ignore[union-attr]
+    assert entries(part.logprobs) == want  # type: ignore[union-attr]
+    assert "".join(e.token for e in part.logprobs) == part.text  # type: ignore[union-attr]
+    assert part.logprobs[0].bytes == list(part.logprobs[0].token.encode())  # type: ignore[union-attr]
+    events = list(client.responses.create(stream=True, **options))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert entries([x for e in deltas for x in e.logprobs]) == want  # type: ignore[union-attr]
+    options.pop("include")
+    plain = client.responses.create(**options).output[0].content[0]  # type: ignore[union-attr]
+    assert not getattr(plain, "logprobs", None)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from google.protobuf import struct_pb2
@@ -36,6 +36,8 @@ from services.replica.tool_call_parsers import new_tool_call_id
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+# The include value that asks for the output text's logprobs.
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # The chat finish reason that makes a response incomplete, and the reason OpenAI gives.
 _CUT_BY_LIMIT = "length"
 _INCOMPLETE_REASON = "max_output_tokens"
@@ -82,6 +84,10 @@ def chat_request(request: pb.ResponseRequest) -> pb.ChatCompletionRequest:
         chat.tool_choice.CopyFrom(_chat_tool_choice(request.tool_choice))
     if request.HasField("chat_template_kwargs"):
         chat.chat_template_kwargs.CopyFrom(request.chat_template_kwargs)
+    if LOGPROBS_INCLUDE in request.include:
+        chat.logprobs = True
+        if request.HasField("top_logprobs"):
+            chat.top_logprobs = request.top_logprobs
     _set_response_format(chat.response_format, request.text.format)
     chat.stream_options.include_usage = True
     return chat
@@ -209,27 +215,41 @@ class _ResponseBuilder:
     One item receives text or arguments at a time (the open one); a delta of another kind
     closes it and opens the next, as reasoning precedes the text and calls follow it."""
 
-    def __init__(self, response: pb.Response) -> None:
+    def __init__(self, response: pb.Response, logprobs: bool = False) -> None:
         self.response = response
+        self._logprobs = logprobs  # output_text parts and deltas carry logprobs
         self._sequence = itertools.count()
         self._open: int | None = None  # output index of the open item
         self._calls: dict[int, int] = {}  # chat tool-call index -> output index
+
+    @property
+    def open_type(self) -> str | None:
+        """The type of the item receiving text or arguments, if one is open."""
+        return None if self._open is None else self.response.output[self._open].type
 
     def event(self, kind: str, **fields: Any) -> pb.ResponseStreamEvent:
         return pb.ResponseStreamEvent(type=f"response.{kind}",
                                       sequence_number=next(self._sequence), **fields)
 
-    def text(self, item_type: str, delta: str) -> list[pb.ResponseStreamEvent]:
-        """``delta`` added to the open message or reasoning item (opened if need be)."""
+    def text(self, item_type: str, delta: str,
+             logprobs: Sequence[pb.ChatTokenLogprob] = ()) -> list[pb.ResponseStreamEvent]:
+        """``delta`` added to the open message or reasoning item (opened if need be), with
+        its tokens' ``logprobs`` where the output text carries them."""
         events: list[pb.ResponseStreamEvent] = []
-        if self._open is None or self.response.output[self._open].type != item_type:
+        if self.open_type != item_type:
             events += self.close()
             events += self._open_text_item(item_type)
         assert self._open is not None
         item = self.response.output[self._open]
-        item.content[0].text += delta
-        events.append(self.event(f"{item.content[0].type}.delta", item_id=item.id,
-                                 output_index=self._open, content_index=0, delta=delta))
+        part = item.content[0]
+        part.text += delta
+        event = self.event(f"{part.type}.delta", item_id=item.id, output_index=self._open,
+                           content_index=0, delta=delta)
+        if part.HasField("logprobs"):
+            entries = [_logprob(entry) for entry in logprobs]
+            part.logprobs.extend(entries)
+            event.logprobs.extend(entries)
+        events.append(event)
         return events
 
     def _open_text_item(self, item_type: str) -> list[pb.ResponseStreamEvent]:
@@ -244,6 +264,8 @@ class _ResponseBuilder:
         self._open = len(self.response.output) - 1
         events = [self.event("output_item.added", output_index=self._open, item=item)]
         part = item.content.add(type=part_type)
+        if self._logprobs and item_type == "message":
+            part.logprobs.SetInParent()
         events.append(self.event("content_part.added", item_id=item.id,
                                  output_index=self._open, content_index=0, part=part))
         return events
@@ -291,11 +313,14 @@ async def response_events(
     response_id: str, model: str,
 ) -> AsyncGenerator[pb.ResponseStreamEvent, None]:
     """The Responses stream of one chat stream (one choice, usage in its last chunk)."""
-    builder = _ResponseBuilder(_response_shell(request, response_id, model))
+    builder = _ResponseBuilder(_response_shell(request, response_id, model),
+                               logprobs=LOGPROBS_INCLUDE in request.include)
     response = builder.response
     yield builder.event("created", response=response)
     yield builder.event("in_progress", response=response)
     finish_reason = None
+    # Logprobs of tokens whose text has not shown yet (an incomplete UTF-8 character).
+    pending: list[pb.ChatTokenLogprob] = []
     async for chunk in chunks:
         if chunk.HasField("usage"):
             usage = chunk.usage
@@ -309,8 +334,11 @@ async def response_events(
             events: list[pb.ResponseStreamEvent] = []
             if choice.delta.reasoning:
                 events += builder.text("reasoning", choice.delta.reasoning)
+            if choice.HasField("logprobs"):
+                pending.extend(choice.logprobs.content)
             if choice.delta.content:
-                events += builder.text("message", choice.delta.content)
+                events += builder.text("message", choice.delta.content, pending)
+                pending = []
             for call in choice.delta.tool_calls:
                 events += builder.call(call)
             if choice.HasField("finish_reason"):
@@ -318,9 +346,10 @@ async def response_events(
             for event in events:
                 yield event
     cut = finish_reason == _CUT_BY_LIMIT
-    if not response.output:  # nothing was said: still one (empty) message
-        for event in builder.text("message", ""):
-            if event.type != "response.output_text.delta":
+    # Nothing was said (still one, empty, message), or the message's last tokens show no text.
+    if not response.output or (pending and builder.open_type == "message"):
+        for event in builder.text("message", "", pending):
+            if event.type != "response.output_text.delta" or event.logprobs.values:
                 yield event
     for event in builder.close("incomplete" if cut else "completed"):
         yield event
@@ -328,6 +357,17 @@ async def response_events(
     if cut:
         response.incomplete_details.reason = _INCOMPLETE_REASON
     yield builder.event(response.status, response=response)
+
+
+def _logprob(entry: pb.ChatTokenLogprob) -> struct_pb2.Struct:
+    """A chat token logprob in the Responses shape (its text's UTF-8 bytes as well)."""
+    value = struct_pb2.Struct()
+    value.update({"token": entry.token, "logprob": entry.logprob,
+                  "bytes": list(entry.token.encode()),
+                  "top_logprobs": [{"token": top.token, "logprob": top.logprob,
+                                    "bytes": list(top.token.encode())}
+                                   for top in entry.top_logprobs]})
+    return value
 
 
 async def final_response(events: AsyncIterator[pb.ResponseStreamEvent]) -> pb.Response:

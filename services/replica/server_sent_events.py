@@ -42,9 +42,10 @@ _ERROR_TYPES = {
 }
 
 
-# Lists of numbers (google.protobuf.ListValue) whose numbers are token ids: printed as
-# integers, as Envoy's transcoder prints them (Python's printer writes 5.0).
-_TOKEN_ID_LISTS = frozenset({"token_ids", "prompt_token_ids"})
+# Lists of numbers (google.protobuf.ListValue) whose numbers are integers (token ids, a
+# token's UTF-8 bytes): printed as integers, as Envoy's transcoder prints them (Python's
+# printer writes 5.0).
+_INTEGER_LISTS = frozenset({"token_ids", "prompt_token_ids", "bytes"})
 
 
 def event(chunk: Message, name: str | None = None) -> bytes:
@@ -52,17 +53,17 @@ def event(chunk: Message, name: str | None = None) -> bytes:
     requires."""
     body = json_format.MessageToDict(chunk, preserving_proto_field_name=True,
                                      always_print_fields_with_no_presence=True)
-    text = json.dumps(_integer_token_ids(body), ensure_ascii=False)
+    text = json.dumps(_integer_lists(body), ensure_ascii=False)
     data = b"data: " + text.encode() + b"\n\n"
     return data if name is None else b"event: " + name.encode() + b"\n" + data
 
 
-def _integer_token_ids(value: object) -> object:
+def _integer_lists(value: object) -> object:
     if isinstance(value, dict):
-        return {key: [int(t) for t in item] if key in _TOKEN_ID_LISTS and isinstance(item, list)
-                else _integer_token_ids(item) for key, item in value.items()}
+        return {key: [int(t) for t in item] if key in _INTEGER_LISTS and isinstance(item, list)
+                else _integer_lists(item) for key, item in value.items()}
     if isinstance(value, list):
-        return [_integer_token_ids(item) for item in value]
+        return [_integer_lists(item) for item in value]
     return value
 
 

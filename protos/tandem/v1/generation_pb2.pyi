@@ -464,7 +464,7 @@ class ChatCompletionChunk(_message.Message):
     def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., created: _Optional[int] = ..., model: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[ChatChunkChoice, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[_struct_pb2.ListValue, _Mapping]] = ...) -> None: ...
 
 class ResponseRequest(_message.Message):
-    __slots__ = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "tools", "tool_choice", "parallel_tool_calls", "text", "store", "previous_response_id", "metadata", "user", "seed", "top_k", "min_p", "repetition_penalty", "cache_salt", "priority", "chat_template_kwargs")
+    __slots__ = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "tools", "tool_choice", "parallel_tool_calls", "text", "store", "previous_response_id", "metadata", "user", "seed", "top_k", "min_p", "repetition_penalty", "cache_salt", "priority", "chat_template_kwargs", "include", "top_logprobs")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -494,6 +494,8 @@ class ResponseRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     model: str
     input: _struct_pb2.Value
     instructions: str
@@ -516,7 +518,9 @@ class ResponseRequest(_message.Message):
     cache_salt: str
     priority: int
     chat_template_kwargs: _struct_pb2.Struct
-    def __init__(self, model: _Optional[str] = ..., input: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., instructions: _Optional[str] = ..., max_output_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stream: _Optional[bool] = ..., tools: _Optional[_Iterable[_Union[ResponseTool, _Mapping]]] = ..., tool_choice: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., text: _Optional[_Union[ResponseTextConfig, _Mapping]] = ..., store: _Optional[bool] = ..., previous_response_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., user: _Optional[str] = ..., seed: _Optional[int] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    include: _containers.RepeatedScalarFieldContainer[str]
+    top_logprobs: int
+    def __init__(self, model: _Optional[str] = ..., input: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., instructions: _Optional[str] = ..., max_output_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stream: _Optional[bool] = ..., tools: _Optional[_Iterable[_Union[ResponseTool, _Mapping]]] = ..., tool_choice: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., text: _Optional[_Union[ResponseTextConfig, _Mapping]] = ..., store: _Optional[bool] = ..., previous_response_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., user: _Optional[str] = ..., seed: _Optional[int] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., include: _Optional[_Iterable[str]] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class ResponseTool(_message.Message):
     __slots__ = ("type", "name", "description", "parameters", "strict")
@@ -553,14 +557,16 @@ class ResponseTextFormat(_message.Message):
     def __init__(self, type: _Optional[str] = ..., name: _Optional[str] = ..., description: _Optional[str] = ..., schema: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., strict: _Optional[bool] = ...) -> None: ...
 
 class ResponseContentPart(_message.Message):
-    __slots__ = ("type", "text", "annotations")
+    __slots__ = ("type", "text", "annotations", "logprobs")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     ANNOTATIONS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     type: str
     text: str
     annotations: _containers.RepeatedCompositeFieldContainer[_struct_pb2.Struct]
-    def __init__(self, type: _Optional[str] = ..., text: _Optional[str] = ..., annotations: _Optional[_Iterable[_Union[_struct_pb2.Struct, _Mapping]]] = ...) -> None: ...
+    logprobs: _struct_pb2.ListValue
+    def __init__(self, type: _Optional[str] = ..., text: _Optional[str] = ..., annotations: _Optional[_Iterable[_Union[_struct_pb2.Struct, _Mapping]]] = ..., logprobs: _Optional[_Union[_struct_pb2.ListValue, _Mapping]] = ...) -> None: ...
 
 class ResponseOutputItem(_message.Message):
     __slots__ = ("type", "id", "status", "role", "content", "call_id", "name", "arguments", "summary")
@@ -664,7 +670,7 @@ class Response(_message.Message):
     def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., created_at: _Optional[int] = ..., model: _Optional[str] = ..., status: _Optional[str] = ..., incomplete_details: _Optional[_Union[ResponseIncompleteDetails, _Mapping]] = ..., output: _Optional[_Iterable[_Union[ResponseOutputItem, _Mapping]]] = ..., usage: _Optional[_Union[ResponseUsage, _Mapping]] = ..., instructions: _Optional[str] = ..., max_output_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., tool_choice: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[ResponseTool, _Mapping]]] = ..., text: _Optional[_Union[ResponseTextConfig, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., metadata: _Optional[_Mapping[str, str]] = ..., store: _Optional[bool] = ...) -> None: ...
 
 class ResponseStreamEvent(_message.Message):
-    __slots__ = ("type", "sequence_number", "response", "output_index", "content_index", "item_id", "item", "part", "delta", "text", "arguments")
+    __slots__ = ("type", "sequence_number", "response", "output_index", "content_index", "item_id", "item", "part", "delta", "text", "arguments", "logprobs")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_NUMBER_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
@@ -676,6 +682,7 @@ class ResponseStreamEvent(_message.Message):
     DELTA_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     type: str
     sequence_number: int
     response: Response
@@ -687,7 +694,8 @@ class ResponseStreamEvent(_message.Message):
     delta: str
     text: str
     arguments: str
-    def __init__(self, type: _Optional[str] = ..., sequence_number: _Optional[int] = ..., response: _Optional[_Union[Response, _Mapping]] = ..., output_index: _Optional[int] = ..., content_index: _Optional[int] = ..., item_id: _Optional[str] = ..., item: _Optional[_Union[ResponseOutputItem, _Mapping]] = ..., part: _Optional[_Union[ResponseContentPart, _Mapping]] = ..., delta: _Optional[str] = ..., text: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+    logprobs: _struct_pb2.ListValue
+    def __init__(self, type: _Optional[str] = ..., sequence_number: _Optional[int] = ..., response: _Optional[_Union[Response, _Mapping]] = ..., output_index: _Optional[int] = ..., content_index: _Optional[int] = ..., item_id: _Optional[str] = ..., item: _Optional[_Union[ResponseOutputItem, _Mapping]] = ..., part: _Optional[_Union[ResponseContentPart, _Mapping]] = ..., delta: _Optional[str] = ..., text: _Optional[str] = ..., arguments: _Optional[str] = ..., logprobs: _Optional[_Union[_struct_pb2.ListValue, _Mapping]] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
