@@ -336,6 +336,8 @@ async def response_events(
                 events += builder.text("reasoning", choice.delta.reasoning)
             if choice.HasField("logprobs"):
                 pending.extend(choice.logprobs.content)
+            if choice.delta.reasoning and not choice.delta.content:
+                pending = []  # the thinking's tokens: not the output text's
             if choice.delta.content:
                 events += builder.text("message", choice.delta.content, pending)
                 pending = []
