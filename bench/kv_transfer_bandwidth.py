@@ -24,7 +24,6 @@ import functools
 import json
 import multiprocessing as mp
 import os
-import platform
 import random
 import statistics
 import sys
@@ -40,6 +39,7 @@ import torch
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.report import machine as report_machine  # noqa: E402
 from kv_transfer import KvHandle, KvLayout, UcxKvConsumer, UcxKvProducer  # noqa: E402
 from kv_transfer.ucx_connector import DEFAULT_CHUNK_BYTES  # noqa: E402
 from kv_transfer.ucx_runtime import UcxRuntime  # noqa: E402
@@ -151,25 +151,6 @@ class RawClient:
         self._runtime.call(close())
 
 
-def machine_info() -> dict[str, Any]:
-    cpu_model = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "platform": platform.platform(),
-        "cpu_model": cpu_model,
-        "nproc": os.cpu_count(),
-        "load_average_at_start": list(os.getloadavg()),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
-
-
 def time_pull(
     consumer: UcxKvConsumer, handle: KvHandle, remote: list[int], local: list[int]
 ) -> float:
@@ -188,7 +169,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
-    machine = machine_info()
+    machine = report_machine()
 
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()

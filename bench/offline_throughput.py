@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,13 +25,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.peer import peer_available, run_peer_script  # noqa: E402
 from bench.report import ratios_over_tandem, write_report  # noqa: E402
 from engine_common.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from engine_common.default_model import ensure_default_model  # noqa: E402
 from engine_common.llm import LLM  # noqa: E402
 from engine_common.sampling_params import SamplingParams  # noqa: E402
-
-PEER_PYTHON = ROOT / ".venv-peer" / "bin" / "python"
 
 
 def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -147,18 +145,12 @@ print("PEER_RESULT " + json.dumps({"elapsed": elapsed, "tokens": [list(o.outputs
 
 
 def run_peer(model: Path, prompts: list[list[int]], out_len: int, eager: bool) -> tuple[float, list[list[int]]] | None:
-    if not PEER_PYTHON.exists():
+    if not peer_available():
         return None
-    cfg = json.dumps({"model": str(model), "prompts": prompts, "out_len": out_len, "eager": eager})
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_TARGET_DEVICE="cpu")
-    proc = subprocess.run([str(PEER_PYTHON), "-c", PEER_SCRIPT, cfg], capture_output=True,
-                          text=True, env=env, timeout=1800)
-    for line in proc.stdout.splitlines():
-        if line.startswith("PEER_RESULT "):
-            data = json.loads(line.removeprefix("PEER_RESULT "))
-            return data["elapsed"], data["tokens"]
-    print(f"vLLM-CPU ({'eager' if eager else 'compiled'}) failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
-    return None
+    data = run_peer_script(PEER_SCRIPT, {"model": str(model), "prompts": prompts,
+                                         "out_len": out_len, "eager": eager},
+                           f"vLLM-CPU ({'eager' if eager else 'compiled'})")
+    return None if data is None else (data["elapsed"], data["tokens"])
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:

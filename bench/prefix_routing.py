@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import signal
 import socket
@@ -47,6 +46,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.report import machine  # noqa: E402
 from engine_common.default_model import ensure_default_model  # noqa: E402
 from protos.tandem.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 from protos.tandem.v1 import generation_pb2 as pb  # noqa: E402
@@ -282,19 +282,6 @@ def routing_mean_ms(metrics_port: int) -> float:
 
 
 # --------------------------------------------------------------------------- main
-
-
-def machine() -> dict[str, object]:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"platform": platform.platform(), "cpu": cpu, "nproc": os.cpu_count(),
-            "python": platform.python_version(), "load_average_at_start": os.getloadavg()}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

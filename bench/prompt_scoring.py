@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,7 +25,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.offline_throughput import PEER_PYTHON, make_prompts  # noqa: E402
+from bench.offline_throughput import make_prompts  # noqa: E402
+from bench.peer import peer_available, run_peer_script  # noqa: E402
 from bench.report import ratios_over_tandem, write_report  # noqa: E402
 from engine_common.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from engine_common.default_model import ensure_default_model  # noqa: E402
@@ -92,18 +91,10 @@ print("PEER_RESULT " + json.dumps({"elapsed": elapsed, "scores": scores}))
 
 def run_peer(model: Path, prompts: list[list[int]]) -> tuple[float, Scores] | None:
     """vLLM-CPU in eager mode (its compiled mode is wrong on this model here)."""
-    if not PEER_PYTHON.exists():
+    if not peer_available():
         return None
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_TARGET_DEVICE="cpu")
-    proc = subprocess.run([str(PEER_PYTHON), "-c", PEER_SCRIPT,
-                           json.dumps({"model": str(model), "prompts": prompts})],
-                          capture_output=True, text=True, env=env, timeout=1800)
-    for line in proc.stdout.splitlines():
-        if line.startswith("PEER_RESULT "):
-            data = json.loads(line.removeprefix("PEER_RESULT "))
-            return data["elapsed"], data["scores"]
-    print(f"vLLM-CPU failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
-    return None
+    data = run_peer_script(PEER_SCRIPT, {"model": str(model), "prompts": prompts})
+    return None if data is None else (data["elapsed"], data["scores"])
 
 
 def difference(a: Scores, b: Scores) -> dict[str, float]:

@@ -33,6 +33,8 @@ def machine() -> dict[str, object]:
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        # How busy this shared machine was as the run began (other tenants' work).
+        "load_average_at_start": list(os.getloadavg()),
     }
 
 

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,9 +33,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-PEER_PYTHON = ROOT / ".venv-peer" / "bin" / "python"
 sys.path.insert(0, str(ROOT))
 
+from bench.peer import peer_available, run_peer_script  # noqa: E402
 from bench.report import write_report  # noqa: E402
 from engine_common.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from engine_common.default_model import ensure_default_model  # noqa: E402
@@ -151,16 +149,11 @@ def run_peer(model: Path, prompts: dict[str, list[int]], speculative: bool,
         _, temperature, constraint = TASKS[name]
         tasks[name] = {"prompt": prompt, "temperature": temperature,
                        "schema": None if constraint is None else json.loads(constraint.value)}
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_TARGET_DEVICE="cpu")
-    proc = subprocess.run(
-        [str(PEER_PYTHON), "-c", PEER_SCRIPT, json.dumps({
-            "model": str(model), "speculative": speculative, "max_tokens": max_tokens,
-            "tasks": tasks})], capture_output=True, text=True, env=env, timeout=1800)
-    for line in proc.stdout.splitlines():
-        if line.startswith("PEER_RESULT "):
-            data = json.loads(line.removeprefix("PEER_RESULT "))
-            return {name: (elapsed, tokens) for name, (elapsed, tokens) in data.items()}
-    raise RuntimeError(f"vLLM-CPU failed:\n{proc.stderr[-3000:]}")
+    data = run_peer_script(PEER_SCRIPT, {"model": str(model), "speculative": speculative,
+                                         "max_tokens": max_tokens, "tasks": tasks})
+    if data is None:
+        raise RuntimeError("vLLM-CPU failed (its stderr is above)")
+    return {name: (elapsed, tokens) for name, (elapsed, tokens) in data.items()}
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -188,7 +181,7 @@ def main() -> None:
               flush=True)
     del probe
 
-    peer = PEER_PYTHON.exists()
+    peer = peer_available()
     modes = ["tandem_speculative", "tandem_plain",
              *(["vllm_speculative", "vllm_plain"] if peer else [])]
     seconds: dict[str, dict[str, list[float]]] = {name: {mode: [] for mode in modes}

@@ -29,8 +29,7 @@ from deploy.envoy_config import (
     with_api_keys,
 )
 from deploy.k8s import K8sOptions, render_k8s_manifests
-from engine_common.sampling_defaults import GENERATION_CONFIG_MODES
-from services.replica.tool_call_parsers import CALL_FORMATS
+from services.model_settings import add_model_settings_args
 
 
 def _add_envoy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -72,13 +71,7 @@ def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="PersistentVolumeClaim holding the model, mounted at --model-mount")
     p.add_argument("--model-mount", default=defaults.model_mount, help="(default: %(default)s)")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--chat-template", default=None,
-                   help="a chat template instead of the model's: a file in the containers "
-                        "(e.g. on the model volume), or the Jinja text")
-    p.add_argument("--tool-call-parser", choices=CALL_FORMATS, default=None,
-                   help="the syntax the model writes tool calls in (see tandem serve --help)")
-    p.add_argument("--generation-config", choices=GENERATION_CONFIG_MODES,
-                   default=defaults.generation_config, help="(default: %(default)s)")
+    add_model_settings_args(p)
     p.add_argument("--name", default=defaults.name, help="name prefix (default: %(default)s)")
     p.add_argument("--namespace", default=None)
     p.add_argument("--prefill", type=int, default=defaults.prefill,

@@ -14,13 +14,12 @@ import logging
 import sys
 from dataclasses import replace
 
-from engine_common.sampling_defaults import GENERATION_CONFIG_MODES
 from gateway.picker import PickerConfig
 from gateway.proxy import RetryPolicy
 from gateway.registry import DnsTarget
 from gateway.server import GatewayOptions, serve
 from services.entrypoint import run_service
-from services.replica.tool_call_parsers import CALL_FORMATS
+from services.model_settings import add_model_settings_args
 
 logger = logging.getLogger("gateway")
 
@@ -75,16 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between GetLoad polls per replica (default: %(default)s)")
     p.add_argument("--dns-interval", type=float, default=options.dns_interval_s,
                    help="seconds between DNS resolutions (default: %(default)s)")
-    p.add_argument("--generation-config", choices=GENERATION_CONFIG_MODES,
-                   default=options.generation_config,
-                   help="sampling defaults of requests that leave them unset, as the "
-                        "replicas' flag of the same name (default: %(default)s)")
-    p.add_argument("--chat-template", default=None,
-                   help="the replicas' chat template, if they were given one (a file, or the "
-                        "Jinja text): the gateway renders chats itself")
-    p.add_argument("--tool-call-parser", choices=CALL_FORMATS, default=None,
-                   help="the replicas' tool-call syntax, if they were told one: the gateway "
-                        "parses calls itself")
+    add_model_settings_args(p)
     p.add_argument("--log-level", default="INFO",
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="(default: %(default)s)")
     return p

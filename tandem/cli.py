@@ -14,8 +14,7 @@ from pathlib import Path
 
 from deploy.envoy_config import read_api_keys
 from deploy.supervisor import SuiteConfig, Supervisor, plan_suite
-from engine_common.sampling_defaults import GENERATION_CONFIG_MODES
-from services.replica.tool_call_parsers import CALL_FORMATS
+from services.model_settings import add_model_settings_args
 
 
 def add_suite_args(parser: argparse.ArgumentParser) -> None:
@@ -41,17 +40,7 @@ def add_suite_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-ngram", type=int, default=0, metavar="K",
                         help="replicas speculate up to K tokens per decode step by n-gram "
                              "lookup (0: off; see `tandem serve --help`)")
-    parser.add_argument("--generation-config", choices=GENERATION_CONFIG_MODES, default="auto",
-                        help="sampling defaults of requests that leave them unset, for the "
-                             "replicas and the gateway: auto, the model's "
-                             "generation_config.json; vllm, the library's (default: "
-                             "%(default)s)")
-    parser.add_argument("--chat-template", default=None,
-                        help="a chat template for the replicas and the gateway instead of "
-                             "the model's (a file, or the Jinja text)")
-    parser.add_argument("--tool-call-parser", choices=CALL_FORMATS, default=None,
-                        help='the syntax the model writes tool calls in, for tool_choice '
-                             '"auto" (default: the one its chat template teaches, if known)')
+    add_model_settings_args(parser)
     parser.add_argument("--log-dir", type=Path, default=Path(".cache/tandem/logs"))
 
 

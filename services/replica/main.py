@@ -21,8 +21,8 @@ from engine_common.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from engine_common.sampling_defaults import GENERATION_CONFIG_MODES
 from services.entrypoint import run_service
+from services.model_settings import add_model_settings_args
 from services.replica.cpu_binding import (
     AUTO,
     SHARED,
@@ -35,7 +35,6 @@ from services.replica.cpu_binding import (
     split_engine_cpus,
 )
 from services.replica.server import ROLES, ReplicaOptions, serve
-from services.replica.tool_call_parsers import CALL_FORMATS
 
 logger = logging.getLogger("services.replica")
 
@@ -99,18 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "for a decode or both replica on CPU that owns two or more (no "
                         "smaller cgroup CPU quota or OMP_NUM_THREADS), else shared "
                         "(default: %(default)s)")
-    p.add_argument("--generation-config", choices=GENERATION_CONFIG_MODES,
-                   default=engine.generation_config,
-                   help="sampling defaults of requests that leave them unset: auto, the "
-                        "model's generation_config.json (temperature, top_p, top_k, min_p, "
-                        "repetition_penalty, as vLLM); vllm, the library's (default: "
-                        "%(default)s)")
-    p.add_argument("--chat-template", default=None,
-                   help="a chat template used instead of the model's (a file, or the Jinja "
-                        "text itself), for a model without one or one that needs fixing")
-    p.add_argument("--tool-call-parser", choices=CALL_FORMATS, default=None,
-                   help='the syntax the model writes tool calls in, for tool_choice "auto" '
-                        "(default: the one its chat template teaches, if known)")
+    add_model_settings_args(p)
     p.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run decode steps eagerly instead of replaying CUDA graphs")
     p.add_argument("--cuda-graph-max-batch-size", type=int,

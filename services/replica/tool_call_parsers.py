@@ -236,15 +236,50 @@ class HermesStream(CallStream):
             self._end_call()
 
 
-class Llama3JsonStream(CallStream):
+class _JsonObjectsStream(CallStream):
+    """Calls written as JSON objects one after another, with ``separators`` (and space)
+    between them, read from ``_scan`` on."""
+
+    separators = ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._object: int | None = None  # where the open call object begins
+        self._scan = 0  # where to look for the next object
+
+    def _read_objects(self, final: bool) -> list[pb.ToolCallDelta]:
+        text = self.text
+        deltas: list[pb.ToolCallDelta] = []
+        while True:
+            if self._object is None:
+                start = self._scan
+                while start < len(text) and (text[start].isspace()
+                                             or text[start] in self.separators):
+                    start += 1
+                if start >= len(text) or text[start] != "{":
+                    return deltas  # more to come, the end, or no call: nothing more to read
+                self._object = start
+            try:
+                _, end = json.JSONDecoder().raw_decode(text, self._object)
+            except json.JSONDecodeError:
+                end = None
+            body = text[self._object:] if end is None else text[self._object:end]
+            deltas += self._read_call(body, closed=end is not None or final)
+            if end is None:
+                return deltas
+            self._object, self._scan = None, end
+            self._end_call()
+
+
+class Llama3JsonStream(_JsonObjectsStream):
     """An answer that is ``{"name": ..., "parameters": ...}`` objects joined by ``;`` (maybe
     after ``<|python_tag|>``), or else plain content."""
+
+    separators = ";"
 
     def __init__(self) -> None:
         super().__init__()
         self._mode = "undecided"  # then "content" or "calls"
-        self._object: int | None = None  # where the open call object begins
-        self._scan = 0  # where to look for the next object
 
     def _advance(self, final: bool) -> tuple[str, list[pb.ToolCallDelta]]:
         text = self.text
@@ -261,35 +296,18 @@ class Llama3JsonStream(CallStream):
         if self._mode == "content":
             content, self._shown = text[self._shown:], len(text)
             return content, deltas
-        while True:
-            if self._object is None:
-                start = self._scan
-                while start < len(text) and (text[start].isspace() or text[start] == ";"):
-                    start += 1
-                if start >= len(text) or text[start] != "{":
-                    return "", deltas  # more to come, or not a call: nothing more to read
-                self._object = start
-            try:
-                _, end = json.JSONDecoder().raw_decode(text, self._object)
-            except json.JSONDecodeError:
-                end = None
-            body = text[self._object:] if end is None else text[self._object:end]
-            deltas += self._read_call(body, closed=end is not None or final)
-            if end is None:
-                return "", deltas
-            self._object, self._scan = None, end
-            self._end_call()
+        return "", self._read_objects(final)
 
 
-class MistralStream(CallStream):
+class MistralStream(_JsonObjectsStream):
     """Content, then ``[TOOL_CALLS]`` and a JSON list of calls, or ``name[ARGS]arguments``
     after each ``[TOOL_CALLS]``; the first tag decides which."""
+
+    separators = ","  # the list's; its closing "]" ends the reading
 
     def __init__(self) -> None:
         super().__init__()
         self._mode = "content"  # then "deciding", and "list" or "args"
-        self._scan = 0  # where to read next
-        self._object: int | None = None  # list: where the open call object begins
 
     @staticmethod
     def new_id() -> str:
@@ -313,30 +331,8 @@ class MistralStream(CallStream):
                 self._mode, self._scan = "list", len(text) - len(lead) + 1
             else:
                 self._mode = "args"
-        calls = self._advance_list(final) if self._mode == "list" else self._advance_args(final)
+        calls = self._read_objects(final) if self._mode == "list" else self._advance_args(final)
         return content, calls
-
-    def _advance_list(self, final: bool) -> list[pb.ToolCallDelta]:
-        text = self.text
-        deltas: list[pb.ToolCallDelta] = []
-        while True:
-            if self._object is None:
-                start = self._scan
-                while start < len(text) and (text[start].isspace() or text[start] == ","):
-                    start += 1
-                if start >= len(text) or text[start] != "{":
-                    return deltas  # more to come, the list's end, or no call: nothing more
-                self._object = start
-            try:
-                _, end = json.JSONDecoder().raw_decode(text, self._object)
-            except json.JSONDecodeError:
-                end = None
-            body = text[self._object:] if end is None else text[self._object:end]
-            deltas += self._read_call(body, closed=end is not None or final)
-            if end is None:
-                return deltas
-            self._object, self._scan = None, end
-            self._end_call()
 
     def _advance_args(self, final: bool) -> list[pb.ToolCallDelta]:
         text = self.text
