@@ -207,9 +207,17 @@ class AsyncLLM:
         one = SamplingParams(**{**params.__dict__, "max_tokens": 1,
                                 "min_tokens": min(params.min_tokens, 1)})
         last: RequestOutput | None = None
-        async for out in self.generate(request_id, prompt_token_ids, one, priority=priority,
-                                       cache_salt=cache_salt, hold_kv=True):
-            last = out
+        try:
+            async for out in self.generate(request_id, prompt_token_ids, one,
+                                           priority=priority, cache_salt=cache_salt,
+                                           hold_kv=True):
+                last = out
+        except asyncio.CancelledError:
+            # The decode replica gave up (its client left). Leaving the loop aborts a prompt
+            # still running; one that just finished has pinned its blocks for a pull that
+            # will never come: free them now rather than when the lease ends.
+            self.release_kv(request_id)
+            raise
         if last is None or last.kv_handle is None or not last.new_token_ids:
             raise RuntimeError(f"prefill of {request_id} ended without a KV handle "
                                f"({last.finish_reason if last else 'no output'})")
