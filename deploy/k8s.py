@@ -23,7 +23,7 @@ It does not own writing files (``render``) or the Gateway itself (a cluster's ow
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,8 @@ from deploy.envoy_config import (
     dump_bootstrap,
     render_picker_bootstrap,
 )
+from engine_common.config import ModelSettings
+from services.model_settings import model_settings_args
 
 REPLICA_PORT = 50051
 REPLICA_METRICS_PORT = 9400
@@ -69,12 +71,10 @@ class K8sOptions:
     model_pvc: str | None = None
     model_mount: str = "/models"
     served_model_name: str | None = None
-    # A chat template (a file in the containers, or the Jinja text) instead of the model's,
-    # for the replicas and the endpoint picker (which renders chats to route them); the
-    # replicas' tool-call syntax and sampling defaults (``tandem serve --help``).
-    chat_template: str | None = None
-    tool_call_parser: str | None = None
-    generation_config: str = "auto"
+    # The replicas' chat template (a file in the containers, or the Jinja text), tool-call
+    # syntax and sampling defaults (``tandem serve --help``); the endpoint picker renders
+    # chats with the same template to route them.
+    model_settings: ModelSettings = field(default_factory=ModelSettings)
     replica_cpu: str = "4"
     replica_memory: str = "16Gi"
     # CPU limit = request (a whole number): Guaranteed QoS, so that a kubelet with the static
@@ -115,10 +115,11 @@ def _metadata(options: K8sOptions, name: str, labels: dict[str, str]) -> dict[st
     return metadata
 
 
-def _model_args(options: K8sOptions) -> list[str]:
-    """The model and how its chats render: what the replicas and the picker agree on."""
+def _picker_model_args(options: K8sOptions) -> list[str]:
+    """The model and its chat template: the picker renders chats as the replicas do."""
     return [*(["--model", options.model] if options.model else []),
-            *(["--chat-template", options.chat_template] if options.chat_template else [])]
+            *(["--chat-template", options.model_settings.chat_template]
+              if options.model_settings.chat_template else [])]
 
 
 def _model_volumes(options: K8sOptions) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -183,15 +184,13 @@ def replica_deployment(options: K8sOptions, role: str, replicas: int) -> dict[st
     if role in DECODE_CAPABLE:
         labels[POOL_LABEL] = options.name
     volumes, mounts = _model_volumes(options)
-    args = ["serve", *_model_args(options), "--role", role, "--host", "0.0.0.0",
+    args = ["serve", *(["--model", options.model] if options.model else []),
+            *model_settings_args(options.model_settings), "--role", role, "--host", "0.0.0.0",
             "--port", str(REPLICA_PORT), "--metrics-port", str(REPLICA_METRICS_PORT),
             # Kubernetes expands $(VAR) from the container's env in args.
             "--engine-id", "$(POD_NAME)"]
     if options.served_model_name:
         args += ["--served-model-name", options.served_model_name]
-    if options.tool_call_parser:
-        args += ["--tool-call-parser", options.tool_call_parser]
-    args += ["--generation-config", options.generation_config]
     resources: dict[str, Any] = {
         "requests": {"cpu": options.replica_cpu, "memory": options.replica_memory},
         "limits": {"memory": options.replica_memory},
@@ -269,7 +268,7 @@ def picker_deployment(options: K8sOptions) -> dict[str, Any]:
         "image": options.image,
         "imagePullPolicy": options.image_pull_policy,
         "command": ["tandem"],
-        "args": ["picker", *_model_args(options), "--host", "0.0.0.0", "--port", str(PICKER_PORT),
+        "args": ["picker", *_picker_model_args(options), "--host", "0.0.0.0", "--port", str(PICKER_PORT),
                  "--metrics-port", str(PICKER_METRICS_PORT), *dns],
         "env": _env(),
         "ports": [

@@ -29,7 +29,7 @@ from deploy.envoy_config import (
     with_api_keys,
 )
 from deploy.k8s import K8sOptions, render_k8s_manifests
-from services.model_settings import add_model_settings_args
+from services.model_settings import add_model_settings_args, model_settings_from_args
 
 
 def _add_envoy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -168,8 +168,7 @@ def _render_k8s(args: argparse.Namespace) -> int:
             image=args.image, model=args.model, name=args.name, namespace=args.namespace,
             prefill=args.prefill, decode=args.decode, both=args.both, model_pvc=args.model_pvc,
             model_mount=args.model_mount, served_model_name=args.served_model_name,
-            chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
-            generation_config=args.generation_config,
+            model_settings=model_settings_from_args(args),
             replica_cpu=args.replica_cpu, exclusive_cpus=args.exclusive_cpus,
             replica_memory=args.replica_memory, gpus=args.gpus,
             kv_cache_memory=args.kv_cache_memory, envoy_image=args.envoy_image,

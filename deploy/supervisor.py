@@ -20,6 +20,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine_common.config import ModelSettings
+from services.model_settings import model_settings_args
 from services.replica.cpu_binding import SHARED
 
 
@@ -48,12 +50,8 @@ class SuiteConfig:
     # Envoy requires one of the API keys in this file (one per line) on every request.
     envoy_api_key_file: Path | None = None
     extra_replica_args: list[str] = field(default_factory=list)
-    # Requests' sampling defaults (replicas' and gateway's --generation-config).
-    generation_config: str = "auto"
-    # A chat template instead of the model's, the syntax of the model's tool calls
-    # (replicas' and gateway's --chat-template, --tool-call-parser).
-    chat_template: str | None = None
-    tool_call_parser: str | None = None
+    # The replicas' and the gateway's chat template, tool-call syntax and sampling defaults.
+    model_settings: ModelSettings = field(default_factory=ModelSettings)
     # Give each replica its own share of this machine's CPUs (``--cpus``), so that replicas
     # compute side by side instead of time-slicing the same cores.
     pin_cpus: bool = False
@@ -103,10 +101,7 @@ def plan_suite(cfg: SuiteConfig) -> Suite:
     # What the replicas and the gateway must agree on: the model, how chats render and tool
     # calls parse, and the requests' sampling defaults.
     model_args = [*(["--model", cfg.model] if cfg.model else []),
-                  *(["--chat-template", cfg.chat_template] if cfg.chat_template else []),
-                  *(["--tool-call-parser", cfg.tool_call_parser] if cfg.tool_call_parser
-                    else []),
-                  "--generation-config", cfg.generation_config]
+                  *model_settings_args(cfg.model_settings)]
     cpu_args = replica_cpu_args(roles, cfg.pin_cpus)
     for i, role in enumerate(roles):
         port = cfg.base_port + i

@@ -54,7 +54,7 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop,
                  kv_event_capacity: int = 65536, kv_snapshot_chunk_blocks: int = 4096):
         self.config = config
-        self.tokenizer = load_tokenizer(config.model, config.chat_template)
+        self.tokenizer = load_tokenizer(config.model, config.model_settings.chat_template)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         self._loop = loop
         self._streams: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
@@ -81,9 +81,12 @@ class AsyncLLM:
         )
         self.info = self.core.info
         self.stats.num_total_blocks = self.stats.num_free_blocks = self.info.num_blocks
-        self.inputs = InputProcessor(self.tokenizer, self.info.max_model_len, self.info.vocab_size,
-                                     load_sampling_defaults(config.model, config.generation_config),
-                                     config.tool_call_parser)
+        settings = config.model_settings
+        self.inputs = InputProcessor(
+            self.tokenizer, self.info.max_model_len, self.info.vocab_size,
+            load_sampling_defaults(config.model, settings.generation_config,
+                                   settings.override_generation_config),
+            settings.tool_call_parser)
         # The frontend's own compiler (the core's lives in its process): a constraint that
         # does not compile is refused before the request is admitted.
         self.grammars = GrammarCompiler(self.tokenizer, self.info.vocab_size, self.eos_token_ids)

@@ -63,6 +63,26 @@ class KvTransferConfig:
     fallback: str = "recompute"  # on a failed pull: "recompute" locally, or "fail" the request
 
 
+@dataclass(frozen=True)
+class ModelSettings:
+    """How the model's requests are shaped: its chat template, the syntax of its tool calls
+    and its sampling defaults. Every process that resolves requests (a replica; the gateway,
+    which renders chats, parses calls and applies defaults itself) must be given the same
+    (``services.model_settings`` owns their flags)."""
+
+    # A chat template (a file, or the Jinja text) used instead of the model's own.
+    chat_template: str | None = None
+    # The tool-call syntax "auto" parses ("hermes", "mistral", "llama3_json"); None: the
+    # one the chat template teaches, if Tandem knows it.
+    tool_call_parser: str | None = None
+    # Requests' sampling defaults: "auto", the model's generation_config.json (as vLLM);
+    # "vllm", the library's; or a folder holding a generation_config.json
+    # (``sampling_defaults``).
+    generation_config: str = "auto"
+    # Values set over those defaults, by generation_config.json's keys.
+    override_generation_config: dict[str, float | int] = field(default_factory=dict)
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -81,14 +101,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # Stable identity of this engine instance (used in KV events and KV handles).
     engine_id: str = "engine-0"
-    # Requests' sampling defaults: "auto", the model's generation_config.json (as vLLM);
-    # "vllm", the library's (``sampling_defaults``).
-    generation_config: str = "auto"
-    # A chat template (a file, or the Jinja text) used instead of the model's own.
-    chat_template: str | None = None
-    # The tool-call syntax "auto" parses ("hermes", "mistral", "llama3_json"); None: the
-    # one the chat template teaches, if Tandem knows it.
-    tool_call_parser: str | None = None
+    model_settings: ModelSettings = field(default_factory=ModelSettings)
     # CPUs the engine core process runs on, one torch thread each (None: its parent's CPUs
     # and threads). Keeping the frontend off them stops it from stalling the model's threads.
     cpus: list[int] | None = None

@@ -42,7 +42,7 @@ class LLM:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.core = EngineCore(config)
-        self.tokenizer = load_tokenizer(config.model, config.chat_template)
+        self.tokenizer = load_tokenizer(config.model, config.model_settings.chat_template)
         self.inputs = InputProcessor(self.tokenizer, self.core.max_model_len, self.core.arch.vocab_size)
         self.metrics = EngineMetrics(config.model, config.engine_id)
         self.metrics.set_cache_config(config.cache, self.core.info.num_blocks)

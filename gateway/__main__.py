@@ -19,7 +19,7 @@ from gateway.proxy import RetryPolicy
 from gateway.registry import DnsTarget
 from gateway.server import GatewayOptions, serve
 from services.entrypoint import run_service
-from services.model_settings import add_model_settings_args
+from services.model_settings import add_model_settings_args, model_settings_from_args
 
 logger = logging.getLogger("gateway")
 
@@ -99,8 +99,7 @@ def options_from_args(args: argparse.Namespace) -> GatewayOptions:
         picker=picker,
         retry=RetryPolicy(max_attempts=args.max_attempts, max_resumptions=args.max_resumptions),
         load_interval_s=args.load_interval, dns_interval_s=args.dns_interval,
-        generation_config=args.generation_config, chat_template=args.chat_template,
-        tool_call_parser=args.tool_call_parser)
+        model_settings=model_settings_from_args(args))
 
 
 def main(argv: list[str] | None = None) -> int:

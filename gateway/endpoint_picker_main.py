@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import logging
 import sys
 from dataclasses import dataclass, field, replace
@@ -28,6 +27,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from engine_common.config import ModelSettings
 from gateway.cluster import ClusterView
 from gateway.endpoint_picker import (
     EXT_PROC_SERVICE,
@@ -91,9 +91,9 @@ class EndpointPickerServer:
     @classmethod
     async def start(cls, options: PickerOptions) -> EndpointPickerServer:
         # Routing reads prompts only: no sampling defaults.
-        inputs = await asyncio.get_running_loop().run_in_executor(None, functools.partial(
-            load_inputs, options.model, generation_config="vllm",
-            chat_template=options.chat_template))
+        inputs = await asyncio.get_running_loop().run_in_executor(
+            None, load_inputs, options.model,
+            ModelSettings(chat_template=options.chat_template, generation_config="vllm"))
         metrics = GatewayMetrics()
         cluster = ClusterView.create(
             options.replicas, options.dns, dns_interval_s=options.dns_interval_s,

@@ -26,6 +26,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from engine_common.config import ModelSettings
 from engine_common.input_processor import InputProcessor
 from engine_common.model.arch_config import ModelArchConfig
 from engine_common.sampling_defaults import load_sampling_defaults
@@ -71,13 +72,9 @@ class GatewayOptions:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     load_interval_s: float = 0.05
     dns_interval_s: float = 5.0
-    # Requests' sampling defaults, as the replicas' --generation-config (the gateway resolves
-    # requests into SamplingParams itself).
-    generation_config: str = "auto"
-    # The replicas' --chat-template and --tool-call-parser (the gateway renders chats and
-    # parses calls itself).
-    chat_template: str | None = None
-    tool_call_parser: str | None = None
+    # The replicas' chat template, tool-call syntax and sampling defaults: the gateway
+    # renders chats, parses calls and resolves requests into SamplingParams itself.
+    model_settings: ModelSettings = field(default_factory=ModelSettings)
 
     def __post_init__(self) -> None:
         if not self.replicas and not self.dns:
@@ -156,16 +153,18 @@ class GatewayGenerationServicer(GenerationServicer):
             "CreateResponseEvents", context, super().CreateResponseEvents(request, context))
 
 
-def load_inputs(model_dir: str, generation_config: str = "auto",
-                chat_template: str | None = None,
-                tool_call_parser: str | None = None) -> InputProcessor:
+def load_inputs(model_dir: str, settings: ModelSettings | None = None) -> InputProcessor:
     """The replicas' tokenizer, limits and sampling defaults, from the model directory they
-    serve (and the chat template and tool-call syntax they were given, if any)."""
+    serve and the settings they were given."""
+    settings = settings or ModelSettings()
     arch = ModelArchConfig.from_model_dir(model_dir)
     # The replicas may run with a shorter context; GatewayServer adopts theirs once known.
-    return InputProcessor(load_tokenizer(model_dir, chat_template), arch.max_position_embeddings,
-                          arch.vocab_size, load_sampling_defaults(model_dir, generation_config),
-                          tool_call_parser)
+    return InputProcessor(
+        load_tokenizer(model_dir, settings.chat_template), arch.max_position_embeddings,
+        arch.vocab_size,
+        load_sampling_defaults(model_dir, settings.generation_config,
+                               settings.override_generation_config),
+        settings.tool_call_parser)
 
 
 class GatewayServer:
@@ -202,8 +201,7 @@ class GatewayServer:
     async def start(cls, options: GatewayOptions) -> GatewayServer:
         # Loading the tokenizer takes a moment; keep the event loop free meanwhile.
         inputs = await asyncio.get_running_loop().run_in_executor(
-            None, load_inputs, options.model, options.generation_config, options.chat_template,
-            options.tool_call_parser)
+            None, load_inputs, options.model, options.model_settings)
         gateway = cls(options, inputs)
         await gateway._start()
         return gateway

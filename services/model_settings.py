@@ -1,10 +1,11 @@
-"""The flags that say how a model's requests are shaped: its chat template, the syntax of its
-tool calls and its sampling defaults.
+"""The flags that say how a model's requests are shaped (``ModelSettings``): its chat
+template, the syntax of its tool calls and its sampling defaults.
 
 Every process that resolves requests (a replica; the gateway, which renders chats, parses
 calls and applies defaults itself) must be given them alike, and so must what starts those
 processes (``tandem up``, ``tandem render k8s``): this module adds them to each one's
-parser, so that their names, choices and defaults are one. It does not own what they do
+parser, reads them back and writes them out again as arguments, so that their names,
+choices and defaults are one. It does not own what they do
 (``engine_common.tokenizer.read_chat_template``, ``tool_call_parsers``,
 ``engine_common.sampling_defaults``).
 """
@@ -12,9 +13,20 @@ parser, so that their names, choices and defaults are one. It does not own what 
 from __future__ import annotations
 
 import argparse
+import json
 
-from engine_common.sampling_defaults import GENERATION_CONFIG_MODES
+from engine_common.config import ModelSettings
 from services.replica.tool_call_parsers import CALL_FORMATS
+
+
+def _json_object(text: str) -> dict[str, float | int]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error}): {text!r}") from error
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    return value
 
 
 def add_model_settings_args(parser: argparse.ArgumentParser) -> None:
@@ -25,8 +37,34 @@ def add_model_settings_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", choices=CALL_FORMATS, default=None,
                         help='the syntax the model writes tool calls in, for tool_choice '
                              '"auto" (default: the one its chat template teaches, if known)')
-    parser.add_argument("--generation-config", choices=GENERATION_CONFIG_MODES, default="auto",
+    parser.add_argument("--generation-config", default="auto",
                         help="sampling defaults of requests that leave them unset: auto, the "
                              "model's generation_config.json (temperature, top_p, top_k, "
-                             "min_p, repetition_penalty, as vLLM); vllm, the library's "
-                             "(default: %(default)s)")
+                             "min_p, the penalties, max_new_tokens as a chat's max_tokens; as "
+                             "vLLM); vllm, the library's; or a folder holding a "
+                             "generation_config.json (default: %(default)s)")
+    parser.add_argument("--override-generation-config", type=_json_object, default={},
+                        metavar="JSON",
+                        help='values set over those defaults, by generation_config.json\'s '
+                             'keys, e.g. \'{"temperature": 0.5, "max_new_tokens": 512}\' '
+                             "(vLLM's flag)")
+
+
+def model_settings_from_args(args: argparse.Namespace) -> ModelSettings:
+    return ModelSettings(chat_template=args.chat_template,
+                         tool_call_parser=args.tool_call_parser,
+                         generation_config=args.generation_config,
+                         override_generation_config=args.override_generation_config)
+
+
+def model_settings_args(settings: ModelSettings) -> list[str]:
+    """The flags that give another process these settings."""
+    args = ["--generation-config", settings.generation_config]
+    if settings.chat_template:
+        args += ["--chat-template", settings.chat_template]
+    if settings.tool_call_parser:
+        args += ["--tool-call-parser", settings.tool_call_parser]
+    if settings.override_generation_config:
+        args += ["--override-generation-config",
+                 json.dumps(settings.override_generation_config)]
+    return args

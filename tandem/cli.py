@@ -14,7 +14,7 @@ from pathlib import Path
 
 from deploy.envoy_config import read_api_keys
 from deploy.supervisor import SuiteConfig, Supervisor, plan_suite
-from services.model_settings import add_model_settings_args
+from services.model_settings import add_model_settings_args, model_settings_from_args
 
 
 def add_suite_args(parser: argparse.ArgumentParser) -> None:
@@ -58,8 +58,7 @@ def suite_config(args: argparse.Namespace) -> SuiteConfig:
         metrics_base_port=args.metrics_base_port, kv_cache_memory=args.kv_cache_memory,
         gateway=not args.no_gateway, envoy=args.envoy, envoy_http_port=args.http_port,
         envoy_api_key_file=args.api_key_file,
-        pin_cpus=args.pin_cpus, generation_config=args.generation_config,
-        chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
+        pin_cpus=args.pin_cpus, model_settings=model_settings_from_args(args),
         extra_replica_args=(["--speculative-ngram", str(args.speculative_ngram)]
                             if args.speculative_ngram else []),
     )

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from engine_common.config import CacheConfig, EngineConfig
+from engine_common.config import CacheConfig, EngineConfig, ModelSettings
 from engine_common.llm import LLM
 from engine_common.sampling_params import SamplingParams
 from engine_common.tokenizer import load_tokenizer, read_chat_template
@@ -44,7 +44,8 @@ def test_a_model_without_a_template_is_served_with_the_given_one(tiny_llama_dir,
     (model / "tokenizer_config.json").write_text(json.dumps(config))
     template = tmp_path / "template.jinja"
     template.write_text(TEMPLATE)
-    offline = LLM(EngineConfig(model=str(model), dtype="float32", chat_template=str(template),
+    offline = LLM(EngineConfig(model=str(model), dtype="float32",
+                               model_settings=ModelSettings(chat_template=str(template)),
                                cache=CacheConfig(num_gpu_blocks_override=256)))
     prompt = offline.inputs.tokenize_chat(MESSAGES)
     assert offline.tokenizer.decode(prompt).startswith("<|user|>tell me")

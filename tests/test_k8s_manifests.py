@@ -30,6 +30,7 @@ from deploy.k8s import (
     K8sOptions,
     render_k8s_manifests,
 )
+from engine_common.config import ModelSettings
 from gateway.endpoint_picker_main import build_parser as picker_parser
 from gateway.endpoint_picker_main import options_from_args as picker_options
 from services.replica.main import build_parser as replica_parser
@@ -248,15 +249,16 @@ def test_replicas_and_picker_parse_their_args_and_agree_on_the_template() -> Non
     """The rendered args are what ``tandem serve`` and ``tandem picker`` accept: the chat
     template reaches both (the picker renders chats to route them), the tool-call syntax and
     sampling defaults the replicas."""
-    objects = render(chat_template="/models/llama/chat.jinja", tool_call_parser="hermes",
-                     generation_config="vllm")
+    settings = ModelSettings(chat_template="/models/llama/chat.jinja",
+                             tool_call_parser="hermes", generation_config="vllm",
+                             override_generation_config={"top_p": 0.9})
+    objects = render(model_settings=settings)
     deployments = by_kind(objects, "Deployment")
     replica_args = deployments["tandem-decode"]["spec"]["template"]["spec"]["containers"][0][
         "args"]
     assert replica_args[0] == "serve"
     engine = replica_options(replica_parser().parse_args(replica_args[1:])).engine
-    assert (engine.chat_template, engine.tool_call_parser, engine.generation_config) == (
-        "/models/llama/chat.jinja", "hermes", "vllm")
+    assert engine.model_settings == settings
     picker_args = deployments["tandem-epp"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert picker_args[0] == "picker"
     assert picker_options(picker_parser().parse_args(picker_args[1:])).chat_template == (

@@ -3,7 +3,7 @@ flags each of them reads).
 
 The gateway renders chats, parses tool calls and applies sampling defaults itself, so the
 flags that decide them (``--chat-template``, ``--tool-call-parser``,
-``--generation-config``) must reach it exactly as they reach every replica.
+``--generation-config``, ``--override-generation-config``) must reach it exactly as they reach every replica.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from deploy.supervisor import plan_suite
+from engine_common.config import ModelSettings
 from gateway.__main__ import build_parser as gateway_parser
 from gateway.__main__ import options_from_args as gateway_options
 from services.replica.main import build_parser as replica_parser
@@ -26,25 +27,35 @@ def served_argvs(*args: str) -> list[list[str]]:
             if "services.replica" in spec.argv or "gateway" in spec.argv]
 
 
-def test_replicas_and_gateway_get_the_same_model_settings() -> None:
-    served = served_argvs("--generation-config", "vllm", "--chat-template", "chat.jinja",
-                          "--tool-call-parser", "mistral")
+SETTINGS_FLAGS = ["--generation-config", "vllm", "--chat-template", "chat.jinja",
+                  "--tool-call-parser", "mistral",
+                  "--override-generation-config", '{"temperature": 0.5, "max_new_tokens": 64}']
+SETTINGS = ModelSettings(chat_template="chat.jinja", tool_call_parser="mistral",
+                         generation_config="vllm",
+                         override_generation_config={"temperature": 0.5, "max_new_tokens": 64})
+
+
+def read_back(argv: list[str]) -> ModelSettings:
+    """The settings the replica or gateway started with ``argv`` runs with."""
+    if "services.replica" in argv:
+        args = argv[argv.index("services.replica") + 1:]
+        return replica_options(replica_parser().parse_args(args)).engine.model_settings
+    args = argv[argv.index("gateway") + 1:]
+    return gateway_options(gateway_parser().parse_args(args)).model_settings
+
+
+def test_replicas_and_gateway_get_the_same_model_settings(tiny_llama_dir) -> None:
+    served = served_argvs("--model", str(tiny_llama_dir), *SETTINGS_FLAGS)
     assert len(served) == 3  # prefill, decode, gateway
-    for argv in served:
-        assert argv[argv.index("--generation-config") + 1] == "vllm"
-        assert argv[argv.index("--chat-template") + 1] == "chat.jinja"
-        assert argv[argv.index("--tool-call-parser") + 1] == "mistral"
-    for argv in served_argvs():
-        assert argv[argv.index("--generation-config") + 1] == "auto"
-        assert "--chat-template" not in argv and "--tool-call-parser" not in argv
+    assert [read_back(argv) for argv in served] == [SETTINGS] * 3
+    for argv in served_argvs("--model", str(tiny_llama_dir)):
+        assert read_back(argv) == ModelSettings()
+        assert "--chat-template" not in argv and "--override-generation-config" not in argv
 
 
 def test_the_replica_and_the_gateway_read_those_flags(tiny_llama_dir) -> None:
-    flags = ["--model", str(tiny_llama_dir), "--generation-config", "vllm",
-             "--chat-template", "chat.jinja", "--tool-call-parser", "llama3_json"]
+    flags = ["--model", str(tiny_llama_dir), *SETTINGS_FLAGS]
     engine = replica_options(replica_parser().parse_args(flags)).engine
-    assert (engine.generation_config, engine.chat_template, engine.tool_call_parser) == (
-        "vllm", "chat.jinja", "llama3_json")
+    assert engine.model_settings == SETTINGS
     gateway = gateway_options(gateway_parser().parse_args([*flags, "--replica", "h:1"]))
-    assert (gateway.generation_config, gateway.chat_template, gateway.tool_call_parser) == (
-        "vllm", "chat.jinja", "llama3_json")
+    assert gateway.model_settings == SETTINGS

@@ -22,7 +22,7 @@ from engine_common.config import (
     SpeculativeConfig,
 )
 from services.entrypoint import run_service
-from services.model_settings import add_model_settings_args
+from services.model_settings import add_model_settings_args, model_settings_from_args
 from services.replica.cpu_binding import (
     AUTO,
     SHARED,
@@ -192,8 +192,7 @@ def options_from_args(args: argparse.Namespace) -> ReplicaOptions:
         cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
         engine_id=args.engine_id or f"{args.role}-{socket.gethostname()}-{args.port}",
         cpus=args.engine_cpus,
-        generation_config=args.generation_config, chat_template=args.chat_template,
-        tool_call_parser=args.tool_call_parser,
+        model_settings=model_settings_from_args(args),
         cache=replace(
             CacheConfig(), block_size=args.block_size,
             kv_cache_memory_bytes=args.kv_cache_memory,

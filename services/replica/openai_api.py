@@ -155,8 +155,10 @@ def _sampling_params(request: pb.CompletionRequest | pb.ChatCompletionRequest,
                      inputs: InputProcessor, max_tokens: int | None, logprobs: int | None,
                      tools: ToolPlan | None = None) -> SamplingParams:
     """Unset optional fields take the model's sampling defaults (``inputs``), else
-    SamplingParams' (OpenAI's, for these fields)."""
-    chosen = {**inputs.sampling_defaults,
+    SamplingParams' (OpenAI's, for these fields). The default max_tokens is not one of them:
+    ``_default_max_tokens`` applies it once the prompt's length is known."""
+    chosen = {**{name: value for name, value in inputs.sampling_defaults.items()
+                 if name != "max_tokens"},
               **{name: getattr(request, name) for name in _SAMPLING_FIELDS
                  if request.HasField(name)}}
     stop = stop_from_value(request.stop if request.HasField("stop") else None)
@@ -171,6 +173,18 @@ def _sampling_params(request: pb.CompletionRequest | pb.ChatCompletionRequest,
         **chosen)
     check_seed_for_choices(params.seed, params.n)
     return params
+
+
+def _default_max_tokens(params: SamplingParams, inputs: InputProcessor,
+                        prompt_length: int) -> SamplingParams:
+    """A chat that sets no limit gets the model's max_new_tokens, where its generation
+    config has one, cut to the room the context leaves (vLLM's rule); else no limit but the
+    context."""
+    default = inputs.sampling_defaults.get("max_tokens")
+    if default is None:
+        return params
+    room = inputs.max_model_len - prompt_length
+    return replace(params, max_tokens=max(1, params.min_tokens, min(int(default), room)))
 
 
 @dataclass(frozen=True)
@@ -346,6 +360,8 @@ def chat_to_engine_request(request: pb.ChatCompletionRequest,
         continue_final_message=_flag(request, "continue_final_message", False))
     prompt_token_ids = _truncated(inputs.tokenize_rendered(prompt), request, params, inputs)
     inputs.validate_prompt(prompt_token_ids, params.max_tokens)
+    if max_tokens is None:
+        params = _default_max_tokens(params, inputs, len(prompt_token_ids))
     reasoning = reasoning_plan(
         getattr(inputs.tokenizer, "chat_template", None), prompt,
         constrained=params.structured_output is not None,
