@@ -12,6 +12,13 @@ from tandem.errors import (
     UnavailableError,
 )
 from tandem.request_builders import GenerationOptions
+from tandem.responses import (
+    FunctionCall,
+    Response,
+    ResponseEvent,
+    ResponseOptions,
+    ResponseUsage,
+)
 from tandem.results import (
     ChatChoice,
     ChatCompletion,
@@ -38,11 +45,16 @@ __all__ = [
     "CompletionChoice",
     "CompletionChunk",
     "DeadlineExceededError",
+    "FunctionCall",
     "GenerationOptions",
     "InvalidRequestError",
     "ModelInfo",
     "OverloadedError",
     "PromptLogprob",
+    "Response",
+    "ResponseEvent",
+    "ResponseOptions",
+    "ResponseUsage",
     "TandemError",
     "TokenLogprob",
     "ToolCall",

@@ -4,8 +4,9 @@
 Owns the channel, the per-call timeout and metadata, and the translation of failed calls into
 ``tandem.errors``. Requests are built by ``request_builders`` and responses turned into the
 records of ``results``: a generation call returns its first choice, and all ``n`` of them in
-``choices`` (streams: each chunk names its choice's ``index``). It does not own the
-HTTP/OpenAI path (use the ``openai`` SDK against Envoy for that).
+``choices`` (streams: each chunk names its choice's ``index``); the Responses API's requests
+and records are ``responses``'. It does not own the HTTP/OpenAI path (use the ``openai`` SDK
+against Envoy for that).
 
     with Client("localhost:50051") as client:
         print(client.complete("Once upon a time", max_tokens=16, temperature=0).text)
@@ -31,6 +32,15 @@ from tandem.request_builders import (
     Prompts,
     chat_request,
     completion_request,
+)
+from tandem.responses import (
+    Response,
+    ResponseEvent,
+    ResponseInput,
+    ResponseOptions,
+    response_event_from_pb,
+    response_from_pb,
+    response_request,
 )
 from tandem.results import (
     ChatCompletion,
@@ -172,6 +182,31 @@ class Client:
         )  # fmt: skip
         return self._stream(self._stub.ChatCompleteStream, request, chat_chunk_from_pb)
 
+    def respond(
+        self,
+        input: ResponseInput,
+        *,
+        model: str | None = None,
+        **options: Unpack[ResponseOptions],
+    ) -> Response:
+        """OpenAI's Responses API (stateless): answers a string or a list of input items
+        (messages, earlier ``function_call`` items and their ``function_call_output``)."""
+        request = response_request(input, model=model, options=options)
+        return response_from_pb(self._unary(self._stub.CreateResponse, request))
+
+    def respond_stream(
+        self,
+        input: ResponseInput,
+        *,
+        model: str | None = None,
+        **options: Unpack[ResponseOptions],
+    ) -> ResponseStream[ResponseEvent]:
+        """Streams a response's events, in OpenAI's order; the last ("response.completed" or
+        "response.incomplete") carries the whole response. See ``complete_stream`` for
+        cancellation."""
+        request = response_request(input, model=model, options=options)
+        return self._stream(self._stub.CreateResponseStream, request, response_event_from_pb)
+
     def models(self) -> list[ModelInfo]:
         response = self._unary(self._stub.ListModels, pb.ListModelsRequest())
         return [model_from_pb(m) for m in response.data]
@@ -302,6 +337,26 @@ class AsyncClient:
             include_usage=include_usage, options=options,
         )  # fmt: skip
         return self._stream(self._stub.ChatCompleteStream, request, chat_chunk_from_pb)
+
+    async def respond(
+        self,
+        input: ResponseInput,
+        *,
+        model: str | None = None,
+        **options: Unpack[ResponseOptions],
+    ) -> Response:
+        request = response_request(input, model=model, options=options)
+        return response_from_pb(await self._unary(self._stub.CreateResponse, request))
+
+    def respond_stream(
+        self,
+        input: ResponseInput,
+        *,
+        model: str | None = None,
+        **options: Unpack[ResponseOptions],
+    ) -> AsyncResponseStream[ResponseEvent]:
+        request = response_request(input, model=model, options=options)
+        return self._stream(self._stub.CreateResponseStream, request, response_event_from_pb)
 
     async def models(self) -> list[ModelInfo]:
         response = await self._unary(self._stub.ListModels, pb.ListModelsRequest())

@@ -22,6 +22,63 @@ from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 
 
+def logprob_entry(token: str, logprob: float, *tops: tuple[str, float]) -> dict[str, object]:
+    """A Responses logprob entry, as the server writes it (with each token's UTF-8 bytes)."""
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode()),
+            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
+                             for t, lp in tops]}
+
+
+# Every kind of output item, two messages among them (their text is joined, as the openai
+# SDK's output_text joins it), cut by the limit.
+RESPONSE = {
+    "id": "resp_1", "object": "response", "model": "m", "status": "incomplete",
+    "incomplete_details": {"reason": "max_output_tokens"},
+    "output": [
+        {"type": "reasoning", "id": "rs_1", "status": "completed", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "hmm"}]},
+        {"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Hel", "annotations": [],
+                      "logprobs": [logprob_entry("Hel", -0.5, ("Hel", -0.5), ("Hi", -1.5))]}]},
+        {"type": "function_call", "id": "fc_1", "status": "completed", "call_id": "call_1",
+         "name": "f", "arguments": '{"x": 1}'},
+        {"type": "message", "id": "msg_2", "status": "incomplete", "role": "assistant",
+         "content": [{"type": "output_text", "text": "lo", "annotations": [],
+                      "logprobs": [logprob_entry("lo", -0.25)]}]},
+    ],
+    "usage": {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 4},
+              "output_tokens": 3, "output_tokens_details": {"reasoning_tokens": 0},
+              "total_tokens": 8},
+}
+CALL_ITEM = {"type": "function_call", "id": "fc_2", "call_id": "call_2", "name": "g"}
+RESPONSE_EVENTS = [
+    {"type": "response.created", "sequence_number": 0,
+     "response": {"id": "resp_2", "model": "m", "status": "in_progress"}},
+    {"type": "response.output_item.added", "sequence_number": 1, "output_index": 0,
+     "item": {**CALL_ITEM, "status": "in_progress", "arguments": ""}},
+    {"type": "response.function_call_arguments.delta", "sequence_number": 2,
+     "output_index": 0, "item_id": "fc_2", "delta": "{}"},
+    {"type": "response.function_call_arguments.done", "sequence_number": 3,
+     "output_index": 0, "item_id": "fc_2", "arguments": "{}"},
+    {"type": "response.output_item.done", "sequence_number": 4, "output_index": 0,
+     "item": {**CALL_ITEM, "status": "completed", "arguments": "{}"}},
+    {"type": "response.output_item.added", "sequence_number": 5, "output_index": 1,
+     "item": {"type": "message", "id": "msg_3", "status": "in_progress",
+              "role": "assistant"}},
+    {"type": "response.output_text.delta", "sequence_number": 6, "output_index": 1,
+     "content_index": 0, "item_id": "msg_3", "delta": "Hi",
+     "logprobs": [logprob_entry("Hi", -0.75, ("Hi", -0.75), ("Yo", -2.0))]},
+    {"type": "response.output_text.done", "sequence_number": 7, "output_index": 1,
+     "content_index": 0, "item_id": "msg_3", "text": "Hi"},
+    {"type": "response.completed", "sequence_number": 8,
+     "response": {"id": "resp_2", "model": "m", "status": "completed", "output": [
+         {**CALL_ITEM, "status": "completed", "arguments": "{}"},
+         {"type": "message", "id": "msg_3", "status": "completed", "role": "assistant",
+          "content": [{"type": "output_text", "text": "Hi"}]}],
+         "usage": {"input_tokens": 2, "output_tokens": 1, "total_tokens": 3}}},
+]
+
+
 class RecordingServicer(pb_grpc.GenerationServicer):
     """Echoes what it can, records every request, and fails on demand: a prompt
     ``"fail:<STATUS_CODE>"`` aborts with that code, a prompt ``"forever"`` streams until
@@ -92,6 +149,23 @@ class RecordingServicer(pb_grpc.GenerationServicer):
         yield pb.ChatCompletionChunk(
             choices=[pb.ChatChunkChoice(delta=pb.ChatDelta(content="y"), finish_reason="stop")]
         )
+
+    def CreateResponse(self, request, context):  # noqa: N802
+        self._record(request, context)
+        self._maybe_fail(request.input.string_value, context)
+        return json_format.ParseDict(RESPONSE, pb.Response())
+
+    def CreateResponseStream(self, request, context):  # noqa: N802
+        self._record(request, context)
+        self._maybe_fail(request.input.string_value, context)
+        if request.input.string_value == "forever":
+            context.add_callback(self.cancelled.set)
+            while context.is_active():
+                yield pb.ResponseStreamEvent(type="response.output_text.delta", delta="x")
+                time.sleep(0.01)
+            return
+        for event in RESPONSE_EVENTS:
+            yield json_format.ParseDict(event, pb.ResponseStreamEvent())
 
     def ListModels(self, request, context):  # noqa: N802
         return pb.ListModelsResponse(
@@ -287,6 +361,146 @@ def test_async_client(server) -> None:
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
+            assert await asyncio.to_thread(servicer.cancelled.wait, 5)
+
+    asyncio.run(scenario())
+
+
+def test_respond_maps_arguments_and_leaves_the_rest_unset(server) -> None:
+    target, servicer = server
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+             {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
+    tool = {"type": "function", "name": "f", "description": "the weather",
+            "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}},
+            "strict": True}
+    text = {"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"},
+                       "strict": True}}
+    with tandem.Client(target) as client:
+        client.respond(items, model="m", instructions="be brief", max_output_tokens=7,
+                       tools=[tool], tool_choice={"type": "function", "name": "f"}, text=text,
+                       top_logprobs=2, temperature=0.0, top_p=0.5, top_k=4, min_p=0.1, seed=9,
+                       repetition_penalty=1.1, parallel_tool_calls=False,
+                       metadata={"ticket": "42"}, user="u", cache_salt="s", priority=3,
+                       chat_template_kwargs={"enable_thinking": False})
+        full = servicer.requests[-1]
+        client.respond("Hi", include=["reasoning.encrypted_content"], seed=None)
+        bare = servicer.requests[-1]
+        with pytest.raises(TypeError, match="max_tokens"):
+            client.respond("Hi", max_tokens=3)  # type: ignore[call-arg]
+
+    assert json_format.MessageToDict(full.input) == items
+    assert (full.model, full.instructions, full.max_output_tokens) == ("m", "be brief", 7)
+    assert [json_format.MessageToDict(t) for t in full.tools] == [tool]
+    assert json_format.MessageToDict(full.tool_choice) == {"type": "function", "name": "f"}
+    assert json_format.MessageToDict(full.text) == text
+    # top_logprobs alone asks for the output text's logprobs, as chat's does.
+    assert list(full.include) == ["message.output_text.logprobs"] and full.top_logprobs == 2
+    assert full.HasField("temperature") and full.temperature == 0.0
+    assert (full.top_p, full.top_k, full.min_p, full.seed) == (0.5, 4, pytest.approx(0.1), 9)
+    assert full.repetition_penalty == pytest.approx(1.1)
+    assert full.HasField("parallel_tool_calls") and not full.parallel_tool_calls
+    assert dict(full.metadata) == {"ticket": "42"}
+    assert (full.user, full.cache_salt, full.priority) == ("u", "s", 3)
+    assert json_format.MessageToDict(full.chat_template_kwargs) == {"enable_thinking": False}
+
+    assert bare.input.string_value == "Hi" and not bare.model and not bare.instructions
+    assert list(bare.include) == ["reasoning.encrypted_content"]
+    for name in ("max_output_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+                 "repetition_penalty", "parallel_tool_calls", "top_logprobs", "tool_choice",
+                 "text", "chat_template_kwargs", "store"):
+        assert not bare.HasField(name), name
+    assert not bare.tools and not bare.metadata and not bare.stream
+
+
+def test_respond_converts_the_response(server) -> None:
+    target, _ = server
+    with tandem.Client(target) as client:
+        response = client.respond("Hi")
+    assert response == tandem.Response(
+        id="resp_1", model="m", status="incomplete", output_text="Hello", reasoning="hmm",
+        function_calls=[tandem.FunctionCall("call_1", "f", '{"x": 1}')],
+        usage=tandem.ResponseUsage(input_tokens=5, output_tokens=3, total_tokens=8,
+                                   cached_tokens=4),
+        incomplete_reason="max_output_tokens",
+        output_logprobs=[tandem.TokenLogprob("Hel", -0.5, {"Hel": -0.5, "Hi": -1.5}),
+                         tandem.TokenLogprob("lo", -0.25)])
+
+
+def test_respond_stream_converts_the_events(server) -> None:
+    target, servicer = server
+    with tandem.Client(target) as client:
+        events = list(client.respond_stream("Hi", max_output_tokens=4))
+        assert servicer.requests[-1].max_output_tokens == 4
+
+        servicer.cancelled.clear()
+        for count, _event in enumerate(client.respond_stream("forever"), start=1):
+            if count == 3:
+                break
+        assert servicer.cancelled.wait(5), "the server never saw the cancellation"
+
+    call = tandem.FunctionCall("call_2", "g", "")
+    assert events[:6] == [
+        tandem.ResponseEvent("response.created", 0, response=tandem.Response(
+            id="resp_2", model="m", status="in_progress", output_text="")),
+        tandem.ResponseEvent("response.output_item.added", 1, output_index=0,
+                             function_call=call),
+        tandem.ResponseEvent("response.function_call_arguments.delta", 2, delta="{}",
+                             output_index=0, item_id="fc_2"),
+        tandem.ResponseEvent("response.function_call_arguments.done", 3, arguments="{}",
+                             output_index=0, item_id="fc_2"),
+        tandem.ResponseEvent("response.output_item.done", 4, output_index=0,
+                             function_call=tandem.FunctionCall("call_2", "g", "{}")),
+        tandem.ResponseEvent("response.output_item.added", 5, output_index=1),
+    ]
+    assert events[6] == tandem.ResponseEvent(
+        "response.output_text.delta", 6, delta="Hi", output_index=1, item_id="msg_3",
+        logprobs=[tandem.TokenLogprob("Hi", -0.75, {"Hi": -0.75, "Yo": -2.0})])
+    assert events[7] == tandem.ResponseEvent("response.output_text.done", 7, text="Hi",
+                                             output_index=1, item_id="msg_3")
+    last = events[8]
+    assert (last.type, last.sequence_number, last.delta) == ("response.completed", 8, "")
+    assert last.response == tandem.Response(
+        id="resp_2", model="m", status="completed", output_text="Hi",
+        function_calls=[tandem.FunctionCall("call_2", "g", "{}")],
+        usage=tandem.ResponseUsage(2, 1, 3))
+    assert len(events) == 9
+
+
+@pytest.mark.parametrize(("code", "error_type"), ERRORS)
+def test_response_errors_map_to_exceptions(server, code: str, error_type: type) -> None:
+    target, _ = server
+    with tandem.Client(target) as client:
+        with pytest.raises(error_type) as unary:
+            client.respond(f"fail:{code}")
+        with pytest.raises(error_type) as streamed:
+            list(client.respond_stream(f"fail:{code}"))
+    for raised in (unary.value, streamed.value):
+        assert raised.code == grpc.StatusCode[code]
+        assert raised.details == f"told to fail:{code}"
+
+
+def test_async_client_responses(server) -> None:
+    target, servicer = server
+
+    async def scenario() -> None:
+        async with tandem.AsyncClient(target, timeout=10) as client:
+            response = await client.respond("Hi", temperature=0.5)
+            assert servicer.requests[-1].temperature == 0.5
+            events = [e async for e in client.respond_stream("Hi")]
+            with tandem.Client(target) as blocking:  # the same records as the blocking twin's
+                assert response == blocking.respond("Hi")
+                assert events == list(blocking.respond_stream("Hi"))
+
+            with pytest.raises(tandem.InvalidRequestError):
+                await client.respond("fail:INVALID_ARGUMENT")
+            with pytest.raises(tandem.OverloadedError):
+                [e async for e in client.respond_stream("fail:RESOURCE_EXHAUSTED")]
+
+            servicer.cancelled.clear()
+            async with client.respond_stream("forever") as stream:
+                async for _event in stream:
+                    break
             assert await asyncio.to_thread(servicer.cancelled.wait, 5)
 
     asyncio.run(scenario())

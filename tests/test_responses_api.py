@@ -26,6 +26,7 @@ from engine_common.sampling_params import SamplingParams
 from gateway.endpoint_picker import read_request
 from protos.tandem.v1 import generation_pb2, generation_pb2_grpc
 from services.replica.responses_api import chat_request
+from tandem.client import Client
 from tests.openai_http import (
     CITY_SCHEMA,
     CLOCK,
@@ -206,6 +207,38 @@ def test_the_grpc_stream_and_the_endpoint_picker(stack: Stack, offline: LLM) -> 
                             json_format.MessageToJson(request).encode(), offline.inputs)
     assert features is not None
     assert features.prompt_token_ids == offline.inputs.tokenize_chat(MESSAGES)
+
+
+def test_the_grpc_sdk_responds_as_the_openai_sdk(stack: Stack) -> None:
+    """``tandem.Client.respond`` over gRPC gives the text, status and usage the openai SDK
+    gets over HTTP; ``respond_stream``'s deltas join to that text and its last event carries
+    the same response."""
+    options: dict[str, Any] = {"instructions": INSTRUCTIONS, "max_output_tokens": 8,
+                               "temperature": 0}
+    want = stack.client().responses.create(model="tiny", input=QUESTION, **options)
+    assert want.usage is not None and want.output_text
+    want_reason = want.incomplete_details.reason if want.incomplete_details else None
+    # Not cached_tokens: the prefix cache may serve a later request's prompt.
+    want_tokens = (want.usage.input_tokens, want.usage.output_tokens, want.usage.total_tokens)
+    with Client(stack.gateway, timeout=60) as client:
+        response = client.respond(QUESTION, model="tiny", **options)
+        events = list(client.respond_stream(QUESTION, model="tiny", **options))
+
+    def same_as_want(got: Any) -> None:
+        assert (got.output_text, got.status, got.incomplete_reason) == (
+            want.output_text, want.status, want_reason)
+        assert (got.reasoning, got.function_calls) == (None, [])
+        assert got.id.startswith("resp_") and got.model == want.model
+        assert got.usage is not None
+        assert (got.usage.input_tokens, got.usage.output_tokens,
+                got.usage.total_tokens) == want_tokens
+
+    same_as_want(response)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events
+                   if e.type == "response.output_text.delta") == want.output_text
+    assert events[-1].type == f"response.{want.status}"
+    same_as_want(events[-1].response)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
