@@ -115,11 +115,11 @@ def _metadata(options: K8sOptions, name: str, labels: dict[str, str]) -> dict[st
     return metadata
 
 
-def _picker_model_args(options: K8sOptions) -> list[str]:
-    """The model and its chat template: the picker renders chats as the replicas do."""
+def _model_args(options: K8sOptions) -> list[str]:
+    """The model and its settings: the replicas and the picker (which renders chats and
+    hashes an adapter's prompts as they do, to route them) must agree on them."""
     return [*(["--model", options.model] if options.model else []),
-            *(["--chat-template", options.model_settings.chat_template]
-              if options.model_settings.chat_template else [])]
+            *model_settings_args(options.model_settings)]
 
 
 def _model_volumes(options: K8sOptions) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -184,8 +184,7 @@ def replica_deployment(options: K8sOptions, role: str, replicas: int) -> dict[st
     if role in DECODE_CAPABLE:
         labels[POOL_LABEL] = options.name
     volumes, mounts = _model_volumes(options)
-    args = ["serve", *(["--model", options.model] if options.model else []),
-            *model_settings_args(options.model_settings), "--role", role, "--host", "0.0.0.0",
+    args = ["serve", *_model_args(options), "--role", role, "--host", "0.0.0.0",
             "--port", str(REPLICA_PORT), "--metrics-port", str(REPLICA_METRICS_PORT),
             # Kubernetes expands $(VAR) from the container's env in args.
             "--engine-id", "$(POD_NAME)"]
@@ -268,7 +267,7 @@ def picker_deployment(options: K8sOptions) -> dict[str, Any]:
         "image": options.image,
         "imagePullPolicy": options.image_pull_policy,
         "command": ["tandem"],
-        "args": ["picker", *_picker_model_args(options), "--host", "0.0.0.0", "--port", str(PICKER_PORT),
+        "args": ["picker", *_model_args(options), "--host", "0.0.0.0", "--port", str(PICKER_PORT),
                  "--metrics-port", str(PICKER_METRICS_PORT), *dns],
         "env": _env(),
         "ports": [

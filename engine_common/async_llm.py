@@ -120,6 +120,7 @@ class AsyncLLM:
         hold_kv: bool = False,
         remote_prefill: RemotePrefill | None = None,
         num_resumed_tokens: int = 0,
+        lora_name: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs; closing the iterator early aborts the request.
 
@@ -127,6 +128,7 @@ class AsyncLLM:
         stay pinned until released or the lease ends. ``remote_prefill`` (decode replica): the
         first token was sampled by a prefill replica; it is streamed at once, and an output
         with ``kv_transfer`` (no tokens) reports the pull when the prompt KV is in.
+        ``lora_name``: one of the engine's LoRA adapters (ModelSettings.lora_modules).
         """
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -154,7 +156,8 @@ class AsyncLLM:
             remote_prefill = replace(remote_prefill, prompt_logprobs=None)
         self.core.add_request(EngineCoreRequest(
             request_id, prompt_token_ids, params, arrival, priority, cache_salt,
-            hold_kv=hold_kv, remote_prefill=remote_prefill, num_resumed_tokens=num_resumed_tokens))
+            hold_kv=hold_kv, remote_prefill=remote_prefill, num_resumed_tokens=num_resumed_tokens,
+            lora_name=lora_name))
         try:
             while True:
                 item = await stream.get()
@@ -205,6 +208,7 @@ class AsyncLLM:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> tuple[RequestOutput, KvHandle]:
         """Prefill replica: compute the prompt, sample the first token, pin the blocks."""
         one = SamplingParams(**{**params.__dict__, "max_tokens": 1,
@@ -213,7 +217,7 @@ class AsyncLLM:
         try:
             async for out in self.generate(request_id, prompt_token_ids, one,
                                            priority=priority, cache_salt=cache_salt,
-                                           hold_kv=True):
+                                           hold_kv=True, lora_name=lora_name):
                 last = out
         except asyncio.CancelledError:
             # The decode replica gave up (its client left). Leaving the loop aborts a prompt

@@ -45,6 +45,17 @@ def encode_extra_keys(extra_keys: tuple[str, ...] | None) -> bytes:
     return b"".join(parts)
 
 
+def request_extra_keys(cache_salt: str | None,
+                       lora_name: str | None = None) -> tuple[str, ...] | None:
+    """The extra keys of every block of a request: its LoRA adapter (the same tokens have
+    other KV under another adapter) and its cache salt. Engines and the gateway must agree.
+    A salt alone is a 1-tuple (as before adapters existed), an adapter always a 3-tuple, so
+    no salt can pass for an adapter."""
+    if lora_name:
+        return ("lora", lora_name, cache_salt or "")
+    return (cache_salt,) if cache_salt else None
+
+
 def hash_block_tokens(
     parent: BlockHash | None,
     token_ids: Sequence[int],

@@ -81,6 +81,9 @@ class ModelSettings:
     generation_config: str = "auto"
     # Values set over those defaults, by generation_config.json's keys.
     override_generation_config: dict[str, float | int] = field(default_factory=dict)
+    # LoRA adapters served beside the base model, by the name requests give as their model:
+    # name -> a PEFT adapter directory (adapter_config.json, adapter_model.safetensors).
+    lora_modules: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

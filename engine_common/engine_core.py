@@ -82,7 +82,8 @@ class EngineCore:
             max_model_len=self.max_model_len,
             enable_caching=config.cache.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, config.speculative)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, config.speculative,
+                                   max_loras=len(self.model_runner.lora_adapters))
         # The model's directory name, not its path: P and D may keep it in different places.
         kv_layout = KvLayout.of_cache(os.path.basename(os.path.normpath(config.model)),
                                       self.model_runner.kv_cache)
@@ -122,6 +123,7 @@ class EngineCore:
             raise ValueError("this engine is not a KV producer (prefill role)")
         if request.remote_prefill is not None and (self.remote_kv is None or self.remote_kv.consumer is None):
             raise ValueError("this engine is not a KV consumer (decode role)")
+        self.model_runner.lora_adapters.check(request.lora_name)
         core_request = Request(
             request_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -130,6 +132,7 @@ class EngineCore:
             arrival_time=request.arrival_time,
             priority=request.priority,
             cache_salt=request.cache_salt,
+            lora_name=request.lora_name or None,
             max_model_len=self.max_model_len,
             block_size=self.config.cache.block_size,
             hold_kv=request.hold_kv,

@@ -1,5 +1,9 @@
 """The offline Python API: ``LLM(model).generate(prompts, params)``.
 
+With LoRA adapters loaded (``ModelSettings.lora_modules``), ``lora_name=`` runs a request
+with one of them: one name for every prompt of a ``generate``, or one per prompt (None: the
+base model).
+
 Owns a synchronous loop around an in-process ``EngineCore`` with the same input and output
 processing the services use. For serving, ``AsyncLLM`` runs the core in its own process.
 """
@@ -22,6 +26,7 @@ from engine_common.sampling_params import SamplingParams
 from engine_common.tokenizer import load_tokenizer
 
 Prompt = str | Sequence[int]
+LoraNames = str | None | Sequence[str | None]  # one adapter for all prompts, or one each
 
 
 @dataclass
@@ -50,14 +55,17 @@ class LLM:
         self._ids = itertools.count()
 
     def add_request(self, prompt: Prompt, params: SamplingParams, *, priority: int = 0,
-                    cache_salt: str | None = None, request_id: str | None = None) -> tuple[str, list[int]]:
+                    cache_salt: str | None = None, request_id: str | None = None,
+                    lora_name: str | None = None) -> tuple[str, list[int]]:
+        """Queues one request (``lora_name``: a loaded LoRA adapter, or None for the base
+        model; an adapter the engine did not load raises ValueError)."""
         token_ids = self.inputs.tokenize(prompt)
         self.inputs.validate_prompt(token_ids, params.max_tokens)
         self.inputs.check_logit_bias(params.logit_bias)
         request_id = request_id or f"offline-{next(self._ids)}"
         arrival = time.monotonic()
-        self.core.add_request(
-            EngineCoreRequest(request_id, token_ids, params, arrival, priority, cache_salt))
+        self.core.add_request(EngineCoreRequest(request_id, token_ids, params, arrival, priority,
+                                                cache_salt, lora_name=lora_name))
         self.outputs.add_request(request_id, token_ids, params, arrival)
         return request_id, token_ids
 
@@ -73,25 +81,33 @@ class LLM:
             self.core.abort_requests(to_abort)
         return results
 
-    def _submit(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams]
-                ) -> list[tuple[str, list[int]]]:
+    def _submit(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams],
+                lora_name: LoraNames = None) -> list[tuple[str, list[int]]]:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
-        return [self.add_request(prompt, p) for prompt, p in zip(prompts, per_prompt, strict=True)]
+        loras = ([lora_name] * len(prompts) if lora_name is None or isinstance(lora_name, str)
+                 else list(lora_name))
+        if len(loras) != len(prompts):
+            raise ValueError("give one lora_name, or one per prompt")
+        for lora in set(loras):  # before any request is queued
+            self.core.model_runner.lora_adapters.check(lora)
+        return [self.add_request(prompt, p, lora_name=lora)
+                for prompt, p, lora in zip(prompts, per_prompt, loras, strict=True)]
 
-    def stream(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams]
-               ) -> Iterator[RequestOutput]:
+    def stream(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams],
+               lora_name: LoraNames = None) -> Iterator[RequestOutput]:
         """Submit all prompts, then yield every request's deltas as the engine steps."""
-        self._submit(prompts, params)
+        self._submit(prompts, params, lora_name)
         while self.outputs.num_unfinished:
             yield from self.step()
 
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams]
-                 ) -> list[GenerationResult]:
-        """Generate for every prompt; results come back in the order of the prompts."""
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams],
+                 lora_name: LoraNames = None) -> list[GenerationResult]:
+        """Generate for every prompt; results come back in the order of the prompts.
+        ``lora_name``: the LoRA adapter of every prompt, or a list of one per prompt."""
         results = {request_id: GenerationResult(request_id, token_ids)
-                   for request_id, token_ids in self._submit(prompts, params)}
+                   for request_id, token_ids in self._submit(prompts, params, lora_name)}
         while self.outputs.num_unfinished:
             for out in self.step():
                 result = results[out.request_id]

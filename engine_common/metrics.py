@@ -2,8 +2,9 @@
 
 Owns the collectors (in a registry per engine, never the process-global one) and how the
 engine's statistics map onto them. Stock routers and the gateway-api-inference-extension
-picker read ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` and friends, so the
-names and label sets follow vLLM's V1 engine. It does not own the HTTP endpoint (services)
+picker read ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` and friends (and,
+for LoRA affinity, ``vllm:lora_requests_info``), so the names and label sets follow vLLM's
+V1 engine. It does not own the HTTP endpoint (services)
 or where the numbers come from (the scheduler's ``SchedulerStats`` and the output processor).
 """
 
@@ -118,6 +119,10 @@ class EngineMetrics:
             registry=reg)
         self.kv_pinned_blocks = gauge(
             "tandem:kv_pinned_blocks", "Blocks a prefill replica holds for decode replicas.")
+        # Registered by the first statistics of an engine serving LoRA adapters: an engine
+        # without adapters has no such metric, as in vLLM.
+        self._lora_requests_info: Gauge | None = None
+        self._lora_label_values: tuple[str, ...] | None = None  # of its one sample
 
     def set_cache_config(self, cache: CacheConfig, num_blocks: int) -> None:
         info = {
@@ -140,6 +145,26 @@ class EngineMetrics:
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
         self.spec_decode_num_draft_tokens.inc(stats.num_draft_tokens)
         self.spec_decode_num_accepted_tokens.inc(stats.num_accepted_tokens)
+        if stats.max_lora:
+            self._record_lora(stats)
+
+    def _record_lora(self, stats: SchedulerStats) -> None:
+        """vLLM's ``vllm:lora_requests_info``: the adapters of running and waiting requests
+        (comma-separated) as labels, the time they were seen as the value. Readers (the
+        inference extension's endpoint picker) take the sample with the latest value; vLLM
+        keeps a sample per label set ever seen, this keeps only the current one."""
+        gauge = self._lora_requests_info
+        if gauge is None:
+            gauge = self._lora_requests_info = Gauge(
+                "vllm:lora_requests_info", "Running stats on LoRA requests.",
+                [*self._labels, "max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=self.registry)
+        values = (*self._labels.values(), str(stats.max_lora),
+                  ",".join(stats.waiting_lora_adapters), ",".join(stats.running_lora_adapters))
+        if self._lora_label_values is not None and self._lora_label_values != values:
+            gauge.remove(*self._lora_label_values)
+        self._lora_label_values = values
+        gauge.labels(*values).set_to_current_time()
 
     def record_kv_transfer(self, report: KvTransferReport) -> None:
         self.kv_transfer_blocks_local.inc(report.blocks_local)

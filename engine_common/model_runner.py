@@ -5,7 +5,9 @@ generators. It sizes the KV cache from the memory budget, and on CUDA replays de
 from CUDA graphs (``DecodeGraphRunner``). Rows with a grammar (structured outputs) get their
 allowed-token mask applied to the logits before anything samples them. It scores prompt
 positions for requests that ask for prompt logprobs, and checks speculative drafts against
-the tokens the model samples after them. It does not decide
+the tokens the model samples after them. It loads the LoRA adapters the engine serves and
+tells the model each step which tokens run which adapter (a ``LoraBatch``); a step with
+adapter tokens runs eagerly, as the CUDA graphs were captured without LoRA. It does not decide
 what runs (``Scheduler``) or which blocks a request holds (``KVCacheManager``): it receives
 block ids; nor does it advance grammars (the scheduler accepts the sampled tokens).
 """
@@ -20,6 +22,7 @@ import torch
 
 from engine_common.config import EngineConfig
 from engine_common.decode_graphs import DecodeGraphRunner, DecodeInputs
+from engine_common.lora.loaded_adapters import LoadedLoraAdapters
 from engine_common.model.arch_config import ModelArchConfig
 from engine_common.model.attention.backend import AttentionMetadata
 from engine_common.model.loader import load_model, resolve_dtype
@@ -60,6 +63,9 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         torch.manual_seed(config.seed)
         self.model = load_model(config.model, self.dtype, self.device, config.attention_backend)
+        # Before the KV cache is sized: on a GPU the adapters take memory the cache would.
+        self.lora_adapters = LoadedLoraAdapters.load(config.model_settings.lora_modules,
+                                                     self.model)
         self.num_blocks = self._num_kv_blocks()
         self.kv_cache = torch.zeros(
             (arch.num_layers, 2, self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_size),
@@ -201,8 +207,13 @@ class ModelRunner:
         slot_mapping = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
 
         dev = self.device
+        # Drafts are in query_lens: a request's draft positions run its adapter too.
+        lora = (self.lora_adapters.step_batch([s.request.lora_name for s in scheduled],
+                                              query_lens_np, dev)
+                if len(self.lora_adapters) else None)
         graphs = self.decode_graphs
-        if graphs is not None and len(input_ids) == num_seqs and graphs.can_run(num_seqs, max_blocks):
+        if graphs is not None and lora is None and len(input_ids) == num_seqs \
+                and graphs.can_run(num_seqs, max_blocks):
             hidden = graphs.run(DecodeInputs(
                 np.asarray(input_ids, dtype=np.int64), positions, slot_mapping, seq_lens,
                 block_tables))
@@ -222,6 +233,7 @@ class ModelRunner:
                 torch.from_numpy(positions).to(dev),
                 self.kv_cache,
                 metadata,
+                lora,
             )
 
         output = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(

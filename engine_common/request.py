@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine_common.block_hash import BlockHash, hash_block_tokens
+from engine_common.block_hash import BlockHash, hash_block_tokens, request_extra_keys
 from engine_common.outputs import RemotePrefill
 from engine_common.sampler import TokenLogprobs
 from engine_common.sampling_params import SamplingParams
@@ -65,6 +65,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower value = served first (vLLM's convention)
     cache_salt: str | None = None
+    # The LoRA adapter this request runs with (one the engine loaded); None: the base model.
+    lora_name: str | None = None
     max_model_len: int = 1 << 30
     block_size: int = 16
     # P/D: on a prefill replica, keep the blocks pinned for a decode replica after the
@@ -130,7 +132,7 @@ class Request:
 
     @property
     def extra_keys(self) -> tuple[str, ...] | None:
-        return (self.cache_salt,) if self.cache_salt else None
+        return request_extra_keys(self.cache_salt, self.lora_name)
 
     @property
     def max_total_tokens(self) -> int:

@@ -129,7 +129,7 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, max_loras: int = 0):
         if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         self.config = config
@@ -153,6 +153,9 @@ class Scheduler:
         self._num_scheduled_tokens = 0  # by the latest step, for its statistics
         self._num_draft_tokens = self._num_accepted_tokens = 0  # since the last statistics
         self._watermark_blocks = int(config.watermark * kv_cache_manager.num_blocks)
+        # LoRA adapters the engine serves (any of them may run in one step); 0: none, and
+        # the statistics skip the adapter lists.
+        self.max_loras = max_loras
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -490,6 +493,13 @@ class Scheduler:
             num_draft_tokens=self._num_draft_tokens,
             num_accepted_tokens=self._num_accepted_tokens,
         )
+        if self.max_loras:
+            stats.max_lora = self.max_loras
+            stats.running_lora_adapters = sorted(
+                {r.lora_name for r in self.running if r.lora_name})
+            stats.waiting_lora_adapters = sorted(
+                {r.lora_name for r in itertools.chain(self.waiting, self.receiving.values())
+                 if r.lora_name})
         self._num_preemptions_since_report = 0
         self._num_scheduled_tokens = self._num_draft_tokens = self._num_accepted_tokens = 0
         return stats

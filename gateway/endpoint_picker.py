@@ -88,6 +88,7 @@ class RequestFeatures:
     cache_salt: str = ""
     # Lower runs first; above 0 is below the default, so sheddable.
     priority: int = 0
+    lora_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -127,33 +128,40 @@ def _parse_body(body: bytes, content_type: str, message: Message) -> None:
         json_format.Parse(body, message, ignore_unknown_fields=True)
 
 
-def read_request(path: str, content_type: str, body: bytes,
-                 inputs: InputProcessor) -> RequestFeatures | None:
-    """The prompt, salt and priority of a completion, chat or responses request, tokenized
-    as the replicas tokenize it; None when the path carries no prompt or the body cannot be
-    served (the replica will say why)."""
+def read_request(path: str, content_type: str, body: bytes, inputs: InputProcessor,
+                 lora_names: frozenset[str] = frozenset()) -> RequestFeatures | None:
+    """The prompt, salt, priority and LoRA adapter (a model among ``lora_names``) of a
+    completion, chat or responses request, tokenized as the replicas tokenize it; None when
+    the path carries no prompt or the body cannot be served (the replica will say why)."""
     path = path.split("?", 1)[0]
+
+    def adapter(model: str) -> str | None:
+        return model if model in lora_names else None
+
     try:
         if path in _COMPLETION_PATHS:
             completion = pb.CompletionRequest()
             _parse_body(body, content_type, completion)
             # A request of several prompts goes where its first prompt is best served.
-            request = openai_api.completion_to_engine_request(completion, inputs).engines[0]
+            request = openai_api.completion_to_engine_request(
+                completion, inputs, adapter(completion.model)).engines[0]
         elif path in _CHAT_PATHS:
             chat = pb.ChatCompletionRequest()
             _parse_body(body, content_type, chat)
-            request = openai_api.chat_to_engine_request(chat, inputs).engine
+            request = openai_api.chat_to_engine_request(chat, inputs, adapter(chat.model)).engine
         elif path in _RESPONSES_PATHS:
             response_request = pb.ResponseRequest()
             _parse_body(body, content_type, response_request)
             request = openai_api.chat_to_engine_request(
-                responses_api.chat_request(response_request), inputs).engine
+                responses_api.chat_request(response_request), inputs,
+                adapter(response_request.model)).engine
         else:
             return None
     except Exception as error:  # noqa: BLE001 - any unreadable body is routed by load alone
         logger.debug("routing %s by load alone: %s", path, error)
         return None
-    return RequestFeatures(request.prompt_token_ids, request.cache_salt or "", request.priority)
+    return RequestFeatures(request.prompt_token_ids, request.cache_salt or "", request.priority,
+                           request.lora_name or "")
 
 
 def is_saturated(decision: RoutingDecision, waiting: dict[str, int],
@@ -170,11 +178,14 @@ class EndpointChooser:
     def __init__(self, registry: ReplicaRegistry, loads: LoadTracker, index: PrefixIndex,
                  inputs: InputProcessor, config: PickerConfig | None = None,
                  shedding: SheddingPolicy | None = None,
-                 metrics: GatewayMetrics | None = None) -> None:
+                 metrics: GatewayMetrics | None = None,
+                 lora_names: frozenset[str] = frozenset()) -> None:
         self.registry = registry
         self.loads = loads
         self.index = index
         self.inputs = inputs
+        # The replicas' LoRA adapters: their requests' blocks are hashed under the adapter.
+        self.lora_names = lora_names
         self.config = config or PickerConfig()
         self.shedding = shedding or SheddingPolicy()
         self.metrics = metrics or GatewayMetrics()
@@ -185,7 +196,7 @@ class EndpointChooser:
         features = features or RequestFeatures()
         tokens = features.prompt_token_ids
         snapshot = take_snapshot(self.registry, self.loads, self.index, tokens,
-                                 features.cache_salt)
+                                 features.cache_salt, features.lora_name)
         exclude = (frozenset(r.address for r in snapshot.replicas if r.address not in subset)
                    if subset is not None else frozenset())
         try:
@@ -332,7 +343,8 @@ class _Exchange:
     def _route(self, headers_phase: bool, body_end: bool) -> list[ep.ProcessingResponse]:
         content_type = self.headers.get("content-type", "")
         features = read_request(self.headers.get(":path", ""), content_type, bytes(self.body),
-                                self.chooser.inputs) if self.body else None
+                                self.chooser.inputs, self.chooser.lora_names
+                                ) if self.body else None
         self.choice = self.chooser.choose(features, self.subset)
         if self.choice.status != 200:
             logger.info("refusing %s with %d: %s", self.headers.get(":path"),

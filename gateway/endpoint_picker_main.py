@@ -41,6 +41,7 @@ from gateway.registry import DnsTarget
 from gateway.server import load_inputs
 from protos.third_party.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from services.entrypoint import run_service, wait_for_stop_signal
+from services.model_settings import add_model_settings_args, model_settings_from_args
 
 logger = logging.getLogger("gateway.endpoint_picker")
 
@@ -61,8 +62,9 @@ class PickerOptions:
     shedding: SheddingPolicy = field(default_factory=SheddingPolicy)
     load_interval_s: float = 0.05
     dns_interval_s: float = 5.0
-    # The replicas' --chat-template: the picker renders chats to route them by prefix.
-    chat_template: str | None = None
+    # The replicas' model settings: the picker renders chats with their chat template and
+    # hashes a LoRA adapter's prompts as they do, to route them by prefix.
+    model_settings: ModelSettings = field(default_factory=ModelSettings)
 
     def __post_init__(self) -> None:
         if not self.replicas and not self.dns:
@@ -93,13 +95,15 @@ class EndpointPickerServer:
         # Routing reads prompts only: no sampling defaults.
         inputs = await asyncio.get_running_loop().run_in_executor(
             None, load_inputs, options.model,
-            ModelSettings(chat_template=options.chat_template, generation_config="vllm"))
+            replace(options.model_settings, generation_config="vllm",
+                    override_generation_config={}))
         metrics = GatewayMetrics()
         cluster = ClusterView.create(
             options.replicas, options.dns, dns_interval_s=options.dns_interval_s,
             load_interval_s=options.load_interval_s)
         chooser = EndpointChooser(cluster.registry, cluster.loads, cluster.index, inputs,
-                                  options.picker, options.shedding, metrics)
+                                  options.picker, options.shedding, metrics,
+                                  frozenset(options.model_settings.lora_modules))
         picker = cls(options, cluster, chooser)
         if options.metrics_port:
             picker._metrics_http, _ = start_http_server(
@@ -178,9 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV-cache fill at which a replica counts as saturated "
                         "(default: %(default)s)")
     p.add_argument("--dns-interval", type=float, default=defaults.dns_interval_s)
-    p.add_argument("--chat-template", default=None,
-                   help="the replicas' chat template, if they were given one (a file, or the "
-                        "Jinja text): chats are routed by the prompt they render to")
+    # The replicas' flags: chats are routed by the prompt the chat template renders, a LoRA
+    # adapter's requests by its blocks (the others are read and left alone).
+    add_model_settings_args(p)
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
 
@@ -196,7 +200,7 @@ def options_from_args(args: argparse.Namespace) -> PickerOptions:
         picker=replace(PickerConfig(), prefix_weight=args.prefix_weight,
                        kv_usage_weight=args.kv_usage_weight, queue_weight=args.queue_weight),
         shedding=SheddingPolicy(args.shed_queue_depth, args.shed_kv_cache_usage),
-        dns_interval_s=args.dns_interval, chat_template=args.chat_template)
+        dns_interval_s=args.dns_interval, model_settings=model_settings_from_args(args))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -90,7 +90,8 @@ class RouteAffinity:
     prompt (and cache salt), the first one's route, which the others take while its replicas
     are still routable and have not failed them."""
 
-    routes: dict[tuple[str, tuple[int, ...]], Route] = field(default_factory=dict)
+    # By (cache salt, LoRA adapter, prompt).
+    routes: dict[tuple[str, str, tuple[int, ...]], Route] = field(default_factory=dict)
 
 
 class EngineProxy:
@@ -112,13 +113,14 @@ class EngineProxy:
         self._tie_breaks = itertools.count()
 
     def route(
-        self, prompt_token_ids: list[int], cache_salt: str = "", exclude: frozenset[str] = frozenset()
+        self, prompt_token_ids: list[int], cache_salt: str = "",
+        exclude: frozenset[str] = frozenset(), lora_name: str = "",
     ) -> Route:
         """Pick replicas for a prompt, count the pick and note where its blocks will be
         (raises ``NoReplicaError``)."""
         started = time.perf_counter()
         snapshot = take_snapshot(
-            self.registry, self.loads, self.index, prompt_token_ids, cache_salt)
+            self.registry, self.loads, self.index, prompt_token_ids, cache_salt, lora_name)
         decision = pick(
             snapshot.replicas, len(prompt_token_ids), snapshot.block_size, self.picker_config,
             exclude=exclude, tie_break=next(self._tie_breaks))
@@ -132,7 +134,7 @@ class EngineProxy:
         self.metrics.routing_latency.observe(time.perf_counter() - started)
         return Route(decision, snapshot.block_hashes)
 
-    def _follow(self, affinity: RouteAffinity | None, key: tuple[str, tuple[int, ...]],
+    def _follow(self, affinity: RouteAffinity | None, key: tuple[str, str, tuple[int, ...]],
                 failed: set[str]) -> Route | None:
         """The route a sibling stream took, when its replicas can still take this one."""
         route = None if affinity is None else affinity.routes.get(key)
@@ -166,7 +168,7 @@ class EngineProxy:
         started = time.monotonic()
         client_wants_ids = request.output_options.return_token_ids
         prompt = list(request.prompt_token_ids) + list(request.resume_output_token_ids)
-        affinity_key = (request.cache_salt, tuple(prompt))
+        affinity_key = (request.cache_salt, request.lora_name, tuple(prompt))
         sent: list[int] = []  # output tokens already streamed to the client
         failed: set[str] = set()
         attempts = resumptions = 0
@@ -178,7 +180,7 @@ class EngineProxy:
                         if attempts + resumptions == 0 else None)
             try:
                 route = followed or self.route(prompt + sent, request.cache_salt,
-                                               frozenset(failed))
+                                               frozenset(failed), request.lora_name)
             except NoReplicaError as e:
                 self.metrics.no_replica.inc()
                 if not sent and last_code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -325,6 +327,7 @@ class RemoteEngine:
             sampling_params=sampling_params_to_pb(request.params),
             cache_salt=request.cache_salt or "",
             priority=request.priority,
+            lora_name=request.lora_name or "",
             # The deltas carry token ids, as a local engine's do (return_token_ids needs them).
             output_options=engine_pb2.OutputOptions(return_token_ids=True),
         )

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 from wsgiref.simple_server import WSGIServer
 
@@ -178,7 +178,8 @@ class GatewayServer:
                                  self.metrics, options.picker, options.retry)
         self.inputs = inputs
         self.model = ServedModel.for_directory(options.model, self.inputs.max_model_len,
-                                               options.served_model_name)
+                                               options.served_model_name,
+                                               options.model_settings.lora_modules)
         self.servicer = GatewayGenerationServicer(
             self.model, self.inputs, RemoteEngine(self.proxy), self.metrics)
         self.health = health_aio.HealthServicer()
@@ -236,9 +237,7 @@ class GatewayServer:
         max_model_len = self.cluster.max_model_len()
         if max_model_len is not None and max_model_len != self.inputs.max_model_len:
             self.inputs.max_model_len = max_model_len
-            self.servicer.model = ServedModel(
-                self.model.name, self.inputs.max_model_len, self.model.aliases,
-                self.model.created, self.model.owned_by)
+            self.servicer.model = replace(self.model, max_model_len=self.inputs.max_model_len)
 
     async def _follow_replicas(self) -> None:
         while True:

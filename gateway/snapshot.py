@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine_common.block_hash import BlockHash, hash_prompt_blocks
+from engine_common.block_hash import BlockHash, hash_prompt_blocks, request_extra_keys
 from engine_common.config import DEFAULT_BLOCK_SIZE
 from gateway.load import LoadTracker
 from gateway.picker import ReplicaState
@@ -28,10 +28,11 @@ class ClusterSnapshot:
 
 
 def prompt_block_hashes(
-    token_ids: Sequence[int], block_size: int, cache_salt: str = ""
+    token_ids: Sequence[int], block_size: int, cache_salt: str = "", lora_name: str = ""
 ) -> list[BlockHash]:
-    """The chain an engine computes for this prompt (the salt is its only extra key)."""
-    return hash_prompt_blocks(token_ids, block_size, (cache_salt,) if cache_salt else None)
+    """The chain an engine computes for this prompt under this salt and LoRA adapter."""
+    return hash_prompt_blocks(token_ids, block_size,
+                              request_extra_keys(cache_salt or None, lora_name or None))
 
 
 def take_snapshot(
@@ -40,6 +41,7 @@ def take_snapshot(
     index: PrefixIndex,
     prompt_token_ids: Sequence[int],
     cache_salt: str = "",
+    lora_name: str = "",
 ) -> ClusterSnapshot:
     replicas = registry.replicas()
     sizes = {r.block_size for r in replicas if r.block_size > 0}
@@ -49,7 +51,7 @@ def take_snapshot(
         max(sizes, key=lambda s: sum(r.block_size == s for r in replicas))
         if sizes else DEFAULT_BLOCK_SIZE
     )
-    hashes = prompt_block_hashes(prompt_token_ids, block_size, cache_salt)
+    hashes = prompt_block_hashes(prompt_token_ids, block_size, cache_salt, lora_name)
     matched = index.match(hashes)
     now = time.monotonic()
     states = [

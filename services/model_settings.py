@@ -1,5 +1,6 @@
 """The flags that say how a model's requests are shaped (``ModelSettings``): its chat
-template, the syntax of its tool calls and its sampling defaults.
+template, the syntax of its tool calls, its sampling defaults and the LoRA adapters served
+beside it.
 
 Every process that resolves requests (a replica; the gateway, which renders chats, parses
 calls and applies defaults itself) must be given them alike, and so must what starts those
@@ -29,6 +30,13 @@ def _json_object(text: str) -> dict[str, float | int]:
     return value
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    name, separator, path = text.partition("=")
+    if not separator or not name or not path:
+        raise argparse.ArgumentTypeError(f"a LoRA module is NAME=PATH, got {text!r}")
+    return name, path
+
+
 def add_model_settings_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-template", default=None,
                         help="a chat template used instead of the model's (a file, or the "
@@ -48,13 +56,27 @@ def add_model_settings_args(parser: argparse.ArgumentParser) -> None:
                         help='values set over those defaults, by generation_config.json\'s '
                              'keys, e.g. \'{"temperature": 0.5, "max_new_tokens": 512}\' '
                              "(vLLM's flag)")
+    parser.add_argument("--lora-modules", type=_lora_module, nargs="+", default=[],
+                        metavar="NAME=PATH",
+                        help="LoRA adapters served beside the base model: a request whose "
+                             "model is NAME runs with the PEFT adapter in directory PATH "
+                             "(vLLM's flag)")
 
 
 def model_settings_from_args(args: argparse.Namespace) -> ModelSettings:
     return ModelSettings(chat_template=args.chat_template,
                          tool_call_parser=args.tool_call_parser,
                          generation_config=args.generation_config,
-                         override_generation_config=args.override_generation_config)
+                         override_generation_config=args.override_generation_config,
+                         lora_modules=_unique_lora_names(args.lora_modules))
+
+
+def _unique_lora_names(modules: list[tuple[str, str]]) -> dict[str, str]:
+    names = [name for name, _ in modules]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise SystemExit(f"error: --lora-modules names {repeated} more than once")
+    return dict(modules)
 
 
 def model_settings_args(settings: ModelSettings) -> list[str]:
@@ -67,4 +89,7 @@ def model_settings_args(settings: ModelSettings) -> list[str]:
     if settings.override_generation_config:
         args += ["--override-generation-config",
                  json.dumps(settings.override_generation_config)]
+    if settings.lora_modules:
+        args += ["--lora-modules",
+                 *(f"{name}={path}" for name, path in settings.lora_modules.items())]
     return args

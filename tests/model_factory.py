@@ -167,3 +167,18 @@ def build_tiny_model(
         pad_token_id=ids["pad_token_id"],
     ).save_pretrained(out_dir)
     return out_dir
+
+
+
+def write_lora_adapter(base_dir: Path, out_dir: Path, *, seed: int, **lora: object) -> Path:
+    """A PEFT LoRA adapter of the model in ``base_dir`` as ``peft`` saves one
+    (adapter_config.json, adapter_model.safetensors), with random, nonzero A and B;
+    ``lora`` is LoraConfig's (r, lora_alpha, target_modules, use_rslora, rank_pattern...)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = LoraConfig(init_lora_weights=False, **lora)  # type: ignore[arg-type]
+    get_peft_model(base, config).save_pretrained(out_dir)
+    return out_dir

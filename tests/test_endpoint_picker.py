@@ -99,6 +99,22 @@ def test_bodies_are_tokenized_as_the_replicas_tokenize(inputs: InputProcessor) -
     assert features is not None and features.prompt_token_ids == inputs.tokenize(prompt)
 
 
+def test_a_lora_adapters_requests_are_read_under_its_name(inputs: InputProcessor) -> None:
+    """The picker hashes an adapter's prompt as the replicas do: under the adapter, which
+    the request names as its model; the base model's name and unknown names are no
+    adapter."""
+    adapters = frozenset({"sql"})
+    for model, want in (("sql", "sql"), ("tiny", ""), ("other", "")):
+        completion = json.dumps({"model": model, "prompt": "alpha"}).encode()
+        chat = json.dumps({"model": model,
+                           "messages": [{"role": "user", "content": "a"}]}).encode()
+        response = json.dumps({"model": model, "input": "alpha"}).encode()
+        for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat),
+                           ("/v1/responses", response)):
+            features = read_request(path, "application/json", body, inputs, adapters)
+            assert features is not None and features.lora_name == want, (path, model)
+
+
 def test_unreadable_bodies_are_routed_by_load_alone(inputs: InputProcessor) -> None:
     for path, body in (("/v1/completions", b'{"prompt": '),          # bad JSON
                        ("/v1/completions", b'{"prompt": ""}'),       # the replica refuses it

@@ -246,12 +246,13 @@ def test_exclusive_cpus_make_replica_pods_guaranteed() -> None:
 
 
 def test_replicas_and_picker_parse_their_args_and_agree_on_the_template() -> None:
-    """The rendered args are what ``tandem serve`` and ``tandem picker`` accept: the chat
-    template reaches both (the picker renders chats to route them), the tool-call syntax and
-    sampling defaults the replicas."""
+    """The rendered args are what ``tandem serve`` and ``tandem picker`` accept: the model
+    settings reach both (the picker renders chats and hashes an adapter's prompts as the
+    replicas do, to route them)."""
     settings = ModelSettings(chat_template="/models/llama/chat.jinja",
                              tool_call_parser="hermes", generation_config="vllm",
-                             override_generation_config={"top_p": 0.9})
+                             override_generation_config={"top_p": 0.9},
+                             lora_modules={"sql": "/models/sql-lora", "chat": "/models/c"})
     objects = render(model_settings=settings)
     deployments = by_kind(objects, "Deployment")
     replica_args = deployments["tandem-decode"]["spec"]["template"]["spec"]["containers"][0][
@@ -261,8 +262,8 @@ def test_replicas_and_picker_parse_their_args_and_agree_on_the_template() -> Non
     assert engine.model_settings == settings
     picker_args = deployments["tandem-epp"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert picker_args[0] == "picker"
-    assert picker_options(picker_parser().parse_args(picker_args[1:])).chat_template == (
-        "/models/llama/chat.jinja")
+    assert picker_options(picker_parser().parse_args(picker_args[1:])).model_settings == (
+        settings)
 
 
 def test_cli_writes_one_file_per_object(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@ flags each of them reads).
 
 The gateway renders chats, parses tool calls and applies sampling defaults itself, so the
 flags that decide them (``--chat-template``, ``--tool-call-parser``,
-``--generation-config``, ``--override-generation-config``) must reach it exactly as they reach every replica.
+``--generation-config``, ``--override-generation-config``, ``--lora-modules``) must reach it exactly as they reach every replica.
 """
 
 from __future__ import annotations
@@ -29,10 +29,12 @@ def served_argvs(*args: str) -> list[list[str]]:
 
 SETTINGS_FLAGS = ["--generation-config", "vllm", "--chat-template", "chat.jinja",
                   "--tool-call-parser", "mistral",
-                  "--override-generation-config", '{"temperature": 0.5, "max_new_tokens": 64}']
+                  "--override-generation-config", '{"temperature": 0.5, "max_new_tokens": 64}',
+                  "--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat"]
 SETTINGS = ModelSettings(chat_template="chat.jinja", tool_call_parser="mistral",
                          generation_config="vllm",
-                         override_generation_config={"temperature": 0.5, "max_new_tokens": 64})
+                         override_generation_config={"temperature": 0.5, "max_new_tokens": 64},
+                         lora_modules={"sql": "/adapters/sql", "chat": "/adapters/chat"})
 
 
 def read_back(argv: list[str]) -> ModelSettings:

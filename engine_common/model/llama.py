@@ -2,8 +2,10 @@
 
 Owns the network: embeddings, RMSNorm, rotary embeddings, fused q/k/v and gate/up
 projections, the decoder layers and the LM head, plus mapping Hugging Face checkpoint
-names onto the fused parameters. It does not own reading files (the loader), the KV cache
-tensor (the model runner) or attention over the cache (an ``AttentionBackend``).
+names onto the fused parameters, and placing LoRA adapters' weights in the projections
+(each token's adapter comes down the forward call as a ``LoraBatch``). It does not own
+reading files (the loader, ``engine_common.lora``), the KV cache tensor (the model runner)
+or attention over the cache (an ``AttentionBackend``).
 
 Numerics follow Hugging Face's ``LlamaModel`` op for op (RMSNorm in float32 then cast
 back before the weight, rotary in the model dtype from float32 cos/sin, SiLU rounded
@@ -19,6 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_common.lora.adapter_weights import LoraAdapter, LoraModuleWeights
+from engine_common.lora.linear_delta import LoraLinearWeights, add_lora_deltas
+from engine_common.lora.step_batch import LoraBatch
 from engine_common.model.arch_config import ModelArchConfig
 from engine_common.model.attention.backend import AttentionBackend, AttentionMetadata
 from engine_common.model.packed_linear import can_pack, pack, packed_linear
@@ -30,7 +35,8 @@ def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Pa
 
 
 class Linear(nn.Module):
-    """``y = x W^T (+ b)`` whose weight may be several checkpoint tensors stacked on dim 0."""
+    """``y = x W^T (+ b)`` whose weight may be several checkpoint tensors stacked on dim 0,
+    plus, for the rows of a step's ``LoraBatch``, their LoRA adapter's delta."""
 
     def __init__(
         self,
@@ -41,9 +47,14 @@ class Linear(nn.Module):
         device: torch.device,
     ):
         super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
         self.weight = _empty_param(out_features, in_features, dtype=dtype, device=device)
         self.bias = _empty_param(out_features, dtype=dtype, device=device) if bias else None
         self.packed_weight: torch.Tensor | None = None  # see ``pack_weight``
+        # LoRA adapters' weights by adapter slot; plain tensors, not parameters, as the
+        # checkpoint holds none of them.
+        self.lora: dict[int, LoraLinearWeights] = {}
 
     def pack_weight(self) -> None:
         """Keep the weight only in oneDNN's packed layout, if it can be (see
@@ -53,10 +64,15 @@ class Linear(nn.Module):
             self.packed_weight = pack(self.weight.data)
             self.weight.data = self.weight.data.new_empty(0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            y = packed_linear(x, self.packed_weight, self.bias)
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        if lora is None:
+            return y
+        # After the base output, packed or not: base rows stay bitwise what they were.
+        return add_lora_deltas(y, x, self.lora, lora)
 
 
 class Embedding(nn.Module):
@@ -177,9 +193,10 @@ class LlamaAttention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
+        qkv = self.qkv_proj(hidden, lora)
         # q and k are adjacent in the fused output, so one rotary pass covers both.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_size)
         if self.q_norm is not None and self.k_norm is not None:
@@ -190,7 +207,7 @@ class LlamaAttention(nn.Module):
         key = qk[:, self.num_heads :]
         value = qkv[:, self.q_size + self.kv_size :].view(num_tokens, -1, self.head_size)
         out = self.backend.forward(query, key, value, kv_cache, metadata)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(num_tokens, self.q_size), lora)
 
 
 class LlamaMLP(nn.Module):
@@ -202,11 +219,11 @@ class LlamaMLP(nn.Module):
         )
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, lora)
         gate = gate_up[:, : self.intermediate_size]
         up = gate_up[:, self.intermediate_size :]
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up, lora)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -230,10 +247,12 @@ class LlamaDecoderLayer(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(hidden), rotary, cos_sin, kv_cache, metadata)
+        attn = self.self_attn(self.input_layernorm(hidden), rotary, cos_sin, kv_cache, metadata,
+                              lora)
         hidden = hidden + attn
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
 
 
 class LlamaModel(nn.Module):
@@ -258,11 +277,12 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions)
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, self.rotary, cos_sin, kv_cache[i], metadata)
+            hidden = layer(hidden, self.rotary, cos_sin, kv_cache[i], metadata, lora)
         return self.norm(hidden)
 
 
@@ -274,6 +294,12 @@ _STACKED_PARAMS = (
     ("gate_up_proj", "gate_proj", "gate"),
     ("gate_up_proj", "up_proj", "up"),
 )
+# The projections a LoRA adapter may target, by Hugging Face name: (parent module, the
+# model's projection holding it, its shard there or None when it is the whole projection).
+_LORA_PROJECTIONS = {
+    original: ("mlp" if fused == "gate_up_proj" else "self_attn", fused, shard)
+    for fused, original, shard in _STACKED_PARAMS
+} | {"o_proj": ("self_attn", "o_proj", None), "down_proj": ("mlp", "down_proj", None)}
 
 
 class LlamaForCausalLM(nn.Module):
@@ -310,8 +336,9 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens] int64
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]
         metadata: AttentionMetadata,
+        lora: LoraBatch | None = None,  # the step's adapter tokens; None: all base model
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        return self.model(input_ids, positions, kv_cache, metadata)
+        return self.model(input_ids, positions, kv_cache, metadata, lora)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> [N, vocab_size] float32 (computed in the model dtype, as HF)."""
@@ -340,13 +367,7 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters(remove_duplicate=False))
         arch = self.arch
-        shard_ranges = {
-            "q": (0, arch.q_size),
-            "k": (arch.q_size, arch.kv_size),
-            "v": (arch.q_size + arch.kv_size, arch.kv_size),
-            "gate": (0, arch.intermediate_size),
-            "up": (arch.intermediate_size, arch.intermediate_size),
-        }
+        shard_ranges = self._shard_ranges()
         expected = self._expected_checkpoint_names(params)
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -375,6 +396,47 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} weight(s): {shown}")
+
+    def _shard_ranges(self) -> dict[str, tuple[int, int]]:
+        """(first output row, rows) of each checkpoint tensor in its fused projection."""
+        arch = self.arch
+        return {
+            "q": (0, arch.q_size),
+            "k": (arch.q_size, arch.kv_size),
+            "v": (arch.q_size + arch.kv_size, arch.kv_size),
+            "gate": (0, arch.intermediate_size),
+            "up": (arch.intermediate_size, arch.intermediate_size),
+        }
+
+    def _projection(self, layer: int, name: str) -> tuple[Linear, int]:
+        """The Linear holding Hugging Face projection ``name`` of ``layer``, and the first
+        output column of ``name`` in it."""
+        parent, fused, shard = _LORA_PROJECTIONS[name]
+        linear = getattr(getattr(self.model.layers[layer], parent), fused)
+        assert isinstance(linear, Linear)
+        return linear, 0 if shard is None else self._shard_ranges()[shard][0]
+
+    def lora_projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each projection a LoRA adapter may target, by its
+        Hugging Face name (every layer has the same)."""
+        ranges = self._shard_ranges()
+        shapes = {}
+        for name, (_, _, shard) in _LORA_PROJECTIONS.items():
+            linear, _ = self._projection(0, name)
+            shapes[name] = (linear.in_features,
+                            linear.out_features if shard is None else ranges[shard][1])
+        return shapes
+
+    def add_lora_adapter(self, slot: int, adapter: LoraAdapter) -> None:
+        """Gives each projection ``adapter`` targets its low-rank weights under ``slot``, in
+        the model's dtype and device; a fused projection gets its targeted shards fused."""
+        by_linear: dict[int, tuple[Linear, list[tuple[int, LoraModuleWeights]]]] = {}
+        for (layer, name), weights in adapter.modules.items():
+            linear, column = self._projection(layer, name)
+            by_linear.setdefault(id(linear), (linear, []))[1].append((column, weights))
+        for linear, shards in by_linear.values():
+            linear.lora[slot] = LoraLinearWeights.fuse(shards, linear.out_features, self.dtype,
+                                                       self.device)
 
     def _expected_checkpoint_names(self, params: dict[str, nn.Parameter]) -> set[str]:
         names: set[str] = set()

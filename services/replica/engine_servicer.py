@@ -93,7 +93,18 @@ class EngineServicer(epb_grpc.EngineServicer):
         # A resumed stream recomputes here: the prefill replica never saw its output tokens.
         peer = request.prefill_peer if request.HasField("prefill_peer") and not resumed else None
         return EngineRequest(prompt, params, request.priority, cache_salt, peer,
-                             num_resumed_tokens=len(resumed)), len(resumed)
+                             num_resumed_tokens=len(resumed),
+                             lora_name=self._lora_name(request.lora_name)), len(resumed)
+
+    def _lora_name(self, requested: str) -> str | None:
+        """The LoRA adapter a request names (empty: none); raises InvalidArgument for one
+        this replica did not load."""
+        if requested and requested not in self.model.lora_names:
+            loaded = ", ".join(sorted(self.model.lora_names)) or "none"
+            raise InvalidArgument(f"LoRA adapter {requested!r} is not loaded on this replica "
+                                  f"(loaded: {loaded}); start it with --lora-modules "
+                                  f"{requested}=PATH")
+        return requested or None
 
     @rpc_handler
     async def Prefill(self, request: epb.PrefillRequest,  # noqa: N802
@@ -112,7 +123,8 @@ class EngineServicer(epb_grpc.EngineServicer):
         with self.engine.admission.admit(request.request_id):
             output, handle = await self.llm.prefill(
                 request.request_id, prompt, params, priority=request.priority,
-                cache_salt=request.cache_salt or None)
+                cache_salt=request.cache_salt or None,
+                lora_name=self._lora_name(request.lora_name))
         response = epb.PrefillResponse(
             request_id=request.request_id, first_token_id=output.new_token_ids[0],
             kv_handle=kv_handle_to_pb(handle, self.llm.info.kv_layout, output.num_cached_tokens))

@@ -43,13 +43,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     @rpc_handler
     async def Complete(self, request: pb.CompletionRequest,  # noqa: N802 (gRPC's names)
                        context: grpc.aio.ServicerContext) -> pb.CompletionResponse:
-        self.model.check(request.model)
-        plan = api.completion_to_engine_request(request, self.inputs)
+        plan = api.completion_to_engine_request(request, self.inputs,
+                                                self.model.resolve(request.model))
         response_id = api.new_completion_id()
         choices = api.generate_choices(self.generate, response_id, plan.engines)
         async with aclosing(choices):
             return await api.completion_response(
-                choices, response_id=response_id, model=self.model.name,
+                choices, response_id=response_id,
+                model=self.model.response_name(plan.lora_name),
                 logprobs=plan.params.logprobs is not None, num_choices=plan.num_choices,
                 choices_per_prompt=plan.params.n, echoes=plan.echoes,
                 prompt_logprobs=plan.prompt_logprobs, prompt_token_ids=plan.prompt_token_ids)
@@ -66,14 +67,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def _completion_chunks(
             self, request: pb.CompletionRequest) -> AsyncGenerator[pb.CompletionResponse, None]:
-        self.model.check(request.model)
-        plan = api.completion_to_engine_request(request, self.inputs)
+        plan = api.completion_to_engine_request(request, self.inputs,
+                                                self.model.resolve(request.model))
         if plan.prompt_logprobs is not None:
             raise InvalidArgument(_NO_STREAMED_PROMPT_LOGPROBS + "; echo with logprobs "
                                   "streams the prompt's logprobs in the first chunk")
         response_id = api.new_completion_id()
         choices = api.generate_choices(self.generate, response_id, plan.engines)
-        chunks = api.completion_chunks(choices, response_id=response_id, model=self.model.name,
+        chunks = api.completion_chunks(choices, response_id=response_id,
+                                       model=self.model.response_name(plan.lora_name),
                                        include_usage=request.stream_options.include_usage,
                                        choices_per_prompt=plan.params.n, echoes=plan.echoes,
                                        prompt_token_ids=plan.prompt_token_ids)
@@ -84,13 +86,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     @rpc_handler
     async def ChatComplete(self, request: pb.ChatCompletionRequest,  # noqa: N802
                            context: grpc.aio.ServicerContext) -> pb.ChatCompletionResponse:
-        self.model.check(request.model)
-        chat = api.chat_to_engine_request(request, self.inputs)
+        chat = api.chat_to_engine_request(request, self.inputs,
+                                          self.model.resolve(request.model))
         response_id = api.new_chat_completion_id()
         choices = api.generate_choices(self.generate, response_id, [chat.engine])
         async with aclosing(choices):
             return await api.chat_response(
-                choices, response_id=response_id, model=self.model.name,
+                choices, response_id=response_id,
+                model=self.model.response_name(chat.engine.lora_name),
                 logprobs=chat.engine.params.logprobs is not None,
                 num_choices=chat.engine.params.n, tools=chat.tools, reasoning=chat.reasoning,
                 prompt_logprobs=chat.engine.params.prompt_logprobs,
@@ -117,8 +120,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     def _chat_stream_request(self, request: pb.ChatCompletionRequest) -> api.ChatRequest:
         """The chat request resolved for streaming; raises before anything streams."""
-        self.model.check(request.model)
-        chat = api.chat_to_engine_request(request, self.inputs)
+        chat = api.chat_to_engine_request(request, self.inputs,
+                                          self.model.resolve(request.model))
         if chat.engine.params.prompt_logprobs is not None:
             raise InvalidArgument(_NO_STREAMED_PROMPT_LOGPROBS)
         return chat
@@ -128,7 +131,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     ) -> AsyncGenerator[pb.ChatCompletionChunk, None]:
         response_id = api.new_chat_completion_id()
         choices = api.generate_choices(self.generate, response_id, [chat.engine])
-        chunks = api.chat_chunks(choices, response_id=response_id, model=self.model.name,
+        chunks = api.chat_chunks(choices, response_id=response_id,
+                                 model=self.model.response_name(chat.engine.lora_name),
                                  include_usage=request.stream_options.include_usage,
                                  tools=chat.tools, reasoning=chat.reasoning,
                                  prompt_token_ids=(chat.engine.prompt_token_ids
@@ -162,7 +166,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         chat = self._chat_stream_request(chat_request)
         events = responses_api.response_events(
             self._chat_chunks_of(chat_request, chat), request=request,
-            response_id=responses_api.new_response_id(), model=self.model.name)
+            response_id=responses_api.new_response_id(),
+            model=self.model.response_name(chat.engine.lora_name))
         async with aclosing(events):
             async for event in events:
                 yield event
@@ -175,13 +180,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     @rpc_handler
     async def Tokenize(self, request: pb.TokenizeRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        self.model.check(request.model)
+        self.model.resolve(request.model)
         return api.tokenize_response(request, self.inputs)
 
     @rpc_handler
     async def Detokenize(self, request: pb.DetokenizeRequest,  # noqa: N802
                          context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
-        self.model.check(request.model)
+        self.model.resolve(request.model)
         return api.detokenize_response(request, self.inputs)
 
 

@@ -53,7 +53,7 @@ class LocalEngine:
             outputs = cast(AsyncGenerator[RequestOutput, None], self.llm.generate(
                 request_id, request.prompt_token_ids, request.params,
                 priority=request.priority, cache_salt=request.cache_salt, remote_prefill=remote,
-                num_resumed_tokens=request.num_resumed_tokens))
+                num_resumed_tokens=request.num_resumed_tokens, lora_name=request.lora_name))
             released = remote is None
             try:
                 async with aclosing(outputs):

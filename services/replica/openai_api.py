@@ -90,6 +90,8 @@ class EngineRequest:
     prefill_peer: str | None = None
     # A resumed stream: the prompt ends with this many output tokens already streamed.
     num_resumed_tokens: int = 0
+    # The LoRA adapter the request's model names; None: the base model.
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -220,12 +222,17 @@ class CompletionPlan:
         return self.engines[0].params
 
     @property
+    def lora_name(self) -> str | None:
+        """The LoRA adapter, the same for every prompt."""
+        return self.engines[0].lora_name
+
+    @property
     def num_choices(self) -> int:
         return len(self.engines) * self.params.n
 
 
-def completion_to_engine_request(request: pb.CompletionRequest,
-                                 inputs: InputProcessor) -> CompletionPlan:
+def completion_to_engine_request(request: pb.CompletionRequest, inputs: InputProcessor,
+                                 lora_name: str | None = None) -> CompletionPlan:
     echo = request.echo
     max_tokens = (request.max_tokens if request.HasField("max_tokens")
                   else COMPLETION_DEFAULT_MAX_TOKENS)
@@ -262,7 +269,7 @@ def completion_to_engine_request(request: pb.CompletionRequest,
                 raise
             raise InvalidRequestError(f"{field_name}: {error}") from error
         engines.append(EngineRequest(prompt_token_ids, params, request.priority,
-                                     request.cache_salt or None))
+                                     request.cache_salt or None, lora_name=lora_name))
         if echo:
             text = (prompt if isinstance(prompt, str) and len(prompt_token_ids) == whole
                     else inputs.detokenize(prompt_token_ids))
@@ -332,8 +339,8 @@ class ChatRequest:
     return_token_ids: bool = False  # vLLM's: token ids in the answer
 
 
-def chat_to_engine_request(request: pb.ChatCompletionRequest,
-                           inputs: InputProcessor) -> ChatRequest:
+def chat_to_engine_request(request: pb.ChatCompletionRequest, inputs: InputProcessor,
+                           lora_name: str | None = None) -> ChatRequest:
     if request.HasField("max_completion_tokens"):
         max_tokens: int | None = request.max_completion_tokens
     elif request.HasField("max_tokens"):
@@ -373,7 +380,8 @@ def chat_to_engine_request(request: pb.ChatCompletionRequest,
             params.structured_output, starts_after=(closer,),
             waits_if_first=None if reasoning.opened else opener))
     return ChatRequest(
-        EngineRequest(prompt_token_ids, params, request.priority, request.cache_salt or None),
+        EngineRequest(prompt_token_ids, params, request.priority, request.cache_salt or None,
+                      lora_name=lora_name),
         tools, reasoning, request.return_token_ids)
 
 
@@ -820,9 +828,10 @@ async def chat_response(choices: AsyncIterator[ChoiceDelta], *, response_id: str
 
 
 def models_response(model: ServedModel) -> pb.ListModelsResponse:
+    """The base model, then its LoRA adapters (vLLM lists them so too)."""
     return pb.ListModelsResponse(object="list", data=[pb.Model(
-        id=model.name, object="model", created=model.created, owned_by=model.owned_by,
-        max_model_len=model.max_model_len)])
+        id=name, object="model", created=model.created, owned_by=model.owned_by,
+        max_model_len=model.max_model_len) for name in [model.name, *sorted(model.lora_names)]])
 
 
 def tokenize_response(request: pb.TokenizeRequest, inputs: InputProcessor) -> pb.TokenizeResponse:

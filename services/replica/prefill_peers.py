@@ -52,9 +52,17 @@ class PrefillPeers:
         message = epb.PrefillRequest(
             request_id=request_id, prompt_token_ids=request.prompt_token_ids,
             sampling_params=sampling_params_to_pb(request.params),
-            cache_salt=request.cache_salt or "", priority=request.priority)
+            cache_salt=request.cache_salt or "", priority=request.priority,
+            lora_name=request.lora_name or "")
         try:
             response = await self._stub(peer).Prefill(message, timeout=self.timeout_s)
+        except asyncio.CancelledError:
+            # The request was cancelled here. Had the prompt just finished there, its blocks
+            # are pinned under a handle this side never read (the answer is dropped with the
+            # cancellation): free them now, not when the lease ends. If it had not, the
+            # prefill replica frees them itself and this finds nothing.
+            self.release(peer, request_id, "")
+            raise
         except grpc.aio.AioRpcError as error:
             raise PrefillFailed(
                 "prefill_failed", f"{peer} answered {error.code().name}: {error.details()}"

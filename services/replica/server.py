@@ -74,8 +74,9 @@ class ReplicaServer:
         self.options = options
         self.llm = llm
         info = llm.info
-        self.model = ServedModel.for_directory(options.engine.model, info.max_model_len,
-                                               options.served_model_name)
+        self.model = ServedModel.for_directory(
+            options.engine.model, info.max_model_len, options.served_model_name,
+            options.engine.model_settings.lora_modules)
         self.admission = Admission(options.engine.scheduler.max_num_seqs, options.max_waiting)
         self.prefill_peers = PrefillPeers() if options.role == "decode" else None
         self.engine = LocalEngine(llm, self.admission, self.prefill_peers)

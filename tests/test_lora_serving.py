@@ -1,0 +1,154 @@
+"""LoRA adapters served by name (``--lora-modules NAME=PATH``), as vLLM serves them.
+
+A P/D suite of real processes (a prefill and a decode replica, the gateway) with two PEFT
+adapters: a request whose ``model`` is an adapter's name runs with it on both replicas (the
+prefill replica computes the prompt's KV under it, the decode replica continues under it)
+and answers what the offline engine answers with that adapter, which the engine tests hold
+equal to Hugging Face + PEFT; the base model still answers as before. The model list shows
+the adapters, an unknown name is refused with the names that are served, and the gateway
+hashes an adapter's prompt blocks as the engines do (apart from the base model's).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from engine_common.config import CacheConfig, EngineConfig, ModelSettings
+from engine_common.llm import LLM
+from engine_common.request import Request
+from engine_common.sampling_params import SamplingParams
+from gateway.snapshot import prompt_block_hashes
+from tandem import Client, InvalidRequestError
+from tests.model_factory import write_lora_adapter
+from tests.replica_process import (
+    ReplicaProcess,
+    free_port,
+    is_serving,
+    spawn_module,
+    start_replicas,
+    wait_until,
+)
+
+# Long enough (32+ tokens) that the gateway sends them through the prefill replica.
+PROMPTS = [" ".join(["the river runs"] * 6), " ".join(["once upon a time there"] * 5),
+           " ".join(["a story about the sea and"] * 4)]
+MAX_TOKENS = 8
+
+
+@dataclass
+class Suite:
+    replicas: dict[str, ReplicaProcess]
+    gateway: str
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("lora-adapters")
+    return {
+        "sql": str(write_lora_adapter(
+            tiny_llama_dir, root / "sql", seed=1, r=4, lora_alpha=16,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                            "down_proj"])),
+        "poet": str(write_lora_adapter(tiny_llama_dir, root / "poet", seed=2, r=8,
+                                       lora_alpha=8,
+                                       target_modules=["q_proj", "v_proj", "down_proj"])),
+    }
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama_dir: Path, adapters: dict[str, str]) -> LLM:
+    return LLM(EngineConfig(model=str(tiny_llama_dir), dtype="float32",
+                            cache=CacheConfig(num_gpu_blocks_override=256),
+                            model_settings=ModelSettings(lora_modules=adapters)))
+
+
+@pytest.fixture(scope="module")
+def suite(tiny_llama_dir: Path, adapters: dict[str, str],
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Suite]:
+    logs = tmp_path_factory.mktemp("lora-serving-logs")
+    lora_args = ["--lora-modules", *(f"{name}={path}" for name, path in adapters.items())]
+    common = ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--served-model-name", "tiny",
+              "--log-level", "WARNING", *lora_args]
+    replicas = start_replicas(tiny_llama_dir, logs, {
+        "prefill": [*common, "--role", "prefill"], "decode": [*common, "--role", "decode"]})
+    port = free_port()
+    gateway: subprocess.Popen[bytes] | None = None
+    try:
+        gateway = spawn_module(logs, "gateway", [
+            "gateway", "--model", str(tiny_llama_dir), "--served-model-name", "tiny",
+            "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", *lora_args,
+            *[a for r in replicas.values() for a in ("--replica", r.target)]])
+        wait_until(lambda: is_serving(f"127.0.0.1:{port}"), time.monotonic() + 60, "gateway",
+                   logs)
+        time.sleep(1.0)  # both replicas registered, load reports in: P/D routes
+        yield Suite(replicas, f"127.0.0.1:{port}")
+    finally:
+        if gateway is not None and gateway.poll() is None:
+            os.killpg(gateway.pid, signal.SIGKILL)
+            gateway.wait(10)
+        for replica in replicas.values():
+            replica.kill()
+
+
+def greedy(offline: LLM, lora_name: str | None) -> list[str]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [out.text for out in offline.generate(PROMPTS, params, lora_name=lora_name)]
+
+
+def test_each_adapter_answers_by_name_through_pd(suite: Suite, offline: LLM) -> None:
+    want = {name: greedy(offline, name) for name in ("sql", "poet")}
+    want["tiny"] = greedy(offline, None)
+    assert len({tuple(texts) for texts in want.values()}) == 3  # the adapters change text
+    transfers_before = _metric(suite.replicas["decode"], "tandem:kv_transfer_bytes_total")
+    with Client(suite.gateway, timeout=60) as client:
+        for model, texts in want.items():
+            for prompt, text in zip(PROMPTS, texts, strict=True):
+                answer = client.complete(prompt, model=model, max_tokens=MAX_TOKENS,
+                                         temperature=0, ignore_eos=True)
+                assert (answer.text, answer.model) == (text, model), (model, prompt)
+        # Streamed, and as a chat: the same adapter on the same path.
+        streamed = "".join(c.text for c in client.complete_stream(
+            PROMPTS[0], model="poet", max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+        assert streamed == want["poet"][0]
+    # The prompts' KV came from the prefill replica (computed under the adapter there).
+    assert _metric(suite.replicas["decode"], "tandem:kv_transfer_bytes_total") > \
+        transfers_before
+
+
+def test_models_lists_the_adapters_and_unknown_names_are_refused(suite: Suite) -> None:
+    for target in (suite.gateway, suite.replicas["decode"].target):
+        with Client(target, timeout=30) as client:
+            assert [m.id for m in client.models()] == ["tiny", "poet", "sql"]
+            with pytest.raises(InvalidRequestError, match="'sq1' is not served here.*"
+                                                          "LoRA adapter: 'poet', 'sql'"):
+                client.complete("hi", model="sq1", max_tokens=2)
+
+
+def test_an_adapter_hashes_its_blocks_apart_and_alike_everywhere() -> None:
+    """The gateway's chain for an adapter's prompt is the engine's (so routing finds the
+    replica holding it) and differs from the base model's and another adapter's."""
+    tokens = list(range(3, 3 + 40))
+    engine = Request("r", tokens, SamplingParams(), block_size=16, lora_name="sql",
+                     cache_salt="tenant")
+    gateway = prompt_block_hashes(tokens, 16, "tenant", "sql")
+    assert engine.block_hashes == gateway and len(gateway) == 2
+    assert gateway != prompt_block_hashes(tokens, 16, "tenant")
+    assert gateway != prompt_block_hashes(tokens, 16, "tenant", "poet")
+    assert gateway != prompt_block_hashes(tokens, 16, "", "sql")
+    # A salt that spells an adapter's keys is still no adapter.
+    assert prompt_block_hashes(tokens, 16, "lora") != prompt_block_hashes(tokens, 16, "", "")
+
+
+def _metric(replica: ReplicaProcess, name: str) -> float:
+    text = urllib.request.urlopen(replica.metrics_url, timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name))
