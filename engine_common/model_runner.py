@@ -209,7 +209,7 @@ class ModelRunner:
         dev = self.device
         # Drafts are in query_lens: a request's draft positions run its adapter too.
         lora = (self.lora_adapters.step_batch([s.request.lora_name for s in scheduled],
-                                              query_lens_np, dev)
+                                              query_lens_np, dev, self.dtype)
                 if len(self.lora_adapters) else None)
         graphs = self.decode_graphs
         if graphs is not None and lora is None and len(input_ids) == num_seqs \

@@ -8,7 +8,7 @@ processes (``tandem up``, ``tandem render k8s``): this module adds them to each 
 parser, reads them back and writes them out again as arguments, so that their names,
 choices and defaults are one. It does not own what they do
 (``engine_common.tokenizer.read_chat_template``, ``tool_call_parsers``,
-``engine_common.sampling_defaults``).
+``engine_common.sampling_defaults``, ``engine_common.lora``).
 """
 
 from __future__ import annotations

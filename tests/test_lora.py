@@ -19,6 +19,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from peft import PeftModel
@@ -33,7 +34,12 @@ from engine_common.config import (
     SpeculativeConfig,
 )
 from engine_common.llm import LLM
-from engine_common.lora.step_batch import LoraBatch
+from engine_common.lora.linear_delta import (
+    LoraLinearWeights,
+    StackedLoraWeights,
+    add_lora_deltas,
+)
+from engine_common.lora.step_batch import BASE_MODEL_SLOT, LoraBatch
 from engine_common.outputs import EngineCoreRequest
 from engine_common.sampling_params import SamplingParams
 from tests.hf_reference import random_prompts
@@ -363,3 +369,28 @@ def test_lora_requests_info_metric(tiny_llama_dir, adapters):
     plain = engine(tiny_llama_dir, {})
     plain.generate([[5, 6]], GREEDY)
     assert "vllm:lora_requests_info" not in {f.name for f in plain.metrics.registry.collect()}
+
+
+def test_stacked_groups_add_what_one_group_at_a_time_adds() -> None:
+    """Several adapters in one batched matmul (padded groups, a subset of the slots) add
+    the same deltas as one adapter's rows at a time."""
+    torch.manual_seed(0)
+    in_features, out_features = 12, 10
+
+    def weights(rank: int, scalings: tuple[tuple[int, int, float], ...]) -> LoraLinearWeights:
+        return LoraLinearWeights(torch.randn(rank, in_features),
+                                 torch.randn(out_features, rank), scalings)
+
+    adapters = {0: weights(4, ((0, 10, 2.0),)), 1: weights(2, ((0, 6, 0.5), (6, 10, 1.5))),
+                3: weights(3, ((4, 10, 0.25),))}  # slot 2: an adapter not targeting this
+    stacked = StackedLoraWeights.stack(adapters, 4, in_features, out_features)
+    x, y = torch.randn(9, in_features), torch.randn(9, out_features)
+    slots = [3, BASE_MODEL_SLOT, 1, 3, 2, 1, 3]  # requests of 1 or 2 tokens
+    batch = LoraBatch.build(slots, np.array([1, 2, 1, 1, 1, 2, 1]), torch.device("cpu"),
+                            torch.float32)
+    assert batch is not None and batch.stacked is not None
+    assert batch.stacked.pad_mask is not None  # groups of 3, 3 and 1 rows
+    one_at_a_time = add_lora_deltas(y.clone(), x, adapters, None, batch)
+    together = add_lora_deltas(y.clone(), x, adapters, stacked, batch)
+    torch.testing.assert_close(together, one_at_a_time, rtol=1e-6, atol=1e-6)
+    assert torch.equal(together[1:3], y[1:3])  # the base model's rows: untouched

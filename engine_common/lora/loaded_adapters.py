@@ -44,6 +44,7 @@ class LoadedLoraAdapters:
             slots[name] = slot
             logger.info("LoRA adapter %r: %d projections from %s", name, len(adapter.modules),
                         adapter_dir)
+        model.stack_lora_adapters(len(slots))
         return cls(slots)
 
     @property
@@ -64,10 +65,10 @@ class LoadedLoraAdapters:
                          f"{', '.join(self._slots)}")
 
     def step_batch(self, lora_names: Sequence[str | None], query_lens: np.ndarray,
-                   device: torch.device) -> LoraBatch | None:
+                   device: torch.device, dtype: torch.dtype) -> LoraBatch | None:
         """The step's ``LoraBatch`` from each scheduled request's adapter and token count;
         None when no request of the step has an adapter."""
         if not any(lora_names):
             return None
         slots = [self._slots[name] if name else BASE_MODEL_SLOT for name in lora_names]
-        return LoraBatch.build(slots, query_lens, device)
+        return LoraBatch.build(slots, query_lens, device, dtype)

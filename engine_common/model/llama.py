@@ -22,7 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_common.lora.adapter_weights import LoraAdapter, LoraModuleWeights
-from engine_common.lora.linear_delta import LoraLinearWeights, add_lora_deltas
+from engine_common.lora.linear_delta import (
+    LoraLinearWeights,
+    StackedLoraWeights,
+    add_lora_deltas,
+)
 from engine_common.lora.step_batch import LoraBatch
 from engine_common.model.arch_config import ModelArchConfig
 from engine_common.model.attention.backend import AttentionBackend, AttentionMetadata
@@ -55,6 +59,7 @@ class Linear(nn.Module):
         # LoRA adapters' weights by adapter slot; plain tensors, not parameters, as the
         # checkpoint holds none of them.
         self.lora: dict[int, LoraLinearWeights] = {}
+        self.lora_stacked: StackedLoraWeights | None = None  # see ``stack_lora``
 
     def pack_weight(self) -> None:
         """Keep the weight only in oneDNN's packed layout, if it can be (see
@@ -72,7 +77,13 @@ class Linear(nn.Module):
         if lora is None:
             return y
         # After the base output, packed or not: base rows stay bitwise what they were.
-        return add_lora_deltas(y, x, self.lora, lora)
+        return add_lora_deltas(y, x, self.lora, self.lora_stacked, lora) if self.lora else y
+
+    def stack_lora(self, num_slots: int) -> None:
+        """Stack the adapters' weights for steps that run several at once."""
+        if self.lora:
+            self.lora_stacked = StackedLoraWeights.stack(self.lora, num_slots,
+                                                         self.in_features, self.out_features)
 
 
 class Embedding(nn.Module):
@@ -437,6 +448,12 @@ class LlamaForCausalLM(nn.Module):
         for linear, shards in by_linear.values():
             linear.lora[slot] = LoraLinearWeights.fuse(shards, linear.out_features, self.dtype,
                                                        self.device)
+
+    def stack_lora_adapters(self, num_slots: int) -> None:
+        """After every adapter is added: stack each projection's adapters by slot."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.stack_lora(num_slots)
 
     def _expected_checkpoint_names(self, params: dict[str, nn.Parameter]) -> set[str]:
         names: set[str] = set()
