@@ -286,14 +286,16 @@ ERRORS = [
 ]
 
 
+@pytest.mark.parametrize("call", ["complete", "respond"])
 @pytest.mark.parametrize(("code", "error_type"), ERRORS)
-def test_errors_map_to_exceptions(server, code: str, error_type: type) -> None:
+def test_errors_map_to_exceptions(server, code: str, error_type: type, call: str) -> None:
+    """Completions and responses, unary and streamed."""
     target, _ = server
     with tandem.Client(target) as client:
         with pytest.raises(error_type) as unary:
-            client.complete(f"fail:{code}")
+            getattr(client, call)(f"fail:{code}")
         with pytest.raises(error_type) as streamed:
-            list(client.complete_stream(f"fail:{code}"))
+            list(getattr(client, f"{call}_stream")(f"fail:{code}"))
     for raised in (unary.value, streamed.value):
         assert raised.code == grpc.StatusCode[code]
         assert raised.details == f"told to fail:{code}"
@@ -465,19 +467,6 @@ def test_respond_stream_converts_the_events(server) -> None:
         function_calls=[tandem.FunctionCall("call_2", "g", "{}")],
         usage=tandem.ResponseUsage(2, 1, 3))
     assert len(events) == 9
-
-
-@pytest.mark.parametrize(("code", "error_type"), ERRORS)
-def test_response_errors_map_to_exceptions(server, code: str, error_type: type) -> None:
-    target, _ = server
-    with tandem.Client(target) as client:
-        with pytest.raises(error_type) as unary:
-            client.respond(f"fail:{code}")
-        with pytest.raises(error_type) as streamed:
-            list(client.respond_stream(f"fail:{code}"))
-    for raised in (unary.value, streamed.value):
-        assert raised.code == grpc.StatusCode[code]
-        assert raised.details == f"told to fail:{code}"
 
 
 def test_async_client_responses(server) -> None:
