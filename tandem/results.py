@@ -161,6 +161,7 @@ class ModelInfo:
     owned_by: str
     created: int
     max_model_len: int
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 def usage_from_pb(
@@ -336,4 +337,5 @@ def model_from_pb(model: pb.Model) -> ModelInfo:
         owned_by=model.owned_by,
         created=model.created,
         max_model_len=model.max_model_len,
+        parent=model.parent if model.HasField("parent") else None,
     )

@@ -127,7 +127,8 @@ def test_each_adapter_answers_by_name_through_pd(suite: Suite, offline: LLM) -> 
 def test_models_lists_the_adapters_and_unknown_names_are_refused(suite: Suite) -> None:
     for target in (suite.gateway, suite.replicas["decode"].target):
         with Client(target, timeout=30) as client:
-            assert [m.id for m in client.models()] == ["tiny", "poet", "sql"]
+            assert [(m.id, m.parent) for m in client.models()] == [
+                ("tiny", None), ("poet", "tiny"), ("sql", "tiny")]
             with pytest.raises(InvalidRequestError, match="'sq1' is not served here.*"
                                                           "LoRA adapter: 'poet', 'sql'"):
                 client.complete("hi", model="sq1", max_tokens=2)

@@ -828,10 +828,13 @@ async def chat_response(choices: AsyncIterator[ChoiceDelta], *, response_id: str
 
 
 def models_response(model: ServedModel) -> pb.ListModelsResponse:
-    """The base model, then its LoRA adapters (vLLM lists them so too)."""
-    return pb.ListModelsResponse(object="list", data=[pb.Model(
-        id=name, object="model", created=model.created, owned_by=model.owned_by,
-        max_model_len=model.max_model_len) for name in [model.name, *sorted(model.lora_names)]])
+    """The base model, then its LoRA adapters with it as their parent (as vLLM lists them)."""
+    base = pb.Model(id=model.name, object="model", created=model.created,
+                    owned_by=model.owned_by, max_model_len=model.max_model_len)
+    adapters = [pb.Model(id=name, object="model", created=model.created,
+                         owned_by=model.owned_by, max_model_len=model.max_model_len,
+                         parent=model.name) for name in sorted(model.lora_names)]
+    return pb.ListModelsResponse(object="list", data=[base, *adapters])
 
 
 def tokenize_response(request: pb.TokenizeRequest, inputs: InputProcessor) -> pb.TokenizeResponse:
