@@ -112,11 +112,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with Client(args.target) as client:
         if args.chat:
             stream = client.chat_stream([{"role": "user", "content": args.prompt}],
-                                        max_tokens=args.max_tokens, temperature=args.temperature)
+                                        model=args.model, max_tokens=args.max_tokens,
+                                        temperature=args.temperature)
             for chunk in stream:
                 print(chunk.content, end="", flush=True)
         else:
-            for piece in client.complete_stream(args.prompt, max_tokens=args.max_tokens,
+            for piece in client.complete_stream(args.prompt, model=args.model,
+                                                max_tokens=args.max_tokens,
                                                 temperature=args.temperature):
                 print(piece.text, end="", flush=True)
     print()
@@ -168,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--chat", action="store_true", help="send the prompt as a chat message")
+    gen.add_argument("--model", default=None,
+                     help="the served model or one of its LoRA adapters (default: the model)")
     gen.set_defaults(func=cmd_generate)
     prep = sub.add_parser("prepare-model", help="convert the default model once; print its directory")
     prep.set_defaults(func=cmd_prepare_model)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -122,6 +123,17 @@ def test_each_adapter_answers_by_name_through_pd(suite: Suite, offline: LLM) -> 
     # The prompts' KV came from the prefill replica (computed under the adapter there).
     assert _metric(suite.replicas["decode"], "tandem:kv_transfer_bytes_total") > \
         transfers_before
+
+
+def test_the_cli_generates_with_an_adapter(suite: Suite, offline: LLM) -> None:
+    """``tandem generate --model ADAPTER`` streams what the engine gives with it."""
+    want = offline.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=6),
+                            lora_name="sql")[0].text
+    result = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "generate", PROMPTS[1], "--target", suite.gateway,
+         "--model", "sql", "--max-tokens", "6"],
+        capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout == want + "\n"
 
 
 def test_models_lists_the_adapters_and_unknown_names_are_refused(suite: Suite) -> None:
