@@ -149,6 +149,22 @@ def test_mixed_adapter_batches_match_hf_peft(tiny_llama_dir, adapters, prompts_a
     assert expected[None] == peft_greedy(tiny_llama_dir, None, prompts)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_other_families_match_hf_peft(family: str, request: pytest.FixtureRequest,
+                                      tmp_path: Path) -> None:
+    """Qwen2 (biased q/k/v: the delta adds after the bias, as PEFT's), Qwen3 (q/k norms
+    after the projection) and Mistral take adapters on every projection the same way."""
+    model_dir = request.getfixturevalue(f"tiny_{family}_dir")
+    adapter = write_lora_adapter(model_dir, tmp_path / "all", seed=3, r=4, lora_alpha=8,
+                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                 "gate_proj", "up_proj", "down_proj"])
+    prompts = random_prompts(400, [5, 19], seed=5)
+    llm = engine(model_dir, {"all": str(adapter)})
+    results = llm.generate(prompts * 2, GREEDY, lora_name=["all", "all", None, None])
+    assert [r.token_ids for r in results] == [
+        *peft_greedy(model_dir, str(adapter), prompts), *peft_greedy(model_dir, None, prompts)]
+
+
 def test_prompt_logprobs_match_peft(tiny_llama_dir, adapters, prompts_and_expected):
     """The numbers, not just the argmax: each position's logprob of the next prompt token."""
     prompt = prompts_and_expected[0][3]
