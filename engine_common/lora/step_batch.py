@@ -27,7 +27,7 @@ class LoraRows:
 
 @dataclass(frozen=True)
 class StackedRows:
-    """Every group's rows, each padded to the largest group's count with its own first row
+    """Every group's rows, each padded to the largest group's count with its own last row
     (``pad_mask`` zeroes the copies, so they add exactly nothing), group after group."""
 
     rows: torch.Tensor  # int64 [groups * rows per group]
