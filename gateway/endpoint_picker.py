@@ -201,7 +201,8 @@ class EndpointChooser:
                    if subset is not None else frozenset())
         try:
             decision = pick(snapshot.replicas, len(tokens), snapshot.block_size, self.config,
-                            exclude=exclude, tie_break=next(self._tie_breaks))
+                            exclude=exclude, tie_break=next(self._tie_breaks),
+                            lora_name=features.lora_name)
         except NoReplicaError as error:
             self.metrics.no_replica.inc()
             return Choice(503, message=str(error))

@@ -42,6 +42,7 @@ class ReplicaState:
     load: LoadView = field(default_factory=LoadView)
     # Leading blocks of this request's prompt that the replica holds in its prefix cache.
     matched_blocks: int = 0
+    lora_adapters: frozenset[str] = frozenset()  # the LoRA adapters it serves
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,7 @@ def _filter(
     exclude: Collection[str],
     config: PickerConfig,
     filtered: dict[str, str],
+    lora_name: str,
 ) -> list[ReplicaState]:
     usable: list[ReplicaState] = []
     stale: list[ReplicaState] = []
@@ -130,6 +132,8 @@ def _filter(
             filtered[replica.address] = "unhealthy"
         elif replica.address in exclude:
             filtered[replica.address] = "excluded"
+        elif lora_name and lora_name not in replica.lora_adapters:
+            filtered[replica.address] = f"no LoRA adapter {lora_name!r}"
         elif replica.load.age_s is not None and replica.load.age_s > config.max_load_age_s:
             stale.append(replica)
         else:
@@ -157,16 +161,18 @@ def pick(
     *,
     exclude: Collection[str] = (),
     tie_break: int = 0,
+    lora_name: str = "",
 ) -> RoutingDecision:
     """Choose the decode replica, and a prefill replica when the hop is worth it.
 
-    ``exclude``: addresses that already failed this request. ``tie_break``: which of equally
+    ``exclude``: addresses that already failed this request. ``lora_name``: the request's
+    LoRA adapter; only replicas serving it are candidates, for decode and for prefill. ``tie_break``: which of equally
     scored candidates to take (a caller passing a counter spreads ties round-robin).
     Raises ``NoReplicaError`` when no decode-capable replica is usable.
     """
     config = config or PickerConfig()
     filtered: dict[str, str] = {}
-    decode_pool = _filter(replicas, DECODE_ROLES, exclude, config, filtered)
+    decode_pool = _filter(replicas, DECODE_ROLES, exclude, config, filtered, lora_name)
     if not decode_pool:
         known = ", ".join(f"{a}: {why}" for a, why in sorted(filtered.items())) or "none known"
         raise NoReplicaError(f"no decode-capable replica is available ({known})")
@@ -180,7 +186,7 @@ def pick(
         reason = "load"
 
     prefill: ScoredReplica | None = None
-    prefill_pool = _filter(replicas, PREFILL_ROLES, exclude, config, filtered)
+    prefill_pool = _filter(replicas, PREFILL_ROLES, exclude, config, filtered, lora_name)
     uncached_tokens = num_prompt_tokens - min(
         decode.matched_blocks * block_size, num_prompt_tokens)
     if not prefill_pool:

@@ -123,7 +123,7 @@ class EngineProxy:
             self.registry, self.loads, self.index, prompt_token_ids, cache_salt, lora_name)
         decision = pick(
             snapshot.replicas, len(prompt_token_ids), snapshot.block_size, self.picker_config,
-            exclude=exclude, tie_break=next(self._tie_breaks))
+            exclude=exclude, tie_break=next(self._tie_breaks), lora_name=lora_name)
         self.metrics.routing_decisions.labels(decision.reason, decision.pd_reason).inc()
         self.metrics.picks.labels(decision.decode.address, "decode").inc()
         self.index.expect(decision.decode.address, snapshot.block_hashes)

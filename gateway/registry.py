@@ -56,6 +56,7 @@ class Replica:
     model: str = ""
     block_size: int = 0
     max_model_len: int = 0
+    lora_adapters: frozenset[str] = frozenset()
     healthy: bool = False
     # Counts the times the replica dropped out of rotation. Whatever watched it across such a
     # drop (its KV events) may have watched a process that since restarted behind the same
@@ -245,6 +246,7 @@ class ReplicaRegistry:
         replica.model = info.model
         replica.block_size = info.block_size
         replica.max_model_len = info.max_model_len
+        replica.lora_adapters = frozenset(info.lora_adapters)
 
     async def _monitor(self, replica: Replica) -> None:
         """Watch health for as long as the replica is registered, reconnecting on failure."""

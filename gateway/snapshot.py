@@ -61,6 +61,7 @@ def take_snapshot(
             healthy=r.routable,
             load=loads.view(r.address, now),
             matched_blocks=matched.get(r.address, 0) if r.block_size == block_size else 0,
+            lora_adapters=r.lora_adapters,
         )
         for r in replicas
     ]

@@ -3,6 +3,8 @@ and applying KV-event batches (gaps, resyncs, removals)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from engine_common.block_hash import hash_prompt_blocks
@@ -22,6 +24,24 @@ def replica(address: str, role: str = "both", *, healthy: bool = True, matched: 
     load = LoadView(num_running=running, num_waiting=waiting, kv_cache_usage=kv,
                     in_flight=in_flight, age_s=age)
     return ReplicaState(address, role, healthy, load, matched)
+
+
+def test_an_adapters_requests_go_only_where_it_is_served() -> None:
+    """Decode and prefill replicas alike: one without the adapter is no candidate (a
+    rolling update that adds an adapter to some replicas first), whatever its load or
+    cache; the base model goes anywhere."""
+    sql = frozenset({"sql"})
+    replicas = [replace(replica("idle", "decode", matched=8), lora_adapters=frozenset()),
+                replace(replica("busy", "decode", running=9), lora_adapters=sql),
+                replace(replica("p-idle", "prefill"), lora_adapters=frozenset()),
+                replace(replica("p-busy", "prefill", running=9), lora_adapters=sql)]
+    decision = pick(replicas, 200, BS, lora_name="sql")
+    assert (decision.decode.address, decision.prefill and decision.prefill.address) == (
+        "busy", "p-busy")
+    assert decision.filtered["idle"] == "no LoRA adapter 'sql'"
+    assert pick(replicas, 200, BS).decode.address == "idle"
+    with pytest.raises(NoReplicaError, match="idle: no LoRA adapter 'poet'"):
+        pick(replicas, 200, BS, lora_name="poet")
 
 
 def test_prefix_wins_over_light_load() -> None:

@@ -203,6 +203,7 @@ class EngineServicer(epb_grpc.EngineServicer):
                 model=layout.model, dtype=layout.dtype, num_layers=layout.num_layers,
                 num_kv_heads=layout.num_kv_heads, head_size=layout.head_size,
                 block_size=layout.block_size, fingerprint=layout.fingerprint()),
+            lora_adapters=sorted(self.model.lora_names),
         )
 
 

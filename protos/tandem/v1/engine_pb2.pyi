@@ -362,17 +362,19 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("engine_id", "role", "model", "max_model_len", "block_size", "kv_layout")
+    __slots__ = ("engine_id", "role", "model", "max_model_len", "block_size", "kv_layout", "lora_adapters")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: str
     model: str
     max_model_len: int
     block_size: int
     kv_layout: KvLayout
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
