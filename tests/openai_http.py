@@ -10,8 +10,6 @@ conversation both the chat and the Responses tests send.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import time
 import urllib.request
@@ -37,6 +35,7 @@ from tests.replica_process import (
     is_serving,
     spawn_module,
     start_replicas,
+    stop_all,
     wait_until,
 )
 
@@ -95,19 +94,7 @@ def running_stack(model_dir: Path, logs: Path) -> Iterator[Stack]:
         time.sleep(1.0)  # the prefill replica registered too, load reports in
         yield Stack(replicas, f"127.0.0.1:{gateway_port}", gateway_metrics_port, http_port, logs)
     finally:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-        for replica in replicas.values():
-            if replica.process.poll() is None:
-                replica.process.send_signal(signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-        for replica in replicas.values():
-            replica.stop()
+        stop_all(processes, replicas)
 
 
 def offline_engine(model_dir: Path) -> LLM:

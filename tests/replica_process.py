@@ -126,6 +126,25 @@ class ReplicaProcess:
                 self.process.wait()
 
 
+def stop_all(processes: Sequence[subprocess.Popen[bytes]],
+             replicas: dict[str, ReplicaProcess]) -> None:
+    """Stop a cluster gracefully: SIGTERM to every process group and replica at once (they
+    drain side by side, not one after another), then SIGKILL whatever is left after 30 s."""
+    for process in processes:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+    for replica in replicas.values():
+        if replica.process.poll() is None:
+            replica.process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+    for replica in replicas.values():
+        replica.stop()
+
+
 def spawn_module(log_dir: Path, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
     """``python -m argv...`` from the repository root, in a session of its own (so that
     ``os.killpg`` ends it and its children), output to ``log_dir/name.log``."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -52,7 +51,7 @@ from protos.third_party.envoy.extensions.filters.http.ext_proc.v3 import process
 from protos.third_party.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from protos.third_party.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from tandem.client import Client
-from tests.replica_process import ReplicaProcess, free_port, start_replicas
+from tests.replica_process import ReplicaProcess, free_port, start_replicas, stop_all
 
 REPO = Path(__file__).resolve().parents[1]
 SERVED_HEADER = "x-gateway-destination-endpoint-served"
@@ -303,19 +302,7 @@ def cluster(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory,
         time.sleep(1.0)  # both replicas registered, their first load reports in
         yield PickerCluster(replicas, picker_port, metrics_port, envoy_ports)
     finally:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-        for replica in replicas.values():  # drain all at once, not one after another
-            if replica.process.poll() is None:
-                replica.process.send_signal(signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-        for replica in replicas.values():
-            replica.stop()
+        stop_all(processes, replicas)
 
 
 def test_full_duplex_conversation_by_hand(cluster: PickerCluster) -> None:
