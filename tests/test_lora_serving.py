@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 
 from engine_common.config import CacheConfig, EngineConfig, ModelSettings
@@ -28,6 +29,7 @@ from engine_common.llm import LLM
 from engine_common.request import Request
 from engine_common.sampling_params import SamplingParams
 from gateway.snapshot import prompt_block_hashes
+from protos.tandem.v1 import engine_pb2, engine_pb2_grpc
 from tandem import Client, InvalidRequestError
 from tests.model_factory import write_lora_adapter
 from tests.replica_process import (
@@ -144,6 +146,22 @@ def test_models_lists_the_adapters_and_unknown_names_are_refused(suite: Suite) -
             with pytest.raises(InvalidRequestError, match="'sq1' is not served here.*"
                                                           "LoRA adapter: 'poet', 'sql'"):
                 client.complete("hi", model="sq1", max_tokens=2)
+    # The internal Engine service (gateway to replica, decode to prefill) checks too.
+    sampling = engine_pb2.SamplingParams(max_tokens=2)
+    with grpc.insecure_channel(suite.replicas["decode"].target) as channel:
+        with pytest.raises(grpc.RpcError) as generate:
+            list(engine_pb2_grpc.EngineStub(channel).Generate(engine_pb2.GenerateRequest(
+                request_id="bad-lora", prompt_token_ids=[5, 6, 7], sampling_params=sampling,
+                lora_name="sq1"), timeout=30))
+    with grpc.insecure_channel(suite.replicas["prefill"].target) as channel:
+        with pytest.raises(grpc.RpcError) as prefill:
+            engine_pb2_grpc.EngineStub(channel).Prefill(engine_pb2.PrefillRequest(
+                request_id="bad-lora", prompt_token_ids=[5, 6, 7], sampling_params=sampling,
+                lora_name="sq1"), timeout=30)
+    for refused in (generate.value, prefill.value):
+        assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "LoRA adapter 'sq1' is not loaded on this replica (loaded: poet, sql)" in \
+            refused.details()
 
 
 def test_an_adapter_hashes_its_blocks_apart_and_alike_everywhere() -> None:
