@@ -48,7 +48,7 @@ LUA_FILTER = "envoy.filters.http.lua"
 # Paths the transcoder serves (from generation.proto's google.api.http rules) and the gRPC
 # services reachable through the same port.
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models",
-                "/tokenize", "/detokenize")
+                "/tokenize", "/detokenize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 GRPC_SERVICES = (GENERATION_SERVICE, HEALTH_SERVICE, "grpc.reflection.v1alpha.ServerReflection",
                  "grpc.reflection.v1.ServerReflection")
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
@@ -70,6 +70,7 @@ local STREAM_PATHS = {
 local OPENAI_PATHS = {
   ["/v1/completions"] = true, ["/v1/chat/completions"] = true, ["/v1/responses"] = true,
   ["/v1/models"] = true, ["/tokenize"] = true, ["/detokenize"] = true,
+  ["/v1/load_lora_adapter"] = true, ["/v1/unload_lora_adapter"] = true,
 }
 local NAMESPACE = "tandem.openai"
 local GRPC_CODES = {
@@ -265,7 +266,8 @@ def _routes(cluster: str) -> list[dict[str, Any]]:
                 "@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig",
                 "disabled": True}}
     not_found = ('{"error":{"message":"no such endpoint; Tandem serves /v1/completions, '
-                 '/v1/chat/completions, /v1/responses, /v1/models, /tokenize and /detokenize",'
+                 '/v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize, '
+                 '/v1/load_lora_adapter and /v1/unload_lora_adapter",'
                  '"type":"not_found_error","param":null,"code":null}}')
     routes.append({
         "match": {"prefix": "/"},

@@ -3,8 +3,9 @@
 ``AsyncLLM`` owns the frontend side of one engine: tokenization and validation
 (``InputProcessor``), one output stream per request, detokenization and metrics
 (``OutputProcessor``), the latest scheduler statistics, the KV-event log that subscribers
-replay from (one per ``AsyncLLM``, so its incarnation is drawn once per engine start), and
-the snapshots of the prefix cache that replace the log for a subscriber it no longer covers.
+replay from (one per ``AsyncLLM``, so its incarnation is drawn once per engine start), the
+snapshots of the prefix cache that replace the log for a subscriber it no longer covers, and
+the names of the LoRA adapters the core serves, as loads and unloads change them.
 The engine core itself runs in its own process (``core_process``), so nothing here can stall
 the step loop. Cancelling a stream (client gone, deadline) aborts the request in the core and
 frees its blocks.
@@ -15,11 +16,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections import deque
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import replace
 
 from engine_common.config import EngineConfig
-from engine_common.core_process import EngineCoreClient, KvCacheSnapshotReply
+from engine_common.core_process import (
+    LORA_EXISTS,
+    LORA_INVALID,
+    LORA_NOT_FOUND,
+    EngineCoreClient,
+    KvCacheSnapshotReply,
+    LoraAdapterReply,
+)
 from engine_common.input_processor import InputProcessor
 from engine_common.kv_events import (
     KVCacheSnapshot,
@@ -27,6 +36,7 @@ from engine_common.kv_events import (
     KVEventBatch,
     KVEventBuffer,
 )
+from engine_common.lora.errors import LoraAdapterExists, LoraAdapterNotFound
 from engine_common.metrics import EngineMetrics
 from engine_common.output_processor import OutputProcessor, RequestOutput
 from engine_common.outputs import (
@@ -50,6 +60,11 @@ class EngineDeadError(RuntimeError):
     """The engine core process is gone; no request can be served."""
 
 
+# What a ``LoraAdapterReply``'s error kind is raised as; another kind: RuntimeError.
+_LORA_ERRORS: dict[str, type[Exception]] = {
+    LORA_EXISTS: LoraAdapterExists, LORA_NOT_FOUND: LoraAdapterNotFound, LORA_INVALID: ValueError}
+
+
 class AsyncLLM:
     def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop,
                  kv_event_capacity: int = 65536, kv_snapshot_chunk_blocks: int = 4096):
@@ -70,14 +85,22 @@ class AsyncLLM:
         # The snapshot asked of the core and not answered yet; every watcher that needs one
         # meanwhile shares it, so the core answers one request at a time, in order.
         self._kv_snapshot: asyncio.Future[KVCacheSnapshot] | None = None
-        # All three callbacks hop onto the loop from the client's one receiver thread, so
-        # they run in the order the core sent their messages.
+        # LoRA adapters loaded and unloaded at runtime: one change at a time, and the core
+        # answers each in order. The answers still to come, oldest first (more than one
+        # only when a caller was cancelled before its answer came).
+        self._lora_lock = asyncio.Lock()
+        self._lora_replies: deque[asyncio.Future[LoraAdapterReply]] = deque()
+        self._lora_names = sorted(config.model_settings.lora_modules)
+        # Every callback hops onto the loop from the client's one receiver thread, so they
+        # run in the order the core sent their messages.
         self.core = EngineCoreClient(
             config,
             on_outputs=lambda outs: self._loop.call_soon_threadsafe(self._on_outputs, outs),
             on_dead=lambda why: self._loop.call_soon_threadsafe(self._on_dead, why),
             on_kv_snapshot=lambda snap: self._loop.call_soon_threadsafe(
                 self._on_kv_snapshot, snap),
+            on_lora_reply=lambda reply: self._loop.call_soon_threadsafe(
+                self._on_lora_reply, reply),
         )
         self.info = self.core.info
         self.stats.num_total_blocks = self.stats.num_free_blocks = self.info.num_blocks
@@ -128,7 +151,8 @@ class AsyncLLM:
         stay pinned until released or the lease ends. ``remote_prefill`` (decode replica): the
         first token was sampled by a prefill replica; it is streamed at once, and an output
         with ``kv_transfer`` (no tokens) reports the pull when the prompt KV is in.
-        ``lora_name``: one of the engine's LoRA adapters (ModelSettings.lora_modules).
+        ``lora_name``: one of the engine's LoRA adapters (``lora_names``); one the core no
+        longer serves when the request reaches it ends the stream with finish_reason "abort".
         """
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -268,6 +292,10 @@ class AsyncLLM:
         snapshot, self._kv_snapshot = self._kv_snapshot, None
         if snapshot is not None and not snapshot.done():
             snapshot.set_exception(error)
+        while self._lora_replies:
+            reply = self._lora_replies.popleft()
+            if not reply.done():
+                reply.set_exception(error)
 
     # ----------------------------------------------------------------- KV events
     async def watch_kv_events(
@@ -322,6 +350,44 @@ class AsyncLLM:
             snapshot.set_result(KVCacheSnapshot(
                 seq=self.kv_events.last_seq, timestamp=time.time(),
                 block_hashes=answer.block_hashes))
+
+    # ----------------------------------------------------------------- LoRA adapters
+    @property
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters the engine serves, sorted: ``lora_modules`` at start, then as
+        each answered load or unload leaves them."""
+        return list(self._lora_names)
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter in directory ``path`` (read by the core, on its machine)
+        as ``name``, between two steps. Raises ``LoraAdapterExists`` when the name is served
+        or still being unloaded, ValueError when the adapter cannot be served (the message
+        says why), EngineDeadError when the core is gone."""
+        await self._change_lora_adapters(lambda: self.core.load_lora_adapter(name, path))
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving ``name``: requests sent after this returns are refused, those
+        already in the engine finish with the adapter. Raises ``LoraAdapterNotFound`` when
+        no adapter is served under the name, EngineDeadError when the core is gone."""
+        await self._change_lora_adapters(lambda: self.core.unload_lora_adapter(name))
+
+    async def _change_lora_adapters(self, send: Callable[[], None]) -> None:
+        async with self._lora_lock:
+            if self.dead_reason is not None:
+                raise EngineDeadError(self.dead_reason)
+            future: asyncio.Future[LoraAdapterReply] = self._loop.create_future()
+            self._lora_replies.append(future)
+            send()
+            reply = await future
+        if reply.error_kind is not None:
+            raise _LORA_ERRORS.get(reply.error_kind, RuntimeError)(reply.message)
+
+    def _on_lora_reply(self, reply: LoraAdapterReply) -> None:
+        self._lora_names = list(reply.served)
+        if self._lora_replies:
+            future = self._lora_replies.popleft()
+            if not future.done():  # else its caller was cancelled
+                future.set_result(reply)
 
     def shutdown(self) -> None:
         self.core.shutdown()

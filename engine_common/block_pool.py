@@ -271,6 +271,24 @@ class BlockPool:
             self._events.append(AllBlocksCleared())
         return True
 
+    def evict_cached_free_blocks(self) -> int:
+        """Forget the hash of every free cached block, with one BlockRemoved event for them;
+        blocks held by requests keep theirs. For when cached content may no longer match
+        its hash (a LoRA adapter's name served again with other weights). Returns how many
+        blocks were evicted."""
+        queue = self.free_block_queue
+        hash_to_block = self.cached_block_hash_to_block
+        evicted = [h for h, block in hash_to_block.items() if block.ref_cnt == 0]
+        for block_hash in evicted:
+            block = hash_to_block.pop(block_hash)
+            block.block_hash = None
+            # It holds nothing reusable now: to the front, reused before any cached block.
+            queue.remove(block)
+            queue.appendleft(block)
+        if evicted and self.enable_kv_events:
+            self._events.append(BlockRemoved(block_hashes=evicted))
+        return len(evicted)
+
     def take_events(self) -> list[KVEvent]:
         """The events recorded since the last call, oldest first."""
         events, self._events = self._events, []

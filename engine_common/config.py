@@ -84,6 +84,14 @@ class ModelSettings:
     # LoRA adapters served beside the base model, by the name requests give as their model:
     # name -> a PEFT adapter directory (adapter_config.json, adapter_model.safetensors).
     lora_modules: dict[str, str] = field(default_factory=dict)
+    # At most this many different adapters in one step (vLLM's max_loras): a waiting
+    # request of another adapter waits until one of the running adapters has no request
+    # left. None: no cap.
+    max_loras: int | None = None
+    # Adapters may be loaded and unloaded while serving (vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING): the API reads a directory the caller names on the
+    # server's file system, so it is off unless asked for.
+    allow_runtime_lora_updating: bool = False
 
 
 @dataclass

@@ -4,7 +4,10 @@ The replica's gRPC frontend (asyncio, tokenization, detokenization, streaming) m
 stall the step loop, so, as vLLM does, the core runs in a separate process and the two talk
 over a pair of pipes: requests and aborts go in, one ``EngineCoreOutputs`` per step comes
 out, and a ``KvCacheSnapshotReply`` for each ``SnapshotKvCache``, in line with the steps'
-outputs (that order is what ties a snapshot to a KV-event seq). ``run_engine_core`` is the
+outputs (that order is what ties a snapshot to a KV-event seq). LoRA adapters are loaded and
+unloaded between steps (``LoadLoraAdapter``, ``UnloadLoraAdapter``), each answered by a
+``LoraAdapterReply`` on the same ordered channel, so a request sent after the answer meets
+the engine as the answer describes it. ``run_engine_core`` is the
 child's main loop; ``EngineCoreClient`` is the parent's side, with a sender thread (so a busy
 child never blocks the event loop on a full pipe) and a receiver thread that hands outputs
 to callbacks.
@@ -29,6 +32,7 @@ import torch
 from engine_common.block_hash import BlockHash
 from engine_common.config import EngineConfig
 from engine_common.engine_core import EngineCore, EngineInfo
+from engine_common.lora.errors import LoraAdapterExists, LoraAdapterNotFound
 from engine_common.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger(__name__)
@@ -55,8 +59,38 @@ class SnapshotKvCache:
 
 
 @dataclass
+class LoadLoraAdapter:
+    """Serve the PEFT adapter in directory ``path`` (on the core's machine) as ``name``."""
+
+    name: str
+    path: str
+
+
+@dataclass
+class UnloadLoraAdapter:
+    name: str
+
+
+@dataclass
 class Shutdown:
     pass
+
+
+# ``LoraAdapterReply.error_kind``: the exception the frontend raises again.
+LORA_EXISTS = "exists"  # LoraAdapterExists
+LORA_NOT_FOUND = "not_found"  # LoraAdapterNotFound
+LORA_INVALID = "invalid"  # ValueError: the adapter cannot be served
+LORA_FAILED = "error"  # anything else (out of memory, say): RuntimeError
+
+
+@dataclass
+class LoraAdapterReply:
+    """The child's answer to ``LoadLoraAdapter`` / ``UnloadLoraAdapter``, one per message, in
+    their order."""
+
+    error_kind: str | None  # None: done; else one of the LORA_* kinds
+    message: str
+    served: list[str]  # the adapters served after it, sorted
 
 
 @dataclass
@@ -74,7 +108,34 @@ class CoreFailed:
     message: str
 
 
-CoreMessage = AddRequest | AbortRequests | ReleaseKv | SnapshotKvCache | Shutdown
+CoreMessage = (AddRequest | AbortRequests | ReleaseKv | SnapshotKvCache | LoadLoraAdapter
+               | UnloadLoraAdapter | Shutdown)
+
+
+def _update_lora_adapters(core: EngineCore,
+                          message: LoadLoraAdapter | UnloadLoraAdapter) -> LoraAdapterReply:
+    """Apply a load or unload between steps; what went wrong goes back to the frontend
+    rather than ending the core: the adapter and its name come from a caller."""
+    error_kind: str | None = None
+    try:
+        if isinstance(message, LoadLoraAdapter):
+            core.load_lora_adapter(message.name, message.path)
+            text = f"LoRA adapter {message.name!r} loaded from {message.path!r}"
+        else:
+            core.unload_lora_adapter(message.name)
+            text = f"LoRA adapter {message.name!r} unloaded"
+    except LoraAdapterExists as exc:  # before ValueError: it is one
+        error_kind, text = LORA_EXISTS, str(exc)
+    except LoraAdapterNotFound as exc:
+        error_kind, text = LORA_NOT_FOUND, str(exc)
+    except ValueError as exc:
+        error_kind, text = LORA_INVALID, str(exc)
+    except Exception as exc:  # noqa: BLE001 - the engine keeps serving without the adapter
+        logger.exception("%s of %r failed", type(message).__name__, message.name)
+        error_kind, text = LORA_FAILED, f"{type(exc).__name__}: {exc}"
+    if error_kind is None:
+        logger.info("%s", text)
+    return LoraAdapterReply(error_kind, text, sorted(core.model_runner.lora_adapters.names))
 
 
 class _OutboxWriter:
@@ -156,6 +217,9 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection)
             if pending_events:
                 writer.send(EngineCoreOutputs(kv_events=pending_events, timestamp=time.time()))
             writer.send(KvCacheSnapshotReply(block_hashes))
+        elif isinstance(message, LoadLoraAdapter | UnloadLoraAdapter):
+            # Answered at once, idle or not: this runs between two steps either way.
+            writer.send(_update_lora_adapters(core, message))
         elif isinstance(message, Shutdown):
             return False
         return True
@@ -186,9 +250,10 @@ class EngineCoreClient:
 
     def __init__(self, config: EngineConfig, on_outputs: Callable[[EngineCoreOutputs], object],
                  on_dead: Callable[[str], object],
-                 on_kv_snapshot: Callable[[KvCacheSnapshotReply], object] | None = None):
-        """``on_outputs`` and ``on_kv_snapshot`` are called from one receiver thread, in the
-        order the core sent the messages."""
+                 on_kv_snapshot: Callable[[KvCacheSnapshotReply], object] | None = None,
+                 on_lora_reply: Callable[[LoraAdapterReply], object] | None = None):
+        """``on_outputs``, ``on_kv_snapshot`` and ``on_lora_reply`` are called from one
+        receiver thread, in the order the core sent the messages."""
         ctx = mp.get_context("spawn")
         child_inbox, self._inbox = ctx.Pipe(duplex=False)
         self._outbox, child_outbox = ctx.Pipe(duplex=False)
@@ -210,6 +275,7 @@ class EngineCoreClient:
         self._on_outputs = on_outputs
         self._on_dead = on_dead
         self._on_kv_snapshot = on_kv_snapshot
+        self._on_lora_reply = on_lora_reply
         self._send_queue: queue.Queue[CoreMessage | None] = queue.Queue()
         self._closed = False
         self._sender = threading.Thread(target=self._send_loop, daemon=True, name="core-sender")
@@ -232,6 +298,16 @@ class EngineCoreClient:
         outputs of two steps."""
         self._send_queue.put(SnapshotKvCache())
 
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Ask the core to serve an adapter; its ``LoraAdapterReply`` comes to
+        ``on_lora_reply``."""
+        self._send_queue.put(LoadLoraAdapter(name, path))
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Ask the core to stop serving an adapter; its ``LoraAdapterReply`` comes to
+        ``on_lora_reply``."""
+        self._send_queue.put(UnloadLoraAdapter(name))
+
     def _send_loop(self) -> None:
         while (message := self._send_queue.get()) is not None:
             try:
@@ -246,6 +322,9 @@ class EngineCoreClient:
                 if isinstance(message, KvCacheSnapshotReply):
                     if self._on_kv_snapshot is not None:
                         self._on_kv_snapshot(message)
+                elif isinstance(message, LoraAdapterReply):
+                    if self._on_lora_reply is not None:
+                        self._on_lora_reply(message)
                 else:
                     self._on_outputs(message)
         except (EOFError, OSError):

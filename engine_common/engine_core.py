@@ -3,16 +3,19 @@
 Owns the scheduler, the KV cache manager and the model runner, and nothing that deals with
 text or clients: it takes tokenized ``EngineCoreRequest`` records and emits token ids,
 finish states, scheduler statistics and KV events (``EngineCoreOutputs``), and on request
-the prefix cache's block hashes (a KV-event watcher's resync snapshot). The frontend
-(``output_processor``) turns those into text. It runs in the replica's engine process
-(``core_process``) or in-process for offline use (``llm``).
+the prefix cache's block hashes (a KV-event watcher's resync snapshot). Between steps it
+loads and unloads LoRA adapters, and frees an unloaded adapter's weights once no request
+uses it. The frontend (``output_processor``) turns those into text. It runs in the
+replica's engine process (``core_process``) or in-process for offline use (``llm``).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from engine_common.block_hash import BlockHash
@@ -82,8 +85,12 @@ class EngineCore:
             max_model_len=self.max_model_len,
             enable_caching=config.cache.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, config.speculative,
-                                   max_loras=len(self.model_runner.lora_adapters))
+        settings = config.model_settings
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_cache_manager, config.speculative,
+            lora_enabled=bool(settings.lora_modules) or settings.allow_runtime_lora_updating,
+            max_loras=settings.max_loras)
+        self.scheduler.num_lora_adapters = len(self.model_runner.lora_adapters)
         # The model's directory name, not its path: P and D may keep it in different places.
         kv_layout = KvLayout.of_cache(os.path.basename(os.path.normpath(config.model)),
                                       self.model_runner.kv_cache)
@@ -151,6 +158,7 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         aborted = self.scheduler.abort_requests(request_ids)
         self.model_runner.release([r.request_id for r in aborted])
+        self._reap_lora_adapters()
         return [
             EngineCoreOutput(r.request_id, [], finish_reason="abort", num_preemptions=r.num_preemptions)
             for r in aborted
@@ -193,6 +201,50 @@ class EngineCore:
                                                 num_cached_tokens=max(request.num_cached_tokens, 0)))
         return outputs
 
+    # ------------------------------------------------------------------ LoRA at runtime
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter in directory ``path`` as ``name`` from the next step on.
+        Raises ``LoraAdapterExists`` when the name is served or still draining, ValueError
+        when the adapter cannot be served; the engine is unchanged then.
+
+        The prefix cache keys blocks by adapter name, so when the name was served before
+        (maybe with other weights), every cached block no request holds is evicted: those of
+        the old adapter are all free by then (it had drained), and the cache cannot tell
+        them from the others."""
+        adapters = self.model_runner.lora_adapters
+        # An adapter that drained since the last step frees its name here, not a step later.
+        self._reap_lora_adapters()
+        served_before = adapters.served_before(name)
+        adapters.add(name, path, self.model_runner.model)
+        if served_before:
+            evicted = self.kv_cache_manager.evict_cached_free_blocks()
+            logger.info("LoRA adapter %r served again: %d cached blocks evicted", name, evicted)
+        # Loading enables the adapter statistics even where the settings did not (offline).
+        self.scheduler.lora_enabled = True
+        self.scheduler.num_lora_adapters = len(adapters)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving ``name`` at once: new requests with it are refused, while those in
+        the engine finish with its weights, which are freed once none is left (at once when
+        none uses it). Raises ``LoraAdapterNotFound`` for a name not served."""
+        adapters = self.model_runner.lora_adapters
+        adapters.remove(name)
+        self.scheduler.num_lora_adapters = len(adapters)
+        self._reap_lora_adapters()
+
+    def _reap_lora_adapters(self) -> None:
+        """Free the slots of unloaded adapters that no unfinished request uses any more.
+        Requests holding KV for a consumer count too: their blocks are cached under the
+        adapter's name, which must not be served again while they are."""
+        adapters = self.model_runner.lora_adapters
+        if not adapters.draining:
+            return
+        scheduler = self.scheduler
+        users = Counter(r.lora_name for r in itertools.chain(scheduler.requests.values(),
+                                                             scheduler.held.values())
+                        if r.lora_name)
+        adapters.reap(users, self.model_runner.model)
+
     def snapshot_kv_cache(self) -> tuple[list[KVEvent], list[BlockHash]]:
         """Every block hash in the prefix cache, with the KV events recorded but not emitted
         yet (normally none between steps). The hashes are the state those events lead to, so
@@ -216,6 +268,7 @@ class EngineCore:
             assert self.remote_kv is not None
             output.kv_handle = self.remote_kv.pin(
                 request, self.kv_cache_manager.get_block_ids(request.request_id))
+        self._reap_lora_adapters()
         return EngineCoreOutputs(
             outputs=outputs,
             stats=self.scheduler.make_stats(),

@@ -210,6 +210,11 @@ class KVCacheManager:
         """Drop the whole prefix cache; False (nothing done) while any request holds blocks."""
         return self.block_pool.reset_prefix_cache()
 
+    def evict_cached_free_blocks(self) -> int:
+        """Drop every block no request holds from the prefix cache (BlockRemoved events);
+        see ``BlockPool.evict_cached_free_blocks``. Returns how many were evicted."""
+        return self.block_pool.evict_cached_free_blocks()
+
     def take_prefix_cache_stats(self) -> PrefixCacheStats:
         stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
         return stats

@@ -1,8 +1,8 @@
 """The offline Python API: ``LLM(model).generate(prompts, params)``.
 
-With LoRA adapters loaded (``ModelSettings.lora_modules``), ``lora_name=`` runs a request
-with one of them: one name for every prompt of a ``generate``, or one per prompt (None: the
-base model).
+With LoRA adapters loaded (``ModelSettings.lora_modules``, or ``load_lora_adapter`` between
+calls), ``lora_name=`` runs a request with one of them: one name for every prompt of a
+``generate``, or one per prompt (None: the base model).
 
 Owns a synchronous loop around an in-process ``EngineCore`` with the same input and output
 processing the services use. For serving, ``AsyncLLM`` runs the core in its own process.
@@ -68,6 +68,21 @@ class LLM:
                                                 cache_salt, lora_name=lora_name))
         self.outputs.add_request(request_id, token_ids, params, arrival)
         return request_id, token_ids
+
+    @property
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters served now, sorted."""
+        return sorted(self.core.model_runner.lora_adapters.names)
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter in directory ``path`` as ``name`` (``LoraAdapterExists``
+        when the name is taken, ValueError when it cannot be served)."""
+        self.core.load_lora_adapter(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving ``name``; requests already queued with it still finish with it
+        (``LoraAdapterNotFound`` when no adapter is served under the name)."""
+        self.core.unload_lora_adapter(name)
 
     def abort(self, request_ids: list[str]) -> None:
         self._process(EngineCoreOutputs(outputs=self.core.abort_requests(request_ids)))

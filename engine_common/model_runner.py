@@ -5,11 +5,12 @@ generators. It sizes the KV cache from the memory budget, and on CUDA replays de
 from CUDA graphs (``DecodeGraphRunner``). Rows with a grammar (structured outputs) get their
 allowed-token mask applied to the logits before anything samples them. It scores prompt
 positions for requests that ask for prompt logprobs, and checks speculative drafts against
-the tokens the model samples after them. It loads the LoRA adapters the engine serves and
-tells the model each step which tokens run which adapter (a ``LoraBatch``); a step with
-adapter tokens runs eagerly, as the CUDA graphs were captured without LoRA. It does not decide
-what runs (``Scheduler``) or which blocks a request holds (``KVCacheManager``): it receives
-block ids; nor does it advance grammars (the scheduler accepts the sampled tokens).
+the tokens the model samples after them. It loads the LoRA adapters the engine serves at
+start (the engine core adds and removes others between steps) and tells the model each step
+which tokens run which adapter (a ``LoraBatch``); a step with adapter tokens runs eagerly,
+as the CUDA graphs were captured without LoRA. It does not decide what runs
+(``Scheduler``) or which blocks a request holds (``KVCacheManager``): it receives block ids;
+nor does it advance grammars (the scheduler accepts the sampled tokens).
 """
 
 from __future__ import annotations
@@ -210,7 +211,7 @@ class ModelRunner:
         # Drafts are in query_lens: a request's draft positions run its adapter too.
         lora = (self.lora_adapters.step_batch([s.request.lora_name for s in scheduled],
                                               query_lens_np, dev, self.dtype)
-                if len(self.lora_adapters) else None)
+                if self.lora_adapters.has_weights else None)
         graphs = self.decode_graphs
         if graphs is not None and lora is None and len(input_ids) == num_seqs \
                 and graphs.can_run(num_seqs, max_blocks):

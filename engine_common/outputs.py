@@ -51,7 +51,7 @@ class EngineCoreRequest:
     priority: int = 0
     cache_salt: str | None = None
     hold_kv: bool = False
-    # The LoRA adapter to run with (a name in the engine's ModelSettings.lora_modules).
+    # The LoRA adapter to run with (one the engine serves: see LoadedLoraAdapters).
     lora_name: str | None = None
     remote_prefill: RemotePrefill | None = None
     # The prompt ends with this many output tokens another replica sampled (a stream resumed
@@ -109,8 +109,9 @@ class SchedulerStats:
     num_scheduled_tokens: int = 0  # computed by the step these statistics follow
     num_draft_tokens: int = 0  # speculative decoding: drafts checked
     num_accepted_tokens: int = 0  # and kept
-    # LoRA (only when the engine serves adapters, max_lora > 0): the adapters of running and
-    # of waiting requests, sorted names; max_lora: the adapters one step may batch.
+    # LoRA (only when the engine serves adapters or may load some, and max_lora > 0): the
+    # adapters of running and of waiting requests, sorted names; max_lora: the adapters one
+    # step may batch (ModelSettings.max_loras, or without a cap those served now).
     running_lora_adapters: list[str] = field(default_factory=list)
     waiting_lora_adapters: list[str] = field(default_factory=list)
     max_lora: int = 0

@@ -10,8 +10,10 @@ far are recomputed, mostly from the prefix cache; a grammar keeps its state, sin
 output is kept). Sampled tokens are accepted here: appended to the request and, for a
 structured output, advanced through its grammar. With speculative decoding a
 request's decode step also runs draft tokens (``NgramDrafter``); the model runner says how
-many it agrees with, and the KV of the rest is recomputed. It does not own blocks
-(``KVCacheManager``) or the forward pass (``ModelRunner``).
+many it agrees with, and the KV of the rest is recomputed. With ``max_loras``, a waiting
+request whose LoRA adapter would make more different adapters run than that is skipped for
+the step, keeping its place, while requests behind it may be admitted. It does not own
+blocks (``KVCacheManager``) or the forward pass (``ModelRunner``).
 """
 
 from __future__ import annotations
@@ -81,7 +83,12 @@ class SchedulerOutput:
 
 
 class WaitingQueue:
-    """FCFS (a deque) or priority (a heap on (priority, arrival, seq)) waiting queue."""
+    """FCFS (a deque) or priority (a heap on (priority, arrival, seq)) waiting queue.
+
+    A scheduling pass may ``skip`` the head (a request that may not run this step, while
+    those behind it may): it is set aside, unseen by ``peek``, ``pop`` and ``len``, until
+    ``restore_skipped`` puts every skipped request back exactly where it was (at the front
+    in their order; under the priority policy with their original keys)."""
 
     def __init__(self, policy: str):
         if policy not in ("fcfs", "priority"):
@@ -90,6 +97,8 @@ class WaitingQueue:
         self._fifo: deque[Request] = deque()
         self._heap: list[tuple[int, float, int, Request]] = []
         self._seq = itertools.count()
+        self._skipped_fifo: list[Request] = []
+        self._skipped_heap: list[tuple[int, float, int, Request]] = []
 
     def add(self, request: Request) -> None:
         if self._priority:
@@ -113,6 +122,25 @@ class WaitingQueue:
     def pop(self) -> Request:
         return heapq.heappop(self._heap)[3] if self._priority else self._fifo.popleft()
 
+    def skip(self) -> Request:
+        """Set the head aside until ``restore_skipped``; returns it."""
+        if self._priority:
+            entry = heapq.heappop(self._heap)
+            self._skipped_heap.append(entry)
+            return entry[3]
+        request = self._fifo.popleft()
+        self._skipped_fifo.append(request)
+        return request
+
+    def restore_skipped(self) -> None:
+        """Put the skipped requests back where they were: at the front in the order they
+        were skipped (FCFS), or under their original keys (priority)."""
+        for entry in self._skipped_heap:
+            heapq.heappush(self._heap, entry)
+        self._fifo.extendleft(reversed(self._skipped_fifo))
+        self._skipped_heap.clear()
+        self._skipped_fifo.clear()
+
     def remove(self, request: Request) -> None:
         if self._priority:
             self._heap = [e for e in self._heap if e[3] is not request]
@@ -129,9 +157,15 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 speculative: SpeculativeConfig | None = None, max_loras: int = 0):
+                 speculative: SpeculativeConfig | None = None, *, lora_enabled: bool = False,
+                 max_loras: int | None = None):
+        """``lora_enabled``: the engine serves LoRA adapters (or may load some while it
+        serves), so the statistics report them. ``max_loras``: at most this many different
+        adapters among the running requests (None: any number)."""
         if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if max_loras is not None and max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1 (or None: no cap), got {max_loras}")
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         if speculative is not None and speculative.num_tokens < 0:
@@ -153,9 +187,11 @@ class Scheduler:
         self._num_scheduled_tokens = 0  # by the latest step, for its statistics
         self._num_draft_tokens = self._num_accepted_tokens = 0  # since the last statistics
         self._watermark_blocks = int(config.watermark * kv_cache_manager.num_blocks)
-        # LoRA adapters the engine serves (any of them may run in one step); 0: none, and
-        # the statistics skip the adapter lists.
+        self.lora_enabled = lora_enabled
         self.max_loras = max_loras
+        # The adapters the engine serves now, kept up to date by the engine core: the
+        # statistics' max_lora when there is no cap (any of them may run in one step).
+        self.num_lora_adapters = 0
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -275,54 +311,80 @@ class Scheduler:
 
         # 2. WAITING requests, unless this step had to preempt (no room to admit anyone).
         if not out.preempted_request_ids:
-            while (len(self.waiting) > 0 and budget > 0
-                   and len(self.running) + len(self.receiving) < self.config.max_num_seqs):
-                request = self.waiting.peek()
-                computed_blocks, num_computed = kv.get_computed_blocks(request)
-                if request.remote_prefill is not None and request.num_preemptions == 0:
-                    if not self._admit_remote(request, computed_blocks, num_computed, out):
-                        break
-                    continue
-                num_new = self._cap_new_tokens(request, request.num_tokens - num_computed, budget)
-                if not self.config.enable_chunked_prefill and num_new < request.num_tokens - num_computed:
-                    break
-                alone = not self.running and not self.receiving and not out.scheduled
-                if (
-                    kv.allocate_slots(
-                        request,
-                        num_new,
-                        new_computed_blocks=computed_blocks,
-                        num_new_computed_tokens=num_computed,
-                        # The watermark keeps room for running requests to grow; with
-                        # none running it would only keep this one waiting forever.
-                        num_reserved_blocks=0 if alone else self._watermark_blocks,
-                    )
-                    is None
-                ):
-                    if alone:
-                        # Not even an empty pool holds it: end it instead of waiting forever.
-                        self.waiting.pop()
-                        request.status = RequestStatus.FINISHED_LENGTH
-                        request.stop_reason = "kv_cache_capacity"
-                        self._free(request)
-                        self._finished_unscheduled.append(EngineCoreOutput(
-                            request.request_id, [], finish_reason="length",
-                            stop_reason=request.stop_reason,
-                            num_preemptions=request.num_preemptions))
-                        continue
-                    break
-                self.waiting.pop()
-                request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = num_computed
-                if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_computed
-                if request.first_scheduled_time is None:
-                    request.first_scheduled_time = time.monotonic()
-                self.running.append(request)
-                out.scheduled.append(ScheduledRequest(request, num_new, kv.get_block_ids(request.request_id)))
-                budget -= num_new
+            try:
+                self._admit_waiting(out, budget)
+            finally:
+                # Requests skipped for max_loras keep their places for the next step.
+                self.waiting.restore_skipped()
         self._num_scheduled_tokens = out.total_num_scheduled_tokens
         return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests, in order, while the budget, max_num_seqs and the KV
+        pool allow."""
+        kv = self.kv_cache_manager
+        # The adapters of requests running, or about to run once their KV has arrived (a
+        # finished pull joins the running requests without coming back here).
+        active_loras = {r.lora_name for r in itertools.chain(self.running,
+                                                              self.receiving.values())
+                        if r.lora_name}
+        while (len(self.waiting) > 0 and budget > 0
+               and len(self.running) + len(self.receiving) < self.config.max_num_seqs):
+            request = self.waiting.peek()
+            if (self.max_loras is not None and request.lora_name
+                    and request.lora_name not in active_loras
+                    and len(active_loras) >= self.max_loras):
+                # As vLLM: it waits for an adapter's last request to finish, while
+                # requests behind it of the base model or a running adapter go ahead.
+                self.waiting.skip()
+                continue
+            computed_blocks, num_computed = kv.get_computed_blocks(request)
+            if request.remote_prefill is not None and request.num_preemptions == 0:
+                if not self._admit_remote(request, computed_blocks, num_computed, out):
+                    break
+                if request.lora_name:
+                    active_loras.add(request.lora_name)
+                continue
+            num_new = self._cap_new_tokens(request, request.num_tokens - num_computed, budget)
+            if not self.config.enable_chunked_prefill and num_new < request.num_tokens - num_computed:
+                break
+            alone = not self.running and not self.receiving and not out.scheduled
+            if (
+                kv.allocate_slots(
+                    request,
+                    num_new,
+                    new_computed_blocks=computed_blocks,
+                    num_new_computed_tokens=num_computed,
+                    # The watermark keeps room for running requests to grow; with
+                    # none running it would only keep this one waiting forever.
+                    num_reserved_blocks=0 if alone else self._watermark_blocks,
+                )
+                is None
+            ):
+                if alone:
+                    # Not even an empty pool holds it: end it instead of waiting forever.
+                    self.waiting.pop()
+                    request.status = RequestStatus.FINISHED_LENGTH
+                    request.stop_reason = "kv_cache_capacity"
+                    self._free(request)
+                    self._finished_unscheduled.append(EngineCoreOutput(
+                        request.request_id, [], finish_reason="length",
+                        stop_reason=request.stop_reason,
+                        num_preemptions=request.num_preemptions))
+                    continue
+                break
+            self.waiting.pop()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+            if request.lora_name:
+                active_loras.add(request.lora_name)
+            out.scheduled.append(ScheduledRequest(request, num_new, kv.get_block_ids(request.request_id)))
+            budget -= num_new
 
     def _admit_remote(self, request: Request, computed_blocks: list, num_computed: int,
                       out: SchedulerOutput) -> bool:
@@ -493,8 +555,9 @@ class Scheduler:
             num_draft_tokens=self._num_draft_tokens,
             num_accepted_tokens=self._num_accepted_tokens,
         )
-        if self.max_loras:
-            stats.max_lora = self.max_loras
+        if self.lora_enabled:
+            stats.max_lora = (self.max_loras if self.max_loras is not None
+                              else self.num_lora_adapters)
             stats.running_lora_adapters = sorted(
                 {r.lora_name for r in self.running if r.lora_name})
             stats.waiting_lora_adapters = sorted(

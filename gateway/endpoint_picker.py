@@ -184,12 +184,18 @@ class EndpointChooser:
         self.loads = loads
         self.index = index
         self.inputs = inputs
-        # The replicas' LoRA adapters: their requests' blocks are hashed under the adapter.
-        self.lora_names = lora_names
+        self._configured_lora_names = lora_names  # given at start (--lora-modules)
         self.config = config or PickerConfig()
         self.shedding = shedding or SheddingPolicy()
         self.metrics = metrics or GatewayMetrics()
         self._tie_breaks = itertools.count()
+
+    @property
+    def lora_names(self) -> frozenset[str]:
+        """The models that are LoRA adapters (their requests' blocks are hashed under the
+        adapter): those given at start and those the replicas serve now."""
+        return self._configured_lora_names.union(
+            *(r.lora_adapters for r in self.registry.replicas()))
 
     def choose(self, features: RequestFeatures | None,
                subset: Sequence[str] | None = None) -> Choice:

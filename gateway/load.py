@@ -5,8 +5,9 @@ default, so a report is never much older than that) and the gateway's own count 
 streams per replica, incremented at pick time. The reports lag (a request the gateway just
 sent shows up in the replica's queue only after its next engine step), so a burst of picks
 between two reports would all land on the replica that looked idlest; counting our own
-in-flight streams closes that gap. It does not own health (``registry``) or scoring
-(``picker``).
+in-flight streams closes that gap. The reports also carry the LoRA adapters a replica serves
+now (they may change at run time), which it writes onto the registry's ``Replica``. It does
+not own health (``registry``) or scoring (``picker``).
 """
 
 from __future__ import annotations
@@ -124,6 +125,8 @@ class LoadTracker:
             try:
                 load.report = await replica.engine.GetLoad(request, timeout=self.rpc_timeout_s)
                 load.received_at = time.monotonic()
+                # Adapters come and go at run time (and with a restart): routing follows.
+                replica.lora_adapters = frozenset(load.report.lora_adapters)
                 pause = self.interval_s - (load.received_at - started)
             except grpc.aio.AioRpcError as e:
                 # The report ages; the picker stops trusting it once it is too old.

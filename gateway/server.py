@@ -5,8 +5,9 @@ Owns wiring the parts together and their life: serve ``tandem.v1.Generation`` (t
 own servicer, over ``RemoteEngine``), ``grpc.health.v1`` and server reflection on one port and
 the gateway's Prometheus registry on another; report SERVING while at least one
 decode-capable replica is routable; stop cleanly on SIGTERM or SIGINT. The model directory
-gives the tokenizer (the replicas' own, so prompts hash the same) and the served name. It
-does not own routing (``picker``) or forwarding (``proxy``).
+gives the tokenizer (the replicas' own, so prompts hash the same) and the served name; the
+LoRA adapters it accepts are those the replicas report. It does not own routing (``picker``),
+forwarding (``proxy``) or loading adapters on the replicas (``lora_rollout``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from engine_common.model.arch_config import ModelArchConfig
 from engine_common.sampling_defaults import load_sampling_defaults
 from engine_common.tokenizer import load_tokenizer
 from gateway.cluster import ClusterView
+from gateway.lora_rollout import ClusterLoraUpdates
 from gateway.metrics import GatewayMetrics
 from gateway.picker import DECODE_ROLES, PickerConfig
 from gateway.proxy import (
@@ -87,8 +89,8 @@ class GatewayGenerationServicer(GenerationServicer):
     same replicas) and the gateway's per-method request metrics."""
 
     def __init__(self, model: ServedModel, inputs: InputProcessor, engine: RemoteEngine,
-                 metrics: GatewayMetrics) -> None:
-        super().__init__(model, inputs, engine.generate)
+                 metrics: GatewayMetrics, lora_updates: ClusterLoraUpdates | None = None) -> None:
+        super().__init__(model, inputs, engine.generate, lora_updates)
         self.metrics = metrics
 
     async def _observed(self, method: str, context: grpc.aio.ServicerContext,
@@ -180,8 +182,12 @@ class GatewayServer:
         self.model = ServedModel.for_directory(options.model, self.inputs.max_model_len,
                                                options.served_model_name,
                                                options.model_settings.lora_modules)
+        self.lora_updates = (
+            ClusterLoraUpdates(self.cluster.registry, lambda: self.servicer.model,
+                               self._refresh_model)
+            if options.model_settings.allow_runtime_lora_updating else None)
         self.servicer = GatewayGenerationServicer(
-            self.model, self.inputs, RemoteEngine(self.proxy), self.metrics)
+            self.model, self.inputs, RemoteEngine(self.proxy), self.metrics, self.lora_updates)
         self.health = health_aio.HealthServicer()
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -197,6 +203,7 @@ class GatewayServer:
         self._metrics_http: WSGIServer | None = None
         self._serving: bool | None = None
         self._follower: asyncio.Task[None] | None = None
+        self._reconciling: asyncio.Task[None] | None = None
 
     @classmethod
     async def start(cls, options: GatewayOptions) -> GatewayServer:
@@ -235,9 +242,25 @@ class GatewayServer:
         for r in replicas:
             self.metrics.replicas.labels(r.role or "unknown", str(r.healthy).lower()).inc()
         max_model_len = self.cluster.max_model_len()
-        if max_model_len is not None and max_model_len != self.inputs.max_model_len:
+        if max_model_len is not None:
             self.inputs.max_model_len = max_model_len
-            self.servicer.model = replace(self.model, max_model_len=self.inputs.max_model_len)
+        self._refresh_model()
+        if self.lora_updates is not None and (self._reconciling is None
+                                              or self._reconciling.done()):
+            # In its own task: loading an adapter takes a while, health must not wait.
+            self._reconciling = asyncio.create_task(self.lora_updates.reconcile())
+
+    def _refresh_model(self) -> None:
+        """The model as the replicas serve it now: their context length, and the LoRA
+        adapters any of them serves (they may change at run time; those given with
+        --lora-modules until the replicas say)."""
+        replicas = self.cluster.registry.replicas()
+        lora_names = (frozenset(name for r in replicas for name in r.lora_adapters)
+                      if any(r.role for r in replicas) else self.model.lora_names)
+        model = replace(self.model, max_model_len=self.inputs.max_model_len,
+                        lora_names=lora_names)
+        if model != self.servicer.model:
+            self.servicer.model = model
 
     async def _follow_replicas(self) -> None:
         while True:
@@ -246,8 +269,9 @@ class GatewayServer:
 
     async def stop(self, grace_s: float = 1.0) -> None:
         await self.health.enter_graceful_shutdown()
-        if self._follower is not None:
-            self._follower.cancel()
+        for task in (self._follower, self._reconciling):
+            if task is not None:
+                task.cancel()
         await self.server.stop(grace_s)
         await self.cluster.stop()
         if self._metrics_http is not None:

@@ -61,6 +61,22 @@ def add_model_settings_args(parser: argparse.ArgumentParser) -> None:
                         help="LoRA adapters served beside the base model: a request whose "
                              "model is NAME runs with the PEFT adapter in directory PATH "
                              "(vLLM's flag)")
+    parser.add_argument("--max-loras", type=_positive_int, default=None,
+                        help="at most this many different LoRA adapters in one step; a "
+                             "request of another adapter waits (vLLM's flag; default: no cap)")
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="serve LoadLoraAdapter / UnloadLoraAdapter (POST "
+                             "/v1/load_lora_adapter, /v1/unload_lora_adapter): adapters are "
+                             "loaded from a directory the caller names on the server's file "
+                             "system, so only where callers are trusted (vLLM's "
+                             "VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def model_settings_from_args(args: argparse.Namespace) -> ModelSettings:
@@ -68,7 +84,9 @@ def model_settings_from_args(args: argparse.Namespace) -> ModelSettings:
                          tool_call_parser=args.tool_call_parser,
                          generation_config=args.generation_config,
                          override_generation_config=args.override_generation_config,
-                         lora_modules=_unique_lora_names(args.lora_modules))
+                         lora_modules=_unique_lora_names(args.lora_modules),
+                         max_loras=args.max_loras,
+                         allow_runtime_lora_updating=args.allow_runtime_lora_updating)
 
 
 def _unique_lora_names(modules: list[tuple[str, str]]) -> dict[str, str]:
@@ -92,4 +110,8 @@ def model_settings_args(settings: ModelSettings) -> list[str]:
     if settings.lora_modules:
         args += ["--lora-modules",
                  *(f"{name}={path}" for name, path in settings.lora_modules.items())]
+    if settings.max_loras is not None:
+        args += ["--max-loras", str(settings.max_loras)]
+    if settings.allow_runtime_lora_updating:
+        args.append("--allow-runtime-lora-updating")
     return args

@@ -125,6 +125,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lora(args: argparse.Namespace) -> int:
+    from tandem.client import Client
+    from tandem.errors import TandemError
+
+    with Client(args.target) as client:
+        try:
+            served = (client.load_lora_adapter(args.name, args.path) if args.action == "load"
+                      else client.unload_lora_adapter(args.name))
+        except TandemError as error:
+            print(f"error: {error.details} ({error.code.name})", file=sys.stderr)
+            return 1
+    print(f"LoRA adapters served: {', '.join(served) or 'none'}")
+    return 0
+
+
 def cmd_prepare_model(args: argparse.Namespace) -> int:
     from engine_common.default_model import ensure_default_model
 
@@ -173,6 +188,17 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--model", default=None,
                      help="the served model or one of its LoRA adapters (default: the model)")
     gen.set_defaults(func=cmd_generate)
+    lora = sub.add_parser("lora", help="load or unload a LoRA adapter on a running suite "
+                                       "(started with --allow-runtime-lora-updating)")
+    lora_actions = lora.add_subparsers(dest="action", required=True)
+    lora_load = lora_actions.add_parser("load", help="serve the PEFT adapter in PATH as NAME")
+    lora_load.add_argument("name")
+    lora_load.add_argument("path", help="the adapter's directory, on the replicas' machines")
+    lora_unload = lora_actions.add_parser("unload", help="stop serving adapter NAME")
+    lora_unload.add_argument("name")
+    for action in (lora_load, lora_unload):
+        action.add_argument("--target", default="127.0.0.1:50051")
+        action.set_defaults(func=cmd_lora)
     prep = sub.add_parser("prepare-model", help="convert the default model once; print its directory")
     prep.set_defaults(func=cmd_prepare_model)
     args = parser.parse_args(argv)

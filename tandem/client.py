@@ -223,6 +223,19 @@ class Client:
         request = pb.DetokenizeRequest(model=model or "", tokens=token_ids)
         return str(self._unary(self._stub.Detokenize, request).prompt)
 
+    def load_lora_adapter(self, name: str, path: str) -> list[str]:
+        """Loads the PEFT adapter in directory ``path`` (on the server) under ``name``, on
+        every replica behind a gateway; the adapters served afterwards. The server must run
+        with --allow-runtime-lora-updating."""
+        request = pb.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+        return list(self._unary(self._stub.LoadLoraAdapter, request).lora_adapters)
+
+    def unload_lora_adapter(self, name: str) -> list[str]:
+        """Stops serving adapter ``name`` (requests running with it finish); the adapters
+        served afterwards."""
+        request = pb.UnloadLoraAdapterRequest(lora_name=name)
+        return list(self._unary(self._stub.UnloadLoraAdapter, request).lora_adapters)
+
     def close(self) -> None:
         self._channel.close()
 
@@ -373,6 +386,16 @@ class AsyncClient:
     async def detokenize(self, token_ids: Sequence[int], *, model: str | None = None) -> str:
         request = pb.DetokenizeRequest(model=model or "", tokens=token_ids)
         return str((await self._unary(self._stub.Detokenize, request)).prompt)
+
+    async def load_lora_adapter(self, name: str, path: str) -> list[str]:
+        """See ``Client.load_lora_adapter``."""
+        request = pb.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+        return list((await self._unary(self._stub.LoadLoraAdapter, request)).lora_adapters)
+
+    async def unload_lora_adapter(self, name: str) -> list[str]:
+        """See ``Client.unload_lora_adapter``."""
+        request = pb.UnloadLoraAdapterRequest(lora_name=name)
+        return list((await self._unary(self._stub.UnloadLoraAdapter, request)).lora_adapters)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -183,15 +183,16 @@ def wait_until(condition: Callable[[], bool], deadline: float, what: str, logs: 
         time.sleep(0.2)
 
 
-def _launch(model_dir: Path, log_dir: Path, name: str, args: list[str]) -> ReplicaProcess:
-    port, metrics_port = free_port(), free_port()
+def _launch(model_dir: Path, log_dir: Path, name: str, args: list[str],
+            ports: tuple[int, int] | None = None) -> ReplicaProcess:
+    port, metrics_port = ports or (free_port(), free_port())
     log_path = log_dir / f"{name}.log"
     command = [
         sys.executable, "-m", "services.replica", "--model", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port),
         "--engine-id", name, *args,
     ]
-    with open(log_path, "wb") as log:
+    with open(log_path, "ab") as log:
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
     return ReplicaProcess(process, port, metrics_port, log_path)
@@ -225,6 +226,20 @@ def start_replicas(model_dir: Path, log_dir: Path,
             replica.kill()
         raise
     return replicas
+
+
+def restart_replica(replica: ReplicaProcess, model_dir: Path, log_dir: Path, name: str,
+                    args: list[str]) -> ReplicaProcess:
+    """Kill ``replica`` and start a new process in its place (the same ports, name and log,
+    ``args`` added), as a supervisor restarts a crashed one; waits until it serves."""
+    replica.kill()
+    restarted = _launch(model_dir, log_dir, name, args, (replica.port, replica.metrics_port))
+    try:
+        _wait_serving(restarted, time.monotonic() + STARTUP_TIMEOUT_S)
+    except BaseException:
+        restarted.kill()
+        raise
+    return restarted
 
 
 @dataclass

@@ -50,16 +50,21 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_T
 ADAPTERS = ("alpha", "beta", None)  # None: the base model
 
 
-@pytest.fixture(scope="module")
-def adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("lora")
-    alpha = write_lora_adapter(tiny_llama_dir, root / "alpha", seed=1, r=8, lora_alpha=16,
+def write_alpha_and_beta(model_dir: Path, root: Path) -> dict[str, str]:
+    """The two adapters this module's tests serve, by name (tests/test_lora_runtime.py
+    serves them too)."""
+    alpha = write_lora_adapter(model_dir, root / "alpha", seed=1, r=8, lora_alpha=16,
                                target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                                rank_pattern={"k_proj": 2}, alpha_pattern={"v_proj": 4})
-    beta = write_lora_adapter(tiny_llama_dir, root / "beta", seed=2, r=4, lora_alpha=8,
+    beta = write_lora_adapter(model_dir, root / "beta", seed=2, r=4, lora_alpha=8,
                               use_rslora=True,
                               target_modules=["v_proj", "gate_proj", "up_proj", "down_proj"])
     return {"alpha": str(alpha), "beta": str(beta)}
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return write_alpha_and_beta(tiny_llama_dir, tmp_path_factory.mktemp("lora"))
 
 
 def peft_model(model_dir: Path, adapter_dir: str | None) -> torch.nn.Module:
@@ -85,12 +90,16 @@ def peft_greedy(model_dir: Path, adapter_dir: str | None, prompts: list[list[int
 
 def engine(model_dir: Path, lora_modules: dict[str, str], *, budget: int = 512,
            num_blocks: int = 512, dtype: str = "float32",
-           speculative: SpeculativeConfig | None = None, **config: object) -> LLM:
+           speculative: SpeculativeConfig | None = None, policy: str = "fcfs",
+           max_loras: int | None = None, allow_runtime_lora_updating: bool = False,
+           **config: object) -> LLM:
     return LLM(EngineConfig(
         model=str(model_dir), dtype=dtype,
         cache=CacheConfig(block_size=4, num_gpu_blocks_override=num_blocks),
-        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=64),
-        model_settings=ModelSettings(lora_modules=lora_modules),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=64,
+                                  policy=policy),
+        model_settings=ModelSettings(lora_modules=lora_modules, max_loras=max_loras,
+                                     allow_runtime_lora_updating=allow_runtime_lora_updating),
         speculative=speculative or SpeculativeConfig(), **config))  # type: ignore[arg-type]
 
 

@@ -91,6 +91,8 @@ def test_descriptor_set_carries_the_openai_http_routes() -> None:
         "ListModels": ("get", "/v1/models", ""),
         "Tokenize": ("post", "/tokenize", "*"),
         "Detokenize": ("post", "/detokenize", "*"),
+        "LoadLoraAdapter": ("post", "/v1/load_lora_adapter", "*"),
+        "UnloadLoraAdapter": ("post", "/v1/unload_lora_adapter", "*"),
     }
     streaming = {m.name for m in service.method if m.server_streaming}
     assert streaming == {"CompleteStream", "ChatCompleteStream", "CompleteEvents",

@@ -3,7 +3,8 @@ flags each of them reads).
 
 The gateway renders chats, parses tool calls and applies sampling defaults itself, so the
 flags that decide them (``--chat-template``, ``--tool-call-parser``,
-``--generation-config``, ``--override-generation-config``, ``--lora-modules``) must reach it exactly as they reach every replica.
+``--generation-config``, ``--override-generation-config``, ``--lora-modules``, ``--max-loras``,
+``--allow-runtime-lora-updating``) must reach it exactly as they reach every replica.
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ def served_argvs(*args: str) -> list[list[str]]:
 SETTINGS_FLAGS = ["--generation-config", "vllm", "--chat-template", "chat.jinja",
                   "--tool-call-parser", "mistral",
                   "--override-generation-config", '{"temperature": 0.5, "max_new_tokens": 64}',
-                  "--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat"]
+                  "--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat",
+                  "--max-loras", "1", "--allow-runtime-lora-updating"]
 SETTINGS = ModelSettings(chat_template="chat.jinja", tool_call_parser="mistral",
                          generation_config="vllm",
                          override_generation_config={"temperature": 0.5, "max_new_tokens": 64},
-                         lora_modules={"sql": "/adapters/sql", "chat": "/adapters/chat"})
+                         lora_modules={"sql": "/adapters/sql", "chat": "/adapters/chat"},
+                         max_loras=1, allow_runtime_lora_updating=True)
 
 
 def read_back(argv: list[str]) -> ModelSettings:

@@ -4,5 +4,6 @@
 reads its ``adapter_model.safetensors``; ``linear_delta`` holds one adapter's low-rank
 weights for one (possibly fused) projection and adds their delta to a step's rows;
 ``step_batch`` says which rows of a step run which adapter; ``loaded_adapters`` is what an
-engine serves, by name. PEFT itself is never imported: the files are read here.
+engine serves, by name, loaded at start or while it serves; ``errors`` are the refusals of
+loads and unloads at runtime. PEFT itself is never imported: the files are read here.
 """

@@ -105,7 +105,7 @@ def read_adapter_config(name: str, adapter_dir: str | Path) -> LoraAdapterConfig
     try:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"LoRA adapter {name!r}: cannot read {str(path)!r}: {e}") from e
     if not isinstance(raw, dict):
         raise ValueError(f"LoRA adapter {name!r}: {str(path)!r} is not a JSON object")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from engine_common.lora.adapter_config import SUPPORTED_TARGETS, LoraAdapterConfig
 
@@ -53,20 +53,10 @@ def _unservable(name: str, key: str) -> ValueError:
                       f"a projection Tandem serves ({', '.join(SUPPORTED_TARGETS)})")
 
 
-def load_adapter_weights(config: LoraAdapterConfig, adapter_dir: str | Path,
-                         projection_shapes: Mapping[str, tuple[int, int]],
-                         num_layers: int) -> LoraAdapter:
-    """Reads the adapter's A and B matrices; ``projection_shapes`` gives the base model's
-    (in_features, out_features) of each projection by its Hugging Face name. Raises
-    ValueError naming the adapter for a missing file, a tensor of a layer or module the
-    model lacks, or a shape that does not fit the model."""
-    name = config.name
-    path = Path(adapter_dir) / ADAPTER_WEIGHTS_FILE
-    if not path.is_file():
-        other = " (only safetensors is read: save with safe_serialization=True)" \
-            if (Path(adapter_dir) / "adapter_model.bin").is_file() else ""
-        raise ValueError(f"LoRA adapter {name!r}: no {ADAPTER_WEIGHTS_FILE} in "
-                         f"{str(adapter_dir)!r}{other}")
+def _read_matrices(name: str, path: Path, projection_shapes: Mapping[str, tuple[int, int]],
+                   num_layers: int) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """Every LoRA tensor of the file by (layer, module) and matrix ("A", "B"), each checked to
+    belong to a layer and projection the model has."""
     matrices: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     with safe_open(str(path), framework="pt", device="cpu") as f:
         for key in f.keys():
@@ -83,6 +73,29 @@ def load_adapter_weights(config: LoraAdapterConfig, adapter_dir: str | Path,
             if module not in projection_shapes:
                 raise ValueError(f"LoRA adapter {name!r}: the model has no {module} ({key!r})")
             matrices.setdefault((layer, module), {})[match["matrix"]] = f.get_tensor(key)
+    return matrices
+
+
+def load_adapter_weights(config: LoraAdapterConfig, adapter_dir: str | Path,
+                         projection_shapes: Mapping[str, tuple[int, int]],
+                         num_layers: int) -> LoraAdapter:
+    """Reads the adapter's A and B matrices; ``projection_shapes`` gives the base model's
+    (in_features, out_features) of each projection by its Hugging Face name. Raises
+    ValueError naming the adapter for a missing file, a tensor of a layer or module the
+    model lacks, or a shape that does not fit the model."""
+    name = config.name
+    path = Path(adapter_dir) / ADAPTER_WEIGHTS_FILE
+    if not path.is_file():
+        other = " (only safetensors is read: save with safe_serialization=True)" \
+            if (Path(adapter_dir) / "adapter_model.bin").is_file() else ""
+        raise ValueError(f"LoRA adapter {name!r}: no {ADAPTER_WEIGHTS_FILE} in "
+                         f"{str(adapter_dir)!r}{other}")
+    try:
+        matrices = _read_matrices(name, path, projection_shapes, num_layers)
+    except (OSError, SafetensorError) as e:
+        # A damaged or unreadable file is the adapter's fault, as a bad config is: the
+        # caller (a runtime load, say) must get a ValueError it can report, not a crash.
+        raise ValueError(f"LoRA adapter {name!r}: cannot read {str(path)!r}: {e}") from e
     if not matrices:
         raise ValueError(f"LoRA adapter {name!r}: {str(path)!r} holds no LoRA weights")
     modules: dict[tuple[int, str], LoraModuleWeights] = {}

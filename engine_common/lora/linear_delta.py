@@ -71,8 +71,9 @@ class LoraLinearWeights:
 @dataclass(frozen=True)
 class StackedLoraWeights:
     """One projection's weights of every loaded adapter, by slot: A^T [slots, in, rank] and
-    B^T [slots, rank, out] (an adapter's unused rank, and an adapter that does not target
-    the projection, are zeros), and each output column's scaling [slots, 1, out]."""
+    B^T [slots, rank, out] (an adapter's unused rank, an adapter that does not target the
+    projection, and a freed slot below the largest in use, are zeros), and each output
+    column's scaling [slots, 1, out]."""
 
     a_t: torch.Tensor
     b_t: torch.Tensor
@@ -100,7 +101,9 @@ class StackedLoraWeights:
         xg = x.index_select(0, groups.rows).view(num_groups, -1, x.shape[1])
         if groups.pad_mask is not None:
             xg = xg * groups.pad_mask  # a padding row's delta is exactly zero
-        if num_groups == self.a_t.shape[0]:  # every adapter present: slots 0..n-1 in order
+        # The groups' slots are distinct, ascending and below the stack's size (a freed
+        # slot runs no rows), so as many groups as stacked slots means exactly 0..n-1.
+        if num_groups == self.a_t.shape[0]:
             a_t, b_t, scaling = self.a_t, self.b_t, self.scaling
         else:
             a_t, b_t, scaling = (self.a_t[groups.slots], self.b_t[groups.slots],

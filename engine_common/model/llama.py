@@ -80,10 +80,11 @@ class Linear(nn.Module):
         return add_lora_deltas(y, x, self.lora, self.lora_stacked, lora) if self.lora else y
 
     def stack_lora(self, num_slots: int) -> None:
-        """Stack the adapters' weights for steps that run several at once."""
-        if self.lora:
-            self.lora_stacked = StackedLoraWeights.stack(self.lora, num_slots,
-                                                         self.in_features, self.out_features)
+        """Stack the adapters' weights for steps that run several at once (restacked when
+        adapters come and go; with none left, the projection is the base model's)."""
+        self.lora_stacked = (
+            StackedLoraWeights.stack(self.lora, num_slots, self.in_features, self.out_features)
+            if self.lora else None)
 
 
 class Embedding(nn.Module):
@@ -449,8 +450,15 @@ class LlamaForCausalLM(nn.Module):
             linear.lora[slot] = LoraLinearWeights.fuse(shards, linear.out_features, self.dtype,
                                                        self.device)
 
+    def remove_lora_adapter(self, slot: int) -> None:
+        """Deletes the weights under ``slot`` from every projection (restack afterwards)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.lora.pop(slot, None)
+
     def stack_lora_adapters(self, num_slots: int) -> None:
-        """After every adapter is added: stack each projection's adapters by slot."""
+        """After adapters are added or removed: stack each projection's adapters by slot;
+        ``num_slots`` is one more than the largest slot in use (0: none)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.stack_lora(num_slots)

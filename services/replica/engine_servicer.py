@@ -43,16 +43,19 @@ from services.replica.engine_messages import (
 )
 from services.replica.errors import FailedPrecondition, InvalidArgument, rpc_handler
 from services.replica.local_engine import LocalEngine
+from services.replica.lora_updates import LoraUpdates, runtime_updates_off
 from services.replica.openai_api import EngineRequest
 from services.replica.served_model import ServedModel
 
 
 class EngineServicer(epb_grpc.EngineServicer):
-    def __init__(self, engine: LocalEngine, role: str, model: ServedModel):
+    def __init__(self, engine: LocalEngine, role: str, model: ServedModel,
+                 lora_updates: LoraUpdates | None = None):
         self.engine = engine
         self.llm = engine.llm
         self.role = role
         self.model = model
+        self.lora_updates = lora_updates  # None: adapters are fixed at start
 
     @rpc_handler
     async def Generate(self, request: epb.GenerateRequest,  # noqa: N802 (gRPC's names)
@@ -103,7 +106,7 @@ class EngineServicer(epb_grpc.EngineServicer):
             loaded = ", ".join(sorted(self.model.lora_names)) or "none"
             raise InvalidArgument(f"LoRA adapter {requested!r} is not loaded on this replica "
                                   f"(loaded: {loaded}); start it with --lora-modules "
-                                  f"{requested}=PATH")
+                                  f"{requested}=PATH, or load it with LoadLoraAdapter")
         return requested or None
 
     @rpc_handler
@@ -169,6 +172,7 @@ class EngineServicer(epb_grpc.EngineServicer):
             block_size=info.block_size,
             kv_events_last_seq=self.llm.kv_events.last_seq,
             timestamp=time.time(),
+            lora_adapters=sorted(self.model.lora_names),
         )
 
     @rpc_handler
@@ -205,6 +209,22 @@ class EngineServicer(epb_grpc.EngineServicer):
                 block_size=layout.block_size, fingerprint=layout.fingerprint()),
             lora_adapters=sorted(self.model.lora_names),
         )
+
+    @rpc_handler
+    async def LoadLora(self, request: epb.LoadLoraRequest,  # noqa: N802
+                       context: grpc.aio.ServicerContext) -> epb.LoraAdapters:
+        if self.lora_updates is None:
+            raise runtime_updates_off()
+        _, names = await self.lora_updates.load(request.lora_name, request.lora_path)
+        return epb.LoraAdapters(names=names)
+
+    @rpc_handler
+    async def UnloadLora(self, request: epb.UnloadLoraRequest,  # noqa: N802
+                         context: grpc.aio.ServicerContext) -> epb.LoraAdapters:
+        if self.lora_updates is None:
+            raise runtime_updates_off()
+        _, names = await self.lora_updates.unload(request.lora_name)
+        return epb.LoraAdapters(names=names)
 
 
 def _snapshot_chunk_to_pb(chunk: KVCacheSnapshotChunk, incarnation: str) -> epb.KvEventBatch:

@@ -51,6 +51,10 @@ class AlreadyExists(ServiceError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
+class NotFound(ServiceError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
 class Overloaded(ServiceError):
     """The bounded waiting queue is full; the caller should retry later or elsewhere."""
 

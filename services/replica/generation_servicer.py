@@ -27,6 +27,7 @@ from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 from services.replica import openai_api as api
 from services.replica import responses_api
 from services.replica.errors import InvalidArgument, rpc_handler
+from services.replica.lora_updates import LoraUpdates, runtime_updates_off
 from services.replica.served_model import ServedModel
 from services.replica.server_sent_events import write_events
 
@@ -35,10 +36,12 @@ _NO_STREAMED_PROMPT_LOGPROBS = "prompt_logprobs is not available with stream=tru
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, model: ServedModel, inputs: InputProcessor, generate: api.GenerateFn):
+    def __init__(self, model: ServedModel, inputs: InputProcessor, generate: api.GenerateFn,
+                 lora_updates: LoraUpdates | None = None):
         self.model = model
         self.inputs = inputs
         self.generate = generate
+        self.lora_updates = lora_updates  # None: adapters are fixed at start
 
     @rpc_handler
     async def Complete(self, request: pb.CompletionRequest,  # noqa: N802 (gRPC's names)
@@ -188,6 +191,22 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                          context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
         self.model.resolve(request.model)
         return api.detokenize_response(request, self.inputs)
+
+    @rpc_handler
+    async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest,  # noqa: N802
+                              context: grpc.aio.ServicerContext) -> pb.LoraAdapterResponse:
+        if self.lora_updates is None:
+            raise runtime_updates_off()
+        message, names = await self.lora_updates.load(request.lora_name, request.lora_path)
+        return pb.LoraAdapterResponse(message=message, lora_adapters=names)
+
+    @rpc_handler
+    async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest,  # noqa: N802
+                                context: grpc.aio.ServicerContext) -> pb.LoraAdapterResponse:
+        if self.lora_updates is None:
+            raise runtime_updates_off()
+        message, names = await self.lora_updates.unload(request.lora_name)
+        return pb.LoraAdapterResponse(message=message, lora_adapters=names)
 
 
 async def _write_all(chunks: AsyncGenerator[Message, None],

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from wsgiref.simple_server import WSGIServer
 
 import grpc.aio
@@ -30,6 +30,7 @@ from services.replica.admission import Admission
 from services.replica.engine_servicer import EngineServicer
 from services.replica.generation_servicer import GenerationServicer
 from services.replica.local_engine import LocalEngine
+from services.replica.lora_updates import LocalLoraUpdates
 from services.replica.prefill_peers import PrefillPeers
 from services.replica.served_model import ServedModel
 from services.replica.validation import MAX_MESSAGE_BYTES
@@ -86,10 +87,15 @@ class ReplicaServer:
             # Fail loudly when the port is taken instead of sharing it with another process.
             ("grpc.so_reuseport", 0),
         ])
-        generation_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(self.model, llm.inputs, self.engine.generate), self.server)
-        engine_pb2_grpc.add_EngineServicer_to_server(
-            EngineServicer(self.engine, options.role, self.model), self.server)
+        lora_updates = (
+            LocalLoraUpdates(llm, lambda: self.model, self._serve_lora_adapters)
+            if options.engine.model_settings.allow_runtime_lora_updating else None)
+        self.generation = GenerationServicer(self.model, llm.inputs, self.engine.generate,
+                                             lora_updates)
+        self.engine_servicer = EngineServicer(self.engine, options.role, self.model,
+                                              lora_updates)
+        generation_pb2_grpc.add_GenerationServicer_to_server(self.generation, self.server)
+        engine_pb2_grpc.add_EngineServicer_to_server(self.engine_servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (GENERATION_SERVICE, ENGINE_SERVICE, health_pb2.DESCRIPTOR.services_by_name[
@@ -123,6 +129,11 @@ class ReplicaServer:
             self.options.role, self.model.name, self.options.host, self.port,
             f", metrics on :{self.options.metrics_port}/metrics"
             if self.options.metrics_port else "")
+
+    def _serve_lora_adapters(self, names: frozenset[str]) -> None:
+        """Requests may name these adapters from now on (after a load or an unload)."""
+        self.model = replace(self.model, lora_names=names)
+        self.generation.model = self.engine_servicer.model = self.model
 
     async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
         for service in HEALTH_SERVICES:

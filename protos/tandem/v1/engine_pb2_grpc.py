@@ -70,6 +70,16 @@ class EngineStub:
                 request_serializer=protos_dot_tandem_dot_v1_dot_engine__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=protos_dot_tandem_dot_v1_dot_engine__pb2.EngineInfo.FromString,
                 _registered_method=True)
+        self.LoadLora = channel.unary_unary(
+                '/tandem.v1.Engine/LoadLora',
+                request_serializer=protos_dot_tandem_dot_v1_dot_engine__pb2.LoadLoraRequest.SerializeToString,
+                response_deserializer=protos_dot_tandem_dot_v1_dot_engine__pb2.LoraAdapters.FromString,
+                _registered_method=True)
+        self.UnloadLora = channel.unary_unary(
+                '/tandem.v1.Engine/UnloadLora',
+                request_serializer=protos_dot_tandem_dot_v1_dot_engine__pb2.UnloadLoraRequest.SerializeToString,
+                response_deserializer=protos_dot_tandem_dot_v1_dot_engine__pb2.LoraAdapters.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -126,6 +136,20 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLora(self, request, context):
+        """The replica's side of Generation.LoadLoraAdapter / UnloadLoraAdapter (the gateway asks
+        every replica); refused unless the replica runs with --allow-runtime-lora-updating.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLora(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -163,6 +187,16 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=protos_dot_tandem_dot_v1_dot_engine__pb2.GetInfoRequest.FromString,
                     response_serializer=protos_dot_tandem_dot_v1_dot_engine__pb2.EngineInfo.SerializeToString,
+            ),
+            'LoadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLora,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_engine__pb2.LoadLoraRequest.FromString,
+                    response_serializer=protos_dot_tandem_dot_v1_dot_engine__pb2.LoraAdapters.SerializeToString,
+            ),
+            'UnloadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLora,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_engine__pb2.UnloadLoraRequest.FromString,
+                    response_serializer=protos_dot_tandem_dot_v1_dot_engine__pb2.LoraAdapters.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -355,6 +389,60 @@ class Engine:
             '/tandem.v1.Engine/GetInfo',
             protos_dot_tandem_dot_v1_dot_engine__pb2.GetInfoRequest.SerializeToString,
             protos_dot_tandem_dot_v1_dot_engine__pb2.EngineInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Engine/LoadLora',
+            protos_dot_tandem_dot_v1_dot_engine__pb2.LoadLoraRequest.SerializeToString,
+            protos_dot_tandem_dot_v1_dot_engine__pb2.LoraAdapters.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Engine/UnloadLora',
+            protos_dot_tandem_dot_v1_dot_engine__pb2.UnloadLoraRequest.SerializeToString,
+            protos_dot_tandem_dot_v1_dot_engine__pb2.LoraAdapters.FromString,
             options,
             channel_credentials,
             insecure,

@@ -97,6 +97,16 @@ class GenerationStub:
                 request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/tandem.v1.Generation/LoadLoraAdapter',
+                request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/tandem.v1.Generation/UnloadLoraAdapter',
+                request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -190,6 +200,24 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """vLLM's runtime LoRA API, served only by servers started with --allow-runtime-lora-updating
+        (FAILED_PRECONDITION otherwise): load the PEFT adapter in a directory on the server's file
+        system under a name that requests then give as their model. Through the gateway, every
+        replica loads it, or none does. ALREADY_EXISTS if the name is taken.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """New requests naming the adapter are refused from now on; those already running with it
+        finish with it, and then its weights are freed. NOT_FOUND if no such adapter is served.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -252,6 +280,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.DetokenizeRequest.FromString,
                     response_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.LoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.LoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -580,6 +618,60 @@ class Generation:
             '/tandem.v1.Generation/Detokenize',
             protos_dot_tandem_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
             protos_dot_tandem_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Generation/LoadLoraAdapter',
+            protos_dot_tandem_dot_v1_dot_generation__pb2.LoadLoraAdapterRequest.SerializeToString,
+            protos_dot_tandem_dot_v1_dot_generation__pb2.LoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Generation/UnloadLoraAdapter',
+            protos_dot_tandem_dot_v1_dot_generation__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            protos_dot_tandem_dot_v1_dot_generation__pb2.LoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
