@@ -89,7 +89,8 @@ local GRPC_CODES = {
 function envoy_on_request(handle)
   local headers = handle:headers()
   local path = headers:get(":path")
-  if not OPENAI_PATHS[path] then
+  -- GET and DELETE /v1/responses/{id}: a stored response.
+  if not OPENAI_PATHS[path] and not string.find(path, "^/v1/responses/[^/:?]+") then
     return
   end
   handle:streamInfo():dynamicMetadata():set(NAMESPACE, "http", true)
@@ -257,6 +258,7 @@ def _routes(cluster: str) -> list[dict[str, Any]]:
         {"match": {"path": path}, "route": forward} for path in OPENAI_PATHS]
     routes += [{"match": {"prefix": f"/v1/{name}:stream"}, "route": forward}
                for name in ("completions", "chat/completions", "responses")]
+    routes.append({"match": {"prefix": "/v1/responses/"}, "route": forward})  # stored ones
     routes += [{"match": {"prefix": f"/{service}/"}, "route": forward}
                for service in GRPC_SERVICES]
     for route in routes:
@@ -266,7 +268,8 @@ def _routes(cluster: str) -> list[dict[str, Any]]:
                 "@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig",
                 "disabled": True}}
     not_found = ('{"error":{"message":"no such endpoint; Tandem serves /v1/completions, '
-                 '/v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize, '
+                 '/v1/chat/completions, /v1/responses (and /v1/responses/{id}), /v1/models, '
+                 '/tokenize, /detokenize, '
                  '/v1/load_lora_adapter and /v1/unload_lora_adapter",'
                  '"type":"not_found_error","param":null,"code":null}}')
     routes.append({

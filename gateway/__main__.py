@@ -20,6 +20,7 @@ from gateway.registry import DnsTarget
 from gateway.server import GatewayOptions, serve
 from services.entrypoint import run_service
 from services.model_settings import add_model_settings_args, model_settings_from_args
+from services.replica.response_store import STORE_HELP
 
 logger = logging.getLogger("gateway")
 
@@ -44,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients use (default: the model directory's name)")
+    p.add_argument("--max-stored-responses", type=int, default=options.max_stored_responses,
+                   help=STORE_HELP)
     p.add_argument("--host", default=options.host, help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=options.port,
                    help="gRPC port (default: %(default)s; 0 picks a free one)")
@@ -99,7 +102,8 @@ def options_from_args(args: argparse.Namespace) -> GatewayOptions:
         picker=picker,
         retry=RetryPolicy(max_attempts=args.max_attempts, max_resumptions=args.max_resumptions),
         load_interval_s=args.load_interval, dns_interval_s=args.dns_interval,
-        model_settings=model_settings_from_args(args))
+        model_settings=model_settings_from_args(args),
+        max_stored_responses=args.max_stored_responses)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,10 @@ snapshot, and answers with
   ``envoy.lb.subset_hint`` subset Envoy passed), 429 when shedding: a sheddable request
   (``priority`` > 0, below the default) while every candidate replica is saturated.
 
+A request that reads or continues a stored Responses API response (``GET`` / ``DELETE
+/v1/responses/{id}``, ``previous_response_id``) goes to the replica whose engine id the
+response's id carries, the only one that stored it.
+
 A body the picker cannot read or that the replicas will reject is routed by load alone; the
 replica then answers it with its own error, so error messages have one source.
 
@@ -43,7 +47,7 @@ from google.protobuf.message import Message
 from engine_common.input_processor import InputProcessor
 from gateway.load import LoadTracker
 from gateway.metrics import GatewayMetrics
-from gateway.picker import NoReplicaError, PickerConfig, RoutingDecision, pick
+from gateway.picker import DECODE_ROLES, NoReplicaError, PickerConfig, RoutingDecision, pick
 from gateway.prefix_index import PrefixIndex
 from gateway.registry import ReplicaRegistry
 from gateway.snapshot import take_snapshot
@@ -89,6 +93,9 @@ class RequestFeatures:
     # Lower runs first; above 0 is below the default, so sheddable.
     priority: int = 0
     lora_name: str = ""
+    # The engine id of the replica that stored the response the request reads or continues
+    # (``responses_api.responder_of``): only it can serve the request.
+    responder: str = ""
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,11 @@ _RESPONSES_PATHS = frozenset({
     "/v1/responses", "/v1/responses:stream",
     "/tandem.v1.Generation/CreateResponse", "/tandem.v1.Generation/CreateResponseStream",
     "/tandem.v1.Generation/CreateResponseEvents"})
+# A stored response, read or deleted: GET / DELETE /v1/responses/{id} (before the
+# transcoder), or the gRPC methods, whose bodies both hold the id as field 1.
+_STORED_RESPONSE_PATHS = frozenset({"/tandem.v1.Generation/GetResponse",
+                                    "/tandem.v1.Generation/DeleteResponse"})
+_STORED_RESPONSE_PREFIX = "/v1/responses/"
 
 
 def _parse_body(body: bytes, content_type: str, message: Message) -> None:
@@ -138,7 +150,15 @@ def read_request(path: str, content_type: str, body: bytes, inputs: InputProcess
     def adapter(model: str) -> str | None:
         return model if model in lora_names else None
 
+    if path.startswith(_STORED_RESPONSE_PREFIX):
+        return RequestFeatures(responder=responses_api.responder_of(
+            path.removeprefix(_STORED_RESPONSE_PREFIX)))
+    responder = ""
     try:
+        if path in _STORED_RESPONSE_PATHS:
+            stored = pb.GetResponseRequest()
+            _parse_body(body, content_type, stored)
+            return RequestFeatures(responder=responses_api.responder_of(stored.response_id))
         if path in _COMPLETION_PATHS:
             completion = pb.CompletionRequest()
             _parse_body(body, content_type, completion)
@@ -155,13 +175,14 @@ def read_request(path: str, content_type: str, body: bytes, inputs: InputProcess
             request = openai_api.chat_to_engine_request(
                 responses_api.chat_request(response_request), inputs,
                 adapter(response_request.model)).engine
+            responder = responses_api.responder_of(response_request.previous_response_id)
         else:
             return None
     except Exception as error:  # noqa: BLE001 - any unreadable body is routed by load alone
         logger.debug("routing %s by load alone: %s", path, error)
         return None
     return RequestFeatures(request.prompt_token_ids, request.cache_salt or "", request.priority,
-                           request.lora_name or "")
+                           request.lora_name or "", responder)
 
 
 def is_saturated(decision: RoutingDecision, waiting: dict[str, int],
@@ -205,6 +226,14 @@ class EndpointChooser:
                                  features.cache_salt, features.lora_name)
         exclude = (frozenset(r.address for r in snapshot.replicas if r.address not in subset)
                    if subset is not None else frozenset())
+        if features.responder:
+            holder = next((r for r in self.registry.routable()
+                           if r.engine_id == features.responder), None)
+            if holder is not None:  # else any replica says the response is not there
+                if not tokens:  # a stored response read or deleted
+                    return Choice(200, holder.address)
+                exclude |= {r.address for r in snapshot.replicas
+                            if r.role in DECODE_ROLES and r.address != holder.address}
         try:
             decision = pick(snapshot.replicas, len(tokens), snapshot.block_size, self.config,
                             exclude=exclude, tie_break=next(self._tie_breaks),
@@ -349,9 +378,9 @@ class _Exchange:
 
     def _route(self, headers_phase: bool, body_end: bool) -> list[ep.ProcessingResponse]:
         content_type = self.headers.get("content-type", "")
+        # Bodyless requests too: GET /v1/responses/{id} names its replica in the path.
         features = read_request(self.headers.get(":path", ""), content_type, bytes(self.body),
-                                self.chooser.inputs, self.chooser.lora_names
-                                ) if self.body else None
+                                self.chooser.inputs, self.chooser.lora_names)
         self.choice = self.chooser.choose(features, self.subset)
         if self.choice.status != 200:
             logger.info("refusing %s with %d: %s", self.headers.get(":path"),

@@ -49,6 +49,7 @@ from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 from services.entrypoint import wait_for_stop_signal
 from services.replica.generation_servicer import GenerationServicer
+from services.replica.response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from services.replica.served_model import ServedModel
 from services.replica.validation import MAX_MESSAGE_BYTES
 
@@ -77,6 +78,8 @@ class GatewayOptions:
     # The replicas' chat template, tool-call syntax and sampling defaults: the gateway
     # renders chats, parses calls and resolves requests into SamplingParams itself.
     model_settings: ModelSettings = field(default_factory=ModelSettings)
+    # Responses kept for previous_response_id and GET /v1/responses/{id}; 0: none.
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
 
     def __post_init__(self) -> None:
         if not self.replicas and not self.dns:
@@ -89,8 +92,9 @@ class GatewayGenerationServicer(GenerationServicer):
     same replicas) and the gateway's per-method request metrics."""
 
     def __init__(self, model: ServedModel, inputs: InputProcessor, engine: RemoteEngine,
-                 metrics: GatewayMetrics, lora_updates: ClusterLoraUpdates | None = None) -> None:
-        super().__init__(model, inputs, engine.generate, lora_updates)
+                 metrics: GatewayMetrics, lora_updates: ClusterLoraUpdates | None = None,
+                 responses: ResponseStore | None = None) -> None:
+        super().__init__(model, inputs, engine.generate, lora_updates, responses)
         self.metrics = metrics
 
     async def _observed(self, method: str, context: grpc.aio.ServicerContext,
@@ -187,7 +191,8 @@ class GatewayServer:
                                self._refresh_model)
             if options.model_settings.allow_runtime_lora_updating else None)
         self.servicer = GatewayGenerationServicer(
-            self.model, self.inputs, RemoteEngine(self.proxy), self.metrics, self.lora_updates)
+            self.model, self.inputs, RemoteEngine(self.proxy), self.metrics, self.lora_updates,
+            ResponseStore.sized(options.max_stored_responses))
         self.health = health_aio.HealthServicer()
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -189,8 +189,9 @@ class Client:
         model: str | None = None,
         **options: Unpack[ResponseOptions],
     ) -> Response:
-        """OpenAI's Responses API (stateless): answers a string or a list of input items
-        (messages, earlier ``function_call`` items and their ``function_call_output``)."""
+        """OpenAI's Responses API: answers a string or a list of input items (messages,
+        earlier ``function_call`` items and their ``function_call_output``), after the
+        conversation of ``previous_response_id`` if given."""
         request = response_request(input, model=model, options=options)
         return response_from_pb(self._unary(self._stub.CreateResponse, request))
 
@@ -206,6 +207,14 @@ class Client:
         cancellation."""
         request = response_request(input, model=model, options=options)
         return self._stream(self._stub.CreateResponseStream, request, response_event_from_pb)
+
+    def get_response(self, response_id: str) -> Response:
+        """A response the server stored (``respond`` without ``store=False``)."""
+        request = pb.GetResponseRequest(response_id=response_id)
+        return response_from_pb(self._unary(self._stub.GetResponse, request))
+
+    def delete_response(self, response_id: str) -> None:
+        self._unary(self._stub.DeleteResponse, pb.DeleteResponseRequest(response_id=response_id))
 
     def models(self) -> list[ModelInfo]:
         response = self._unary(self._stub.ListModels, pb.ListModelsRequest())
@@ -370,6 +379,15 @@ class AsyncClient:
     ) -> AsyncResponseStream[ResponseEvent]:
         request = response_request(input, model=model, options=options)
         return self._stream(self._stub.CreateResponseStream, request, response_event_from_pb)
+
+    async def get_response(self, response_id: str) -> Response:
+        """See ``Client.get_response``."""
+        request = pb.GetResponseRequest(response_id=response_id)
+        return response_from_pb(await self._unary(self._stub.GetResponse, request))
+
+    async def delete_response(self, response_id: str) -> None:
+        await self._unary(self._stub.DeleteResponse,
+                          pb.DeleteResponseRequest(response_id=response_id))
 
     async def models(self) -> list[ModelInfo]:
         response = await self._unary(self._stub.ListModels, pb.ListModelsRequest())

@@ -9,8 +9,8 @@ default) and ``Response``,
 A ``Response`` flattens the output items the way the openai SDK reads them: ``output_text``
 joins the messages' text, ``reasoning`` the reasoning items', ``function_calls`` lists the
 calls. It does not validate input items, tools or ranges (the server does, and answers
-INVALID_ARGUMENT naming the field), keeps no conversation state (the API is stateless: send
-the conversation so far as ``input``), and does not own the transport (``client``).
+INVALID_ARGUMENT naming the field), keeps no conversation state (the server stores
+responses: ``previous_response_id``), and does not own the transport (``client``).
 """
 
 from __future__ import annotations
@@ -63,6 +63,9 @@ class ResponseOptions(TypedDict, total=False):
     priority: int
     # Extra variables for the model's chat template, e.g. {"enable_thinking": False}.
     chat_template_kwargs: Mapping[str, Any]
+    # Continue a stored response's conversation (its input and output come first).
+    previous_response_id: str
+    store: bool  # default true: the server keeps the response (Client.get_response)
 
 
 _OPTION_NAMES = frozenset(ResponseOptions.__annotations__)
@@ -136,6 +139,8 @@ class Response:
     incomplete_reason: str | None = None
     # The output text's tokens, with include OUTPUT_TEXT_LOGPROBS (or top_logprobs).
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    stored: bool = False  # kept by the server: a later request may continue it
+    previous_response_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -206,6 +211,9 @@ def response_from_pb(response: pb.Response) -> Response:
         incomplete_reason=(response.incomplete_details.reason
                            if response.HasField("incomplete_details") else None),
         output_logprobs=[entry for part in texts for entry in _token_logprobs(part.logprobs)],
+        stored=response.store,
+        previous_response_id=(response.previous_response_id
+                              if response.HasField("previous_response_id") else None),
     )
 
 

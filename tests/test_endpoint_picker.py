@@ -380,3 +380,37 @@ def test_picker_refusal_reaches_http_clients_as_an_openai_503(cluster: PickerClu
     assert raised.value.body == {"message": raised.value.body["message"],  # type: ignore[index]
                                  "type": "server_error", "param": None, "code": "unavailable"}
     assert "no decode-capable replica" in str(raised.value.message)
+
+
+def test_a_stored_response_is_read_and_continued_where_it_is_stored(
+        cluster: PickerCluster) -> None:
+    """Each replica keeps the responses it answered; a response's id names its replica, so
+    continuations (previous_response_id) and GET /v1/responses/{id} reach that one, over
+    HTTP in both body modes and from gRPC clients."""
+    targets = {name: r.target for name, r in cluster.replicas.items()}
+    for mode in ("BUFFERED", "FULL_DUPLEX_STREAMED"):
+        client = openai_client(cluster.envoy_ports[mode])
+        raw = client.responses.with_raw_response.create(model="tiny", input="alpha bravo",
+                                                        max_output_tokens=2, temperature=0)
+        first = raw.parse()
+        holder = raw.headers[SERVED_HEADER]
+        name = first.id.rsplit("_", 1)[1]  # the replica's engine id ("a" or "b")
+        assert targets[name] == holder
+        previous = first.id
+        for turn in range(4):  # by load alone, some would go to the other replica
+            raw = client.responses.with_raw_response.create(
+                model="tiny", input=f"and then {turn}", previous_response_id=previous,
+                max_output_tokens=2, temperature=0)
+            assert raw.headers[SERVED_HEADER] == holder, (mode, turn)
+            previous = raw.parse().id
+        retrieved = client.responses.with_raw_response.retrieve(first.id)
+        assert retrieved.headers[SERVED_HEADER] == holder
+        assert retrieved.parse().output_text == first.output_text
+        client.responses.delete(previous)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(previous)
+    with Client(f"127.0.0.1:{cluster.envoy_ports['BUFFERED']}", timeout=60) as sdk:
+        assert sdk.get_response(first.id).output_text == first.output_text
+        continued = sdk.respond("and so on", model="tiny", previous_response_id=first.id,
+                                max_output_tokens=2, temperature=0)
+        assert continued.id.endswith(f"_{name}")

@@ -88,6 +88,8 @@ def test_descriptor_set_carries_the_openai_http_routes() -> None:
         "ChatCompleteEvents": ("post", "/v1/chat/completions:stream", "*"),
         "CreateResponse": ("post", "/v1/responses", "*"),
         "CreateResponseEvents": ("post", "/v1/responses:stream", "*"),
+        "GetResponse": ("get", "/v1/responses/{response_id}", ""),
+        "DeleteResponse": ("delete", "/v1/responses/{response_id}", ""),
         "ListModels": ("get", "/v1/models", ""),
         "Tokenize": ("post", "/tokenize", "*"),
         "Detokenize": ("post", "/detokenize", "*"),

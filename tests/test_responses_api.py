@@ -5,7 +5,10 @@ module. A response must say what the offline engine says for the equivalent chat
 float32), streamed or not; the stream's events must come in OpenAI's order and build, in the
 SDK's own accumulator (``client.responses.stream``), the same text; function tools, earlier calls
 and their outputs in the input, structured output and reasoning must come back as their
-items; what cannot be served must be a 400 that names the field, streamed or not.
+items; what cannot be served must be a 400 that names the field, streamed or not. Responses
+are stored (unless ``store`` is false): ``previous_response_id`` continues one's conversation
+as the offline engine continues the same chat, and ``GET`` / ``DELETE /v1/responses/{id}``
+read and drop them.
 """
 
 from __future__ import annotations
@@ -18,14 +21,19 @@ from typing import Any
 import grpc
 import openai
 import pytest
-from google.protobuf import json_format
+from google.protobuf import json_format, struct_pb2
 
 from engine_common.llm import LLM
 from engine_common.output_processor import RequestOutput
 from engine_common.sampling_params import SamplingParams
 from gateway.endpoint_picker import read_request
 from protos.tandem.v1 import generation_pb2, generation_pb2_grpc
-from services.replica.responses_api import chat_request
+from services.replica.errors import InvalidArgument, NotFound
+from services.replica.generation_servicer import GenerationServicer
+from services.replica.response_store import ResponseStore, StoredResponse
+from services.replica.responses_api import chat_request, input_items
+from services.replica.served_model import ServedModel
+from tandem import InvalidRequestError
 from tandem.client import Client
 from tests.openai_http import (
     CITY_SCHEMA,
@@ -89,7 +97,7 @@ def test_a_response_says_what_the_chat_says_streamed_or_not(stack: Stack,
     assert response.usage.output_tokens == len(want.token_ids)
     assert response.usage.total_tokens == prompt_len + response.usage.output_tokens
     assert (response.store, response.metadata, response.max_output_tokens) == (
-        False, {"ticket": "42"}, 10)
+        True, {"ticket": "42"}, 10)
     # The same conversation as input items (system as "developer", content as parts).
     items = [{"role": "developer", "content": INSTRUCTIONS},
              {"type": "message", "role": "user",
@@ -245,7 +253,6 @@ def test_the_grpc_sdk_responds_as_the_openai_sdk(stack: Stack) -> None:
 def test_what_cannot_be_served_is_a_400_naming_the_field(stack: Stack, stream: bool) -> None:
     client = stack.client()
     for options, message in [
-        ({"input": "hi", "previous_response_id": "resp_1"}, "keeps none"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
          "input[0].content[0] has type 'input_image'"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0] has type"),
@@ -314,3 +321,115 @@ def test_output_text_logprobs_are_the_chats(stack: Stack) -> None:
     options.pop("include")
     plain = client.responses.create(**options).output[0].content[0]  # type: ignore[union-attr]
     assert not getattr(plain, "logprobs", None)
+
+
+def test_previous_response_id_continues_the_stored_conversation(stack: Stack,
+                                                                offline: LLM) -> None:
+    """Each response continues the chat of the ones before it (their input, then their
+    output as the assistant's turn; not their instructions), as the offline engine continues
+    that chat; retrieve and delete act on the store, which the chain then misses."""
+    client = stack.client()
+    options: dict[str, Any] = {"model": "tiny", "max_output_tokens": 8, "temperature": 0}
+    first = client.responses.create(instructions=INSTRUCTIONS, input=QUESTION, **options)
+    assert first.store
+    messages: list[dict[str, Any]] = [{"role": "user", "content": QUESTION},
+                                      {"role": "assistant", "content": first.output_text}]
+    previous = first
+    for follow_up in ("And then?", "How does it end?"):
+        messages.append({"role": "user", "content": follow_up})
+        want, prompt_len = offline_chat(offline, messages, 8)
+        response = client.responses.create(previous_response_id=previous.id, input=follow_up,
+                                           **options)
+        assert (response.output_text, response.previous_response_id) == (want.text,
+                                                                         previous.id)
+        assert response.usage is not None and response.usage.input_tokens == prompt_len
+        streamed = list(client.responses.create(previous_response_id=previous.id,
+                                                input=follow_up, stream=True, **options))
+        assert streamed[-1].response.output_text == want.text  # type: ignore[union-attr]
+        messages.append({"role": "assistant", "content": want.text})
+        previous = response
+
+    retrieved = client.responses.retrieve(first.id)
+    assert (retrieved.id, retrieved.output_text, retrieved.instructions) == (
+        first.id, first.output_text, INSTRUCTIONS)
+    client.responses.delete(first.id)
+    for missing in (lambda: client.responses.retrieve(first.id),
+                    lambda: client.responses.delete(first.id),
+                    # The chain of the latest response reaches the deleted one.
+                    lambda: client.responses.create(previous_response_id=previous.id,
+                                                    input="hi", **options)):
+        with pytest.raises(openai.NotFoundError, match=f"no stored response '{first.id}'"):
+            missing()
+
+    kept_back = client.responses.create(input=QUESTION, store=False, **options)
+    assert not kept_back.store
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(kept_back.id)
+    for stream in (False, True):
+        with pytest.raises(openai.NotFoundError, match="no stored response 'resp_1'"):
+            list(client.responses.create(previous_response_id="resp_1", input="hi",  # type: ignore[call-overload]
+                                         stream=stream, **options))
+    # The gRPC SDK reads and drops them too.
+    with Client(stack.gateway, timeout=60) as sdk:
+        opening = sdk.respond(QUESTION, model="tiny", max_output_tokens=8, temperature=0)
+        response = sdk.respond("And then?", model="tiny", previous_response_id=opening.id,
+                               max_output_tokens=8, temperature=0)
+        assert response.stored and response.previous_response_id == opening.id
+        assert response.output_text == offline_chat(offline, [
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": opening.output_text},
+            {"role": "user", "content": "And then?"}], 8)[0].text
+        assert sdk.get_response(response.id).output_text == response.output_text
+        sdk.delete_response(response.id)
+        with pytest.raises(InvalidRequestError, match="NOT_FOUND"):
+            sdk.get_response(response.id)
+
+
+def test_a_stored_function_call_is_replayed_as_the_call_it_was() -> None:
+    """The conversation of a response that called a tool: its input, the call as the
+    assistant's tool_calls, then the new input (the tool's output), in the chat shape."""
+    store = ResponseStore(2)
+    first = json_format.ParseDict({"input": "weather in Paris?"},
+                                  generation_pb2.ResponseRequest())
+    response = json_format.ParseDict({"id": "resp_a", "output": [
+        {"type": "reasoning", "id": "rs_1", "content": [{"type": "reasoning_text",
+                                                         "text": "hmm"}]},
+        {"type": "message", "id": "msg_1", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Let me look."}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "weather",
+         "arguments": '{"city": "Paris"}'}]}, generation_pb2.Response())
+    store.put(StoredResponse(response, input_items(first)))
+    follow_up = json_format.ParseDict(
+        {"previous_response_id": "resp_a",
+         "input": [{"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]},
+        generation_pb2.ResponseRequest())
+    chat = json_format.MessageToDict(chat_request(follow_up, store.conversation("resp_a")),
+                                     preserving_proto_field_name=True)
+    assert chat["messages"] == [
+        {"role": "user", "content": "weather in Paris?"},
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    # Bounded: the oldest goes first.
+    for name in ("resp_b", "resp_c"):
+        store.put(StoredResponse(generation_pb2.Response(id=name), []))
+    assert len(store) == 2
+    with pytest.raises(NotFound, match="keeps the latest 2"):
+        store.conversation("resp_a")
+
+
+def test_a_server_that_keeps_no_responses_says_so(offline: LLM) -> None:
+    """--max-stored-responses 0: nothing is kept, and a continuation is refused with what to
+    do instead."""
+    assert ResponseStore.sized(0) is None
+    with pytest.raises(ValueError, match="0 or more"):
+        ResponseStore.sized(-1)
+    servicer = GenerationServicer(ServedModel("tiny", 256), offline.inputs, generate=None,  # type: ignore[arg-type]
+                                  responses=None)
+    follow_up = generation_pb2.ResponseRequest(input=json_format.ParseDict(
+        "hi", struct_pb2.Value()), previous_response_id="resp_1")
+    with pytest.raises(InvalidArgument, match="keeps none .* send the conversation so far"):
+        servicer._history(follow_up)
+    with pytest.raises(NotFound, match="keeps no responses"):
+        servicer._stored()

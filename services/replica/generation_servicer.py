@@ -19,6 +19,7 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 import grpc.aio
+from google.protobuf import struct_pb2
 from google.protobuf.message import Message
 
 from engine_common.input_processor import InputProcessor
@@ -26,8 +27,9 @@ from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 from services.replica import openai_api as api
 from services.replica import responses_api
-from services.replica.errors import InvalidArgument, rpc_handler
+from services.replica.errors import InvalidArgument, NotFound, rpc_handler
 from services.replica.lora_updates import LoraUpdates, runtime_updates_off
+from services.replica.response_store import ResponseStore, StoredResponse
 from services.replica.served_model import ServedModel
 from services.replica.server_sent_events import write_events
 
@@ -37,11 +39,16 @@ _NO_STREAMED_PROMPT_LOGPROBS = "prompt_logprobs is not available with stream=tru
 
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, model: ServedModel, inputs: InputProcessor, generate: api.GenerateFn,
-                 lora_updates: LoraUpdates | None = None):
+                 lora_updates: LoraUpdates | None = None,
+                 responses: ResponseStore | None = None, responder: str = ""):
         self.model = model
         self.inputs = inputs
         self.generate = generate
         self.lora_updates = lora_updates  # None: adapters are fixed at start
+        self.responses = responses  # None: no response is kept (store is answered false)
+        # Written into response ids (``responses_api.new_response_id``): the engine id of a
+        # replica that serves clients itself, behind an endpoint picker.
+        self.responder = responder
 
     @rpc_handler
     async def Complete(self, request: pb.CompletionRequest,  # noqa: N802 (gRPC's names)
@@ -164,16 +171,47 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def _response_events(
             self, request: pb.ResponseRequest) -> AsyncGenerator[pb.ResponseStreamEvent, None]:
-        chat_request = responses_api.chat_request(request)
+        store = self.responses if not request.HasField("store") or request.store else None
+        chat_request = responses_api.chat_request(request, self._history(request))
         # Resolved before the first event, so that a bad request fails with its status.
         chat = self._chat_stream_request(chat_request)
         events = responses_api.response_events(
             self._chat_chunks_of(chat_request, chat), request=request,
-            response_id=responses_api.new_response_id(),
-            model=self.model.response_name(chat.engine.lora_name))
+            response_id=responses_api.new_response_id(self.responder),
+            model=self.model.response_name(chat.engine.lora_name), store=store is not None)
         async with aclosing(events):
             async for event in events:
+                if store is not None and event.type in responses_api.FINAL_EVENTS:
+                    store.put(StoredResponse(event.response, responses_api.input_items(request),
+                        request.previous_response_id))
                 yield event
+
+    def _history(self, request: pb.ResponseRequest) -> list[struct_pb2.Value]:
+        """The conversation ``previous_response_id`` continues (none without one)."""
+        if not request.previous_response_id:
+            return []
+        if self.responses is None:
+            raise InvalidArgument("previous_response_id needs a stored response, and this "
+                                  "server keeps none (--max-stored-responses 0): send the "
+                                  "conversation so far in input")
+        return self.responses.conversation(request.previous_response_id)
+
+    @rpc_handler
+    async def GetResponse(self, request: pb.GetResponseRequest,  # noqa: N802
+                          context: grpc.aio.ServicerContext) -> pb.Response:
+        return self._stored().get(request.response_id).response
+
+    @rpc_handler
+    async def DeleteResponse(self, request: pb.DeleteResponseRequest,  # noqa: N802
+                             context: grpc.aio.ServicerContext) -> pb.DeleteResponseResponse:
+        self._stored().delete(request.response_id)
+        return pb.DeleteResponseResponse(id=request.response_id, object="response",
+                                         deleted=True)
+
+    def _stored(self) -> ResponseStore:
+        if self.responses is None:
+            raise NotFound("this server keeps no responses (--max-stored-responses 0)")
+        return self.responses
 
     @rpc_handler
     async def ListModels(self, request: pb.ListModelsRequest,  # noqa: N802

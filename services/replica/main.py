@@ -34,6 +34,7 @@ from services.replica.cpu_binding import (
     pin_to_cpus,
     split_engine_cpus,
 )
+from services.replica.response_store import STORE_HELP
 from services.replica.server import ROLES, ReplicaOptions, serve
 
 logger = logging.getLogger("services.replica")
@@ -123,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, default=options.max_waiting,
                    help="requests queued beyond --max-num-seqs before new ones are refused "
                         "with RESOURCE_EXHAUSTED (default: %(default)s)")
+    p.add_argument("--max-stored-responses", type=int, default=options.max_stored_responses,
+                   help=STORE_HELP)
     p.add_argument("--scheduling-policy", default=scheduler.policy, choices=("fcfs", "priority"),
                    help="(default: %(default)s)")
     spec = SpeculativeConfig()
@@ -215,7 +218,8 @@ def options_from_args(args: argparse.Namespace) -> ReplicaOptions:
     return ReplicaOptions(
         engine=engine, role=args.role, host=args.host, port=args.port,
         metrics_port=args.metrics_port, served_model_name=args.served_model_name,
-        max_waiting=args.max_waiting, shutdown_grace_s=args.shutdown_grace)
+        max_waiting=args.max_waiting, shutdown_grace_s=args.shutdown_grace,
+        max_stored_responses=args.max_stored_responses)
 
 
 def _ngram_range(text: str) -> tuple[int, int]:

@@ -14,14 +14,17 @@ Owns the translation both ways, and nothing else:
   ``function_call`` item; ``final_response`` is the last event's response, for the
   non-streaming call, so that both calls answer from the same code.
 
-The API is stateless, as vLLM's is without a store: nothing is kept, ``store`` is answered
-false and ``previous_response_id`` is refused. Templates, tool parsing, reasoning
-separation, structured output and validation of the chat request are ``openai_api``'s.
+A request that continues a stored response (``previous_response_id``) gets that
+conversation's items before its own (``history``, from ``response_store``); ``input_items``
+and ``output_as_input`` give the items a response is stored and replayed as. Templates, tool
+parsing, reasoning separation, structured output and validation of the chat request are
+``openai_api``'s.
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -41,28 +44,51 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # The chat finish reason that makes a response incomplete, and the reason OpenAI gives.
 _CUT_BY_LIMIT = "length"
 _INCOMPLETE_REASON = "max_output_tokens"
+# The events that end a stream, carrying the finished response.
+FINAL_EVENTS = frozenset({"response.completed", "response.incomplete"})
 
 
-def new_response_id() -> str:
-    return f"resp_{uuid.uuid4().hex}"
+def new_response_id(responder: str = "") -> str:
+    """A fresh id; ``responder`` (a replica's engine id, where the response is stored) is
+    written into it, so that a picker in front of several replicas can send
+    ``previous_response_id`` and ``GET /v1/responses/{id}`` to the one that has it."""
+    suffix = f"_{responder}" if _RESPONDER.fullmatch(responder) else ""
+    return f"resp_{uuid.uuid4().hex}{suffix}"
+
+
+def responder_of(response_id: str) -> str:
+    """The engine id ``new_response_id`` wrote into ``response_id`` ("" if none)."""
+    match = _RESPONSE_ID.fullmatch(response_id)
+    return match.group(1) if match else ""
+
+
+# Engine ids that may stand in an id (a URL path segment): Kubernetes pod names, say.
+_RESPONDER = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,99}")
+_RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}_(" + _RESPONDER.pattern + ")")
 
 
 # --------------------------------------------------------------------------- requests in
 
 
-def chat_request(request: pb.ResponseRequest) -> pb.ChatCompletionRequest:
-    """The chat completions request that asks what ``request`` asks; raises
-    InvalidArgument for what the Responses API allows and Tandem cannot serve."""
-    if request.previous_response_id:
-        raise InvalidArgument(
-            "previous_response_id needs a stored response, and Tandem keeps none (store is "
-            "always false): send the conversation so far in input")
+def chat_request(request: pb.ResponseRequest,
+                 history: Sequence[struct_pb2.Value] = ()) -> pb.ChatCompletionRequest:
+    """The chat completions request that asks what ``request`` asks, after the input items
+    of ``history`` (the conversation of its previous response); raises InvalidArgument for
+    what the Responses API allows and Tandem cannot serve."""
     chat = pb.ChatCompletionRequest(model=request.model, user=request.user,
                                     cache_salt=request.cache_salt, priority=request.priority)
     if request.instructions:
         chat.messages.add(role="system",
                           content=struct_pb2.Value(string_value=request.instructions))
-    _add_input(chat, request)
+    kind = request.input.WhichOneof("kind")
+    if kind != "string_value" and (kind != "list_value" or not request.input.list_value.values):
+        raise InvalidArgument("input must be a string or a non-empty list of input items "
+                              '(messages like {"role": "user", "content": "..."}, '
+                              "function_call and function_call_output items)")
+    for i, item in enumerate(history):
+        _add_item(chat, item, f"the conversation of previous_response_id, item {i}")
+    for i, item in enumerate(input_items(request)):
+        _add_item(chat, item, f"input[{i}]")
     if request.HasField("max_output_tokens"):
         chat.max_completion_tokens = request.max_output_tokens
     for name in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty",
@@ -93,41 +119,60 @@ def chat_request(request: pb.ResponseRequest) -> pb.ChatCompletionRequest:
     return chat
 
 
-def _add_input(chat: pb.ChatCompletionRequest, request: pb.ResponseRequest) -> None:
-    kind = request.input.WhichOneof("kind")
-    if kind == "string_value":
-        chat.messages.add(role="user", content=request.input)
-        return
-    if kind != "list_value" or not request.input.list_value.values:
-        raise InvalidArgument("input must be a string or a non-empty list of input items "
-                              '(messages like {"role": "user", "content": "..."}, '
-                              "function_call and function_call_output items)")
-    for i, value in enumerate(request.input.list_value.values):
-        if value.WhichOneof("kind") != "struct_value":
-            raise InvalidArgument(f"input[{i}] must be an object (an input item)")
-        item = MessageToDict(value.struct_value)
-        item_type = item.get("type", "message")
-        if item_type == "message":
-            _add_message(chat, item, f"input[{i}]")
-        elif item_type == "function_call":
-            call_id, name, arguments = (_string(item, key, f"input[{i}]")
-                                        for key in ("call_id", "name", "arguments"))
-            last = chat.messages[-1] if chat.messages else None
-            # Calls right after an assistant message (or after each other) are that turn's.
-            turn = (last if last is not None and last.role == "assistant"
-                    else chat.messages.add(role="assistant"))
-            turn.tool_calls.add(id=call_id, type="function").function.CopyFrom(
-                pb.FunctionCall(name=name, arguments=arguments))
-        elif item_type == "function_call_output":
-            output = item.get("output")
-            chat.messages.add(
-                role="tool", tool_call_id=_string(item, "call_id", f"input[{i}]"),
-                content=struct_pb2.Value(string_value=output if isinstance(output, str)
-                                         else _text_of(output, f"input[{i}].output")))
-        elif item_type != "reasoning":  # an earlier turn's reasoning: not rendered
-            raise InvalidArgument(
-                f"input[{i}] has type {item_type!r}; Tandem reads messages, function_call and "
-                "function_call_output items (it keeps no state, so no item_reference)")
+def input_items(request: pb.ResponseRequest) -> list[struct_pb2.Value]:
+    """The request's input as input items (a string as one user message)."""
+    if request.input.WhichOneof("kind") == "string_value":
+        return [ParseDict({"role": "user", "content": request.input.string_value},
+                          struct_pb2.Value())]
+    return list(request.input.list_value.values)
+
+
+def output_as_input(output: Sequence[pb.ResponseOutputItem]) -> list[struct_pb2.Value]:
+    """A response's output as the input items that replay it: a message as an assistant
+    message, a function call as a function_call item; reasoning is left out, as chat
+    templates drop an earlier turn's thinking."""
+    items = []
+    for item in output:
+        if item.type == "message":
+            value: dict[str, Any] = {
+                "type": "message", "role": "assistant",
+                "content": [{"type": "output_text", "text": "".join(p.text for p in item.content)}]}
+        elif item.type == "function_call":
+            value = {"type": "function_call", "call_id": item.call_id, "name": item.name,
+                     "arguments": item.arguments}
+        else:
+            continue
+        items.append(ParseDict(value, struct_pb2.Value()))
+    return items
+
+
+def _add_item(chat: pb.ChatCompletionRequest, value: struct_pb2.Value, where: str) -> None:
+    if value.WhichOneof("kind") != "struct_value":
+        raise InvalidArgument(f"{where} must be an object (an input item)")
+    item = MessageToDict(value.struct_value)
+    item_type = item.get("type", "message")
+    if item_type == "message":
+        _add_message(chat, item, where)
+    elif item_type == "function_call":
+        call_id, name, arguments = (_string(item, key, where)
+                                    for key in ("call_id", "name", "arguments"))
+        last = chat.messages[-1] if chat.messages else None
+        # Calls right after an assistant message (or after each other) are that turn's.
+        turn = (last if last is not None and last.role == "assistant"
+                else chat.messages.add(role="assistant"))
+        turn.tool_calls.add(id=call_id, type="function").function.CopyFrom(
+            pb.FunctionCall(name=name, arguments=arguments))
+    elif item_type == "function_call_output":
+        output = item.get("output")
+        chat.messages.add(
+            role="tool", tool_call_id=_string(item, "call_id", where),
+            content=struct_pb2.Value(string_value=output if isinstance(output, str)
+                                     else _text_of(output, f"{where}.output")))
+    elif item_type != "reasoning":  # an earlier turn's reasoning: not rendered
+        raise InvalidArgument(
+            f"{where} has type {item_type!r}; Tandem reads messages, function_call and "
+            "function_call_output items (continue a stored conversation with "
+            "previous_response_id rather than item_reference)")
 
 
 def _add_message(chat: pb.ChatCompletionRequest, item: dict[str, object], where: str) -> None:
@@ -188,11 +233,12 @@ def _set_response_format(out: pb.ResponseFormat, text_format: pb.ResponseTextFor
 # --------------------------------------------------------------------------- responses out
 
 
-def _response_shell(request: pb.ResponseRequest, response_id: str, model: str) -> pb.Response:
+def _response_shell(request: pb.ResponseRequest, response_id: str, model: str,
+                    store: bool) -> pb.Response:
     """The response before any output: in progress, the request's settings echoed."""
     response = pb.Response(id=response_id, object="response", created_at=int(time.time()),
                            model=model, status="in_progress", tools=request.tools,
-                           metadata=request.metadata, store=False,
+                           metadata=request.metadata, store=store,
                            parallel_tool_calls=(request.parallel_tool_calls
                                                 if request.HasField("parallel_tool_calls")
                                                 else True))
@@ -201,6 +247,8 @@ def _response_shell(request: pb.ResponseRequest, response_id: str, model: str) -
             setattr(response, name, getattr(request, name))
     if request.instructions:
         response.instructions = request.instructions
+    if request.previous_response_id:
+        response.previous_response_id = request.previous_response_id
     if request.HasField("tool_choice"):
         response.tool_choice.CopyFrom(request.tool_choice)
     response.text.format.CopyFrom(request.text.format)
@@ -310,10 +358,11 @@ class _ResponseBuilder:
 
 async def response_events(
     chunks: AsyncIterator[pb.ChatCompletionChunk], *, request: pb.ResponseRequest,
-    response_id: str, model: str,
+    response_id: str, model: str, store: bool = False,
 ) -> AsyncGenerator[pb.ResponseStreamEvent, None]:
-    """The Responses stream of one chat stream (one choice, usage in its last chunk)."""
-    builder = _ResponseBuilder(_response_shell(request, response_id, model),
+    """The Responses stream of one chat stream (one choice, usage in its last chunk);
+    ``store``: the response will be kept, as it says."""
+    builder = _ResponseBuilder(_response_shell(request, response_id, model, store),
                                logprobs=LOGPROBS_INCLUDE in request.include)
     response = builder.response
     yield builder.event("created", response=response)

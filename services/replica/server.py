@@ -32,6 +32,7 @@ from services.replica.generation_servicer import GenerationServicer
 from services.replica.local_engine import LocalEngine
 from services.replica.lora_updates import LocalLoraUpdates
 from services.replica.prefill_peers import PrefillPeers
+from services.replica.response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from services.replica.served_model import ServedModel
 from services.replica.validation import MAX_MESSAGE_BYTES
 
@@ -58,6 +59,8 @@ class ReplicaOptions:
     served_model_name: str | None = None
     # Requests admitted beyond engine.scheduler.max_num_seqs before RESOURCE_EXHAUSTED.
     max_waiting: int = 256
+    # Responses kept for previous_response_id and GET /v1/responses/{id}; 0: none.
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
     shutdown_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -90,8 +93,9 @@ class ReplicaServer:
         lora_updates = (
             LocalLoraUpdates(llm, lambda: self.model, self._serve_lora_adapters)
             if options.engine.model_settings.allow_runtime_lora_updating else None)
-        self.generation = GenerationServicer(self.model, llm.inputs, self.engine.generate,
-                                             lora_updates)
+        self.generation = GenerationServicer(
+            self.model, llm.inputs, self.engine.generate, lora_updates,
+            ResponseStore.sized(options.max_stored_responses), responder=info.engine_id)
         self.engine_servicer = EngineServicer(self.engine, options.role, self.model,
                                               lora_updates)
         generation_pb2_grpc.add_GenerationServicer_to_server(self.generation, self.server)

@@ -623,7 +623,7 @@ class ResponseUsage(_message.Message):
     def __init__(self, input_tokens: _Optional[int] = ..., input_tokens_details: _Optional[_Union[ResponseInputTokensDetails, _Mapping]] = ..., output_tokens: _Optional[int] = ..., output_tokens_details: _Optional[_Union[ResponseOutputTokensDetails, _Mapping]] = ..., total_tokens: _Optional[int] = ...) -> None: ...
 
 class Response(_message.Message):
-    __slots__ = ("id", "object", "created_at", "model", "status", "incomplete_details", "output", "usage", "instructions", "max_output_tokens", "temperature", "top_p", "tool_choice", "tools", "text", "parallel_tool_calls", "metadata", "store")
+    __slots__ = ("id", "object", "created_at", "model", "status", "incomplete_details", "output", "usage", "instructions", "max_output_tokens", "temperature", "top_p", "tool_choice", "tools", "text", "parallel_tool_calls", "metadata", "store", "previous_response_id")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -649,6 +649,7 @@ class Response(_message.Message):
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
     id: str
     object: str
     created_at: int
@@ -667,7 +668,30 @@ class Response(_message.Message):
     parallel_tool_calls: bool
     metadata: _containers.ScalarMap[str, str]
     store: bool
-    def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., created_at: _Optional[int] = ..., model: _Optional[str] = ..., status: _Optional[str] = ..., incomplete_details: _Optional[_Union[ResponseIncompleteDetails, _Mapping]] = ..., output: _Optional[_Iterable[_Union[ResponseOutputItem, _Mapping]]] = ..., usage: _Optional[_Union[ResponseUsage, _Mapping]] = ..., instructions: _Optional[str] = ..., max_output_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., tool_choice: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[ResponseTool, _Mapping]]] = ..., text: _Optional[_Union[ResponseTextConfig, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., metadata: _Optional[_Mapping[str, str]] = ..., store: _Optional[bool] = ...) -> None: ...
+    previous_response_id: str
+    def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., created_at: _Optional[int] = ..., model: _Optional[str] = ..., status: _Optional[str] = ..., incomplete_details: _Optional[_Union[ResponseIncompleteDetails, _Mapping]] = ..., output: _Optional[_Iterable[_Union[ResponseOutputItem, _Mapping]]] = ..., usage: _Optional[_Union[ResponseUsage, _Mapping]] = ..., instructions: _Optional[str] = ..., max_output_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., tool_choice: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[ResponseTool, _Mapping]]] = ..., text: _Optional[_Union[ResponseTextConfig, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., metadata: _Optional[_Mapping[str, str]] = ..., store: _Optional[bool] = ..., previous_response_id: _Optional[str] = ...) -> None: ...
+
+class GetResponseRequest(_message.Message):
+    __slots__ = ("response_id",)
+    RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
+    response_id: str
+    def __init__(self, response_id: _Optional[str] = ...) -> None: ...
+
+class DeleteResponseRequest(_message.Message):
+    __slots__ = ("response_id",)
+    RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
+    response_id: str
+    def __init__(self, response_id: _Optional[str] = ...) -> None: ...
+
+class DeleteResponseResponse(_message.Message):
+    __slots__ = ("id", "object", "deleted")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_FIELD_NUMBER: _ClassVar[int]
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    object: str
+    deleted: bool
+    def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., deleted: _Optional[bool] = ...) -> None: ...
 
 class ResponseStreamEvent(_message.Message):
     __slots__ = ("type", "sequence_number", "response", "output_index", "content_index", "item_id", "item", "part", "delta", "text", "arguments", "logprobs")

@@ -82,6 +82,16 @@ class GenerationStub:
                 request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ResponseRequest.SerializeToString,
                 response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
                 _registered_method=True)
+        self.GetResponse = channel.unary_unary(
+                '/tandem.v1.Generation/GetResponse',
+                request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.GetResponseRequest.SerializeToString,
+                response_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.Response.FromString,
+                _registered_method=True)
+        self.DeleteResponse = channel.unary_unary(
+                '/tandem.v1.Generation/DeleteResponse',
+                request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.DeleteResponseRequest.SerializeToString,
+                response_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.DeleteResponseResponse.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/tandem.v1.Generation/ListModels',
                 request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
@@ -158,9 +168,9 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CreateResponse(self, request, context):
-        """OpenAI's Responses API without server-side state: POST /v1/responses with "stream" absent
-        or false. Served by the chat completions machinery (same template, tools, reasoning,
-        structured output), answered in the Responses shape.
+        """OpenAI's Responses API: POST /v1/responses with "stream" absent or false. Served by the
+        chat completions machinery (same template, tools, reasoning, structured output),
+        answered in the Responses shape; stored unless the request says store false.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -178,6 +188,21 @@ class GenerationServicer:
         name ("event: TYPE\ndata: {json}\n\n"), "data: [DONE]\n\n" last. The HTTP layer routes
         POST /v1/responses with "stream": true here.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetResponse(self, request, context):
+        """A response this server stored (store true, the default): GET /v1/responses/{id}.
+        NOT_FOUND for one created with store false, deleted, or dropped (the store keeps the
+        latest --max-stored-responses).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteResponse(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -265,6 +290,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.CreateResponseEvents,
                     request_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ResponseRequest.FromString,
                     response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'GetResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetResponse,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.GetResponseRequest.FromString,
+                    response_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.Response.SerializeToString,
+            ),
+            'DeleteResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteResponse,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.DeleteResponseRequest.FromString,
+                    response_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.DeleteResponseResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -537,6 +572,60 @@ class Generation:
             '/tandem.v1.Generation/CreateResponseEvents',
             protos_dot_tandem_dot_v1_dot_generation__pb2.ResponseRequest.SerializeToString,
             google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Generation/GetResponse',
+            protos_dot_tandem_dot_v1_dot_generation__pb2.GetResponseRequest.SerializeToString,
+            protos_dot_tandem_dot_v1_dot_generation__pb2.Response.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Generation/DeleteResponse',
+            protos_dot_tandem_dot_v1_dot_generation__pb2.DeleteResponseRequest.SerializeToString,
+            protos_dot_tandem_dot_v1_dot_generation__pb2.DeleteResponseResponse.FromString,
             options,
             channel_credentials,
             insecure,
