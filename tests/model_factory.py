@@ -182,3 +182,16 @@ def write_lora_adapter(base_dir: Path, out_dir: Path, *, seed: int, **lora: obje
     config = LoraConfig(init_lora_weights=False, **lora)  # type: ignore[arg-type]
     get_peft_model(base, config).save_pretrained(out_dir)
     return out_dir
+
+
+def write_serving_adapters(base_dir: Path, root: Path) -> dict[str, str]:
+    """Two adapters the serving tests load by name: "sql" (rank 4 on every projection) and
+    "poet" (rank 8 on q, v and down), as --lora-modules takes them (name -> directory)."""
+    return {
+        "sql": str(write_lora_adapter(
+            base_dir, root / "sql", seed=1, r=4, lora_alpha=16,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                            "down_proj"])),
+        "poet": str(write_lora_adapter(base_dir, root / "poet", seed=2, r=8, lora_alpha=8,
+                                       target_modules=["q_proj", "v_proj", "down_proj"])),
+    }

@@ -36,7 +36,7 @@ from gateway.registry import ReplicaRegistry
 from protos.tandem.v1 import engine_pb2, engine_pb2_grpc
 from services.replica.served_model import ServedModel
 from tandem import Client, InvalidRequestError, TandemError
-from tests.model_factory import write_lora_adapter
+from tests.model_factory import write_serving_adapters
 from tests.replica_process import (
     ReplicaProcess,
     envoy_answers,
@@ -84,16 +84,7 @@ class Suite:
 
 @pytest.fixture(scope="module")
 def adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("runtime-lora-adapters")
-    return {
-        "sql": str(write_lora_adapter(
-            tiny_llama_dir, root / "sql", seed=1, r=4, lora_alpha=16,
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                            "down_proj"])),
-        "poet": str(write_lora_adapter(tiny_llama_dir, root / "poet", seed=2, r=8,
-                                       lora_alpha=8,
-                                       target_modules=["q_proj", "v_proj", "down_proj"])),
-    }
+    return write_serving_adapters(tiny_llama_dir, tmp_path_factory.mktemp("runtime-lora-adapters"))
 
 
 @pytest.fixture(scope="module")

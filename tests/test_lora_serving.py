@@ -31,7 +31,7 @@ from engine_common.sampling_params import SamplingParams
 from gateway.snapshot import prompt_block_hashes
 from protos.tandem.v1 import engine_pb2, engine_pb2_grpc
 from tandem import Client, InvalidRequestError
-from tests.model_factory import write_lora_adapter
+from tests.model_factory import write_serving_adapters
 from tests.replica_process import (
     ReplicaProcess,
     free_port,
@@ -55,16 +55,7 @@ class Suite:
 
 @pytest.fixture(scope="module")
 def adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("lora-adapters")
-    return {
-        "sql": str(write_lora_adapter(
-            tiny_llama_dir, root / "sql", seed=1, r=4, lora_alpha=16,
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                            "down_proj"])),
-        "poet": str(write_lora_adapter(tiny_llama_dir, root / "poet", seed=2, r=8,
-                                       lora_alpha=8,
-                                       target_modules=["q_proj", "v_proj", "down_proj"])),
-    }
+    return write_serving_adapters(tiny_llama_dir, tmp_path_factory.mktemp("lora-adapters"))
 
 
 @pytest.fixture(scope="module")
