@@ -3,13 +3,15 @@
 Owns the RPC handlers: check the model name, resolve the request (``openai_api``), run its
 ``n`` choices through the ``GenerateFn`` (``openai_api.generate_choices``) and write
 OpenAI-shaped responses; every failure becomes a status (``errors.rpc_handler``). The
-Responses API runs as the chat request it translates to (``responses_api``). The
-``*Events`` RPCs write the streams' chunks as server-sent events for HTTP clients
-(``server_sent_events``). Streams are
-closed explicitly, so a client that cancels or runs out of deadline aborts every choice of its
-request in the engine at once. The replica builds it over its local
-engine; the gateway can build it over a remote replica's ``Engine.Generate``, with the same
-tokenizer (``InputProcessor``) and served model. It does not own tokenization rules
+Responses API runs as the chat request it translates to (``responses_api``), after the
+conversation of a stored response it continues; finished responses are stored
+(``response_store``) unless the request says not to. Loading and unloading LoRA adapters is
+handed to a ``LoraUpdates`` where the server allows it. The ``*Events`` RPCs write the
+streams' chunks as server-sent events for HTTP clients (``server_sent_events``). Streams are
+closed explicitly, so a client that cancels or runs out of deadline aborts every choice of
+its request in the engine at once. The replica builds it over its local engine; the gateway
+can build it over a remote replica's ``Engine.Generate``, with the same tokenizer
+(``InputProcessor``) and served model. It does not own tokenization rules
 (``InputProcessor``), admission or the engine.
 """
 
@@ -183,7 +185,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             async for event in events:
                 if store is not None and event.type in responses_api.FINAL_EVENTS:
                     store.put(StoredResponse(event.response, responses_api.input_items(request),
-                        request.previous_response_id))
+                                             request.previous_response_id))
                 yield event
 
     def _history(self, request: pb.ResponseRequest) -> list[struct_pb2.Value]:
