@@ -2,10 +2,11 @@
 
 Owns the gateway's side of ``Generation.LoadLoraAdapter`` / ``UnloadLoraAdapter``: asking
 each replica in rotation (``Engine.LoadLora`` / ``UnloadLora``) at once, all or nothing for a
-load (the replicas that loaded it unload it again when another refused), and keeping the
-adapters loaded this way on replicas that join later or come back from a restart (which
-forgets them): ``reconcile`` loads each missing one once per replica process. One change
-runs at a time. It does not own the replicas' own checks and loading
+load (the replicas that loaded it unload it again when another refused), and holding the
+replicas to it: ``reconcile`` loads the adapters loaded this way on replicas that join later
+or come back from a restart (which forgets them), and unloads those unloaded this way from a
+replica that was out of rotation at the time, once per replica process and adapter. One
+change runs at a time. It does not own the replicas' own checks and loading
 (``services.replica.lora_updates``, ``engine_common.lora``) or routing by adapter (``picker``).
 """
 
@@ -55,6 +56,9 @@ class ClusterLoraUpdates:
         self.on_change = on_change
         # Adapters loaded through this gateway, which replicas that lack them get: name -> path.
         self.runtime_adapters: dict[str, str] = {}
+        # Adapters unloaded through this gateway (and not loaded since), which replicas that
+        # serve them lose.
+        self.unloaded: set[str] = set()
         # (address, epoch, name): loads ``reconcile`` tried, so it tries each once per
         # replica process (a restart takes a replica out of rotation: a new epoch).
         self._reconciled: set[tuple[str, int, str]] = set()
@@ -89,6 +93,7 @@ class ClusterLoraUpdates:
                 raise AlreadyExists(f"LoRA adapter {name!r} is already served by every replica "
                                     f"({', '.join(r.address for r in had_it)})")
             self.runtime_adapters[name] = path
+            self.unloaded.discard(name)
             self.on_change()
             already = f"; {len(had_it)} already had it" if had_it else ""
             return (f"LoRA adapter {name!r} loaded on {len(loaded)} "
@@ -102,6 +107,7 @@ class ClusterLoraUpdates:
             if not holders:
                 raise NotFound(f"no replica serves LoRA adapter {name!r}; served: "
                                f"{', '.join(self._served()) or 'none'}")
+            self.unloaded.add(name)
             failures = await self._unload_from(holders, name)
             self.on_change()
             if failures:
@@ -114,33 +120,42 @@ class ClusterLoraUpdates:
                     f"replica{'s' if len(holders) != 1 else ''}", self._served())
 
     async def reconcile(self) -> None:
-        """Loads the adapters loaded through this gateway on the replicas in rotation that
-        lack them (new ones, restarted ones), once per replica process and adapter."""
-        if not self.runtime_adapters or self._lock.locked():
+        """Brings the replicas in rotation to what was loaded and unloaded through this
+        gateway: loads the runtime adapters a replica lacks (a new one, a restarted one)
+        and unloads those unloaded here that it serves (it was out of rotation then, or
+        its flags load them at start), once per replica process and adapter."""
+        names = {*self.runtime_adapters, *self.unloaded}
+        if not names or self._lock.locked():
             return
         async with self._lock:
-            missing = [(replica, name, path) for replica in self.registry.routable()
-                       for name, path in self.runtime_adapters.items()
-                       if name not in replica.lora_adapters and
-                       (replica.address, replica.epoch, name) not in self._reconciled]
-            if not missing:
+            changes = [(replica, name) for replica in self.registry.routable() for name in names
+                       if (name in self.runtime_adapters) != (name in replica.lora_adapters)
+                       and (replica.address, replica.epoch, name) not in self._reconciled]
+            if not changes:
                 return
-            for replica, name, _ in missing:
-                self._reconciled.add((replica.address, replica.epoch, name))
-            results = await asyncio.gather(
-                *(replica.engine.LoadLora(engine_pb2.LoadLoraRequest(lora_name=name,
-                                                                     lora_path=path),
-                                          timeout=_RPC_TIMEOUT_S)
-                  for replica, name, path in missing), return_exceptions=True)
-            for (replica, name, _), result in zip(missing, results, strict=True):
+            self._reconciled.update((r.address, r.epoch, name) for r, name in changes)
+            results = await asyncio.gather(*(self._reconcile_one(replica, name)
+                                             for replica, name in changes),
+                                           return_exceptions=True)
+            for (replica, name), result in zip(changes, results, strict=True):
+                verb = "load" if name in self.runtime_adapters else "unload"
                 if isinstance(result, engine_pb2.LoraAdapters):
                     replica.lora_adapters = frozenset(result.names)
-                    logger.info("loaded LoRA adapter %r on replica %s, which lacked it",
-                                name, replica.address)
-                elif _code(result) != grpc.StatusCode.ALREADY_EXISTS:
-                    logger.warning("replica %s lacks LoRA adapter %r and did not load it: %s",
-                                   replica.address, name, _details(result))
+                    logger.info("replica %s: %sed LoRA adapter %r, as this gateway did",
+                                replica.address, verb, name)
+                elif _code(result) not in (grpc.StatusCode.ALREADY_EXISTS,
+                                           grpc.StatusCode.NOT_FOUND):
+                    logger.warning("replica %s did not %s LoRA adapter %r: %s",
+                                   replica.address, verb, name, _details(result))
             self.on_change()
+
+    async def _reconcile_one(self, replica: Replica, name: str) -> engine_pb2.LoraAdapters:
+        path = self.runtime_adapters.get(name)
+        if path is None:
+            return await replica.engine.UnloadLora(engine_pb2.UnloadLoraRequest(lora_name=name),
+                                                   timeout=_RPC_TIMEOUT_S)
+        return await replica.engine.LoadLora(
+            engine_pb2.LoadLoraRequest(lora_name=name, lora_path=path), timeout=_RPC_TIMEOUT_S)
 
     def _in_rotation(self) -> list[Replica]:
         replicas = self.registry.routable()

@@ -7,8 +7,9 @@ engine answers with the adapter loaded at start (which the engine tests hold equ
 Face + PEFT), through P/D; over HTTP too (POST /v1/load_lora_adapter). A load is all or
 nothing: when one replica refuses, those that loaded it unload it again. Unloading lets a
 request running with the adapter finish with it and refuses new ones. The gateway gives its
-adapters to a replica that restarts (which forgot them). Each refusal has its status and a
-message naming what to do.
+adapters to a replica that restarts (which forgot them), and takes an adapter it unloaded
+from a replica that was away at the time. Each refusal has its status and a message naming
+what to do.
 """
 
 from __future__ import annotations
@@ -268,6 +269,23 @@ def test_a_restarted_replica_gets_the_gateways_adapters_back(
                                  ignore_eos=True)
         assert answer.text == greedy(offline, "poet")
         client.unload_lora_adapter("poet")
+
+
+def test_a_replica_away_during_an_unload_loses_the_adapter_on_return(
+        suite: Suite, adapters: dict[str, str]) -> None:
+    """The decode replica is down while the gateway unloads an adapter, and comes back
+    serving it (its flags load it at start): the gateway unloads it there too."""
+    with Client(suite.gateway, timeout=60) as client:
+        client.load_lora_adapter("sql", adapters["sql"])
+        suite.replicas["decode"].kill()
+        time.sleep(1.0)  # the gateway's health watch sees it go
+        served = client.unload_lora_adapter("sql")
+    assert served == [] and suite.adapters_of("prefill") == []
+    suite.replicas["decode"] = restart_replica(
+        suite.replicas["decode"], suite.model_dir, suite.logs, "decode",
+        [*COMMON, *RUNTIME, "--role", "decode", "--lora-modules", f"sql={adapters['sql']}"])
+    wait_until(lambda: suite.adapters_of("decode") == [], time.monotonic() + 30,
+               "the adapter unloaded from the returning replica", suite.logs)
 
 
 def test_the_cli_loads_and_unloads(suite: Suite, adapters: dict[str, str]) -> None:
