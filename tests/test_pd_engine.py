@@ -22,8 +22,10 @@ from engine_common.config import (
     SpeculativeConfig,
 )
 from engine_common.engine_core import EngineCore
+from engine_common.lora.loaded_adapters import LoraAdapterExists
 from engine_common.outputs import EngineCoreRequest, RemotePrefill
 from engine_common.sampling_params import SamplingParams
+from tests.model_factory import write_lora_adapter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -227,3 +229,27 @@ def test_layout_mismatch_is_detected_and_recomputed(tiny_llama_dir, cores):
         wait_released(p)
     finally:
         other.remote_kv.close()
+
+
+def test_an_adapters_blocks_held_for_a_decode_replica_keep_its_name_taken(
+        cores, tiny_llama_dir, tmp_path):
+    """A prefill replica's pinned blocks are cached under their LoRA adapter's name: after
+    an unload the name stays taken (a new adapter under it could hit those blocks) until the
+    decode side releases them; then it may be loaded again."""
+    p, _, _ = cores
+    adapter = str(write_lora_adapter(tiny_llama_dir, tmp_path / "a", seed=3, r=4,
+                                     target_modules=["q_proj", "v_proj"]))
+    p.load_lora_adapter("a", adapter)
+    one = replace(GREEDY, max_tokens=1)
+    p.add_request(EngineCoreRequest("held-lora", list(range(3, 40)), one, time.monotonic(),
+                                    hold_kv=True, lora_name="a"))
+    run_until(p, lambda o: any(x.finished for x in o))
+    assert "held-lora" in p.scheduler.held
+    p.unload_lora_adapter("a")
+    with pytest.raises(LoraAdapterExists, match="still being unloaded: 1 request"):
+        p.load_lora_adapter("a", adapter)
+    p.release_kv(["held-lora"])
+    wait_released(p)
+    p.load_lora_adapter("a", adapter)
+    p.unload_lora_adapter("a")
+    assert not p.model_runner.lora_adapters.has_weights
