@@ -121,6 +121,7 @@ class ResponseUsage:
     output_tokens: int
     total_tokens: int
     cached_tokens: int = 0  # input tokens served from the prefix cache
+    reasoning_tokens: int = 0  # output tokens of the reasoning
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,7 @@ def response_from_pb(response: pb.Response) -> Response:
             output_tokens=response.usage.output_tokens,
             total_tokens=response.usage.total_tokens,
             cached_tokens=response.usage.input_tokens_details.cached_tokens,
+            reasoning_tokens=response.usage.output_tokens_details.reasoning_tokens,
         )
     return Response(
         id=response.id,

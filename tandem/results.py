@@ -24,6 +24,7 @@ class Usage:
     completion_tokens: int
     total_tokens: int
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    reasoning_tokens: int = 0  # completion tokens of a thinking model's reasoning
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,7 @@ def usage_from_pb(
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
         cached_tokens=usage.prompt_tokens_details.cached_tokens,
+        reasoning_tokens=usage.completion_tokens_details.reasoning_tokens,
     )
 
 

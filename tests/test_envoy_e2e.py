@@ -297,6 +297,9 @@ def test_reasoning_is_returned_apart_from_the_content(stack: Stack, offline: LLM
     chat = client.chat.completions.create(**options)
     message = chat.choices[0].message
     assert chat.usage is not None and chat.usage.prompt_tokens == len(prompt)
+    # Every token of an open block is the reasoning's (ignore_eos: all 10 of them).
+    details = chat.usage.completion_tokens_details
+    assert details is not None and details.reasoning_tokens == (10 if thinking else 0)
     assert (message.content, (message.model_extra or {}).get("reasoning")) == (content, reasoning)
     chunks = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **options)
               if c.choices]
@@ -314,6 +317,8 @@ def test_reasoning_is_returned_apart_from_the_content(stack: Stack, offline: LLM
                                        "chat_template_kwargs": kwargs}
         answer = sdk.chat(MESSAGES, **sdk_options)
         assert (answer.reasoning, answer.content) == (reasoning, content or "")
+        assert answer.usage is not None
+        assert answer.usage.reasoning_tokens == (10 if thinking else 0)
         pieces = list(sdk.chat_stream(MESSAGES, **sdk_options))
         assert "".join(p.reasoning for p in pieces) == (reasoning or "")
         assert "".join(p.content for p in pieces) == (content or "")

@@ -6,12 +6,22 @@ and 7 characters must say what the whole split says, so no piece of a tag ever s
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+
 import pytest
 
 from engine_common.input_processor import InputProcessor
 from engine_common.tokenizer import load_tokenizer
 from protos.tandem.v1 import generation_pb2 as pb
-from services.replica.openai_api import ChatRequest, chat_to_engine_request
+from services.replica.openai_api import (
+    ChatRequest,
+    ChoiceDelta,
+    GenerationDelta,
+    chat_chunks,
+    chat_response,
+    chat_to_engine_request,
+)
 from services.replica.reasoning import ReasoningPlan, reasoning_plan
 from services.replica.tool_calls import ToolPlan
 from tandem.request_builders import chat_message
@@ -159,3 +169,45 @@ def test_a_constrained_chat_of_a_thinking_model_defers_its_grammar(tiny_llama_di
         assert resolved.engine.params.structured_output is not None
         assert resolved.engine.params.structured_output.starts_after == ()
         assert not resolved.reasoning.enabled
+
+
+# (opened, the output's tokens as text pieces, how many are the reasoning's)
+TOKEN_CASES = [
+    (False, ["<think>", "\n", "weigh", "</think>", "\n\n", "The", " answer."], 4),
+    (False, ["<", "think", ">", "x", "</", "think", ">", "y"], 7),  # tags of several tokens
+    (False, ["  ", "<think>", "x", "</think>", "y"], 4),  # the whitespace before the block
+    (False, ["plain", " answer"], 0),
+    (False, ["<thin", "g"], 0),  # looked like a tag, was not
+    (True, ["still", " thinking"], 2),  # cut off inside the block
+    (True, ["</think>", "Done"], 1),
+]
+
+
+@pytest.mark.parametrize(("opened", "pieces", "reasoning_tokens"), TOKEN_CASES)
+@pytest.mark.parametrize("include", [True, False])
+def test_the_usage_counts_the_reasoning_tokens(opened, pieces, reasoning_tokens, include):
+    """completion_tokens_details.reasoning_tokens: the output tokens from the one that opens
+    the block to the one that closes it, streamed or not, shown or left out alike."""
+    deltas = [GenerationDelta(piece, [i], completion_tokens=i + 1)
+              for i, piece in enumerate(pieces)]
+    deltas.append(GenerationDelta("", [], finish_reason="stop", completion_tokens=len(pieces)))
+    plan = ReasoningPlan(enabled=True, opened=opened, include=include)
+
+    async def stream() -> AsyncIterator[ChoiceDelta]:
+        for delta in deltas:
+            yield ChoiceDelta(0, delta)
+
+    async def usages() -> tuple[pb.Usage, pb.Usage]:
+        chunks = [c async for c in chat_chunks(stream(), response_id="r", model="m",
+                                               include_usage=True, reasoning=plan)]
+        response = await chat_response(stream(), response_id="r", model="m", logprobs=False,
+                                       reasoning=plan)
+        return chunks[-1].usage, response.usage
+
+    for usage in asyncio.run(usages()):
+        assert usage.completion_tokens == len(pieces)
+        assert usage.completion_tokens_details.reasoning_tokens == reasoning_tokens
+    plain = ReasoningPlan()  # a template without a <think> block: no details at all
+    response = asyncio.run(chat_response(stream(), response_id="r", model="m", logprobs=False,
+                                         reasoning=plain))
+    assert not response.usage.HasField("completion_tokens_details")

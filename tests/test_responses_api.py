@@ -190,6 +190,8 @@ def test_structured_output_and_reasoning_items(stack: Stack, offline: LLM) -> No
     response = client.responses.create(**options)
     [reasoning] = response.output
     assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_")
+    assert response.usage is not None and response.usage.output_tokens > 0
+    assert response.usage.output_tokens_details.reasoning_tokens == response.usage.output_tokens
     assert [part.text for part in reasoning.content or []] == [text]
     assert reasoning.summary == [] and response.output_text == ""
     events = list(client.responses.create(stream=True, **options))

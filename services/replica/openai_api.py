@@ -32,7 +32,7 @@ import asyncio
 import math
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -487,21 +487,30 @@ async def generate_choices(generate: GenerateFn, request_id: str,
 # --------------------------------------------------------------------------- responses out
 
 
-def _usage(lasts: Mapping[int, GenerationDelta], choices_per_prompt: int = 1) -> pb.Usage:
+def _usage(lasts: Mapping[int, GenerationDelta], choices_per_prompt: int = 1,
+           reasoning_tokens: int | None = None) -> pb.Usage:
     """The request's usage from each choice's last delta: each prompt counted once (with its
-    cached tokens as its first choice found them), completion tokens summed over choices."""
+    cached tokens as its first choice found them), completion tokens summed over choices;
+    ``reasoning_tokens`` (summed too) for a chat whose output may think."""
     firsts: dict[int, GenerationDelta] = {}
     for index in sorted(lasts):
         firsts.setdefault(index // choices_per_prompt, lasts[index])
     prompt_tokens = sum(delta.prompt_tokens for delta in firsts.values())
     completion_tokens = sum(delta.completion_tokens for delta in lasts.values())
-    return pb.Usage(
+    usage = pb.Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
         prompt_tokens_details=pb.PromptTokensDetails(
             cached_tokens=sum(delta.cached_tokens for delta in firsts.values())),
     )
+    if reasoning_tokens is not None:
+        usage.completion_tokens_details.reasoning_tokens = reasoning_tokens
+    return usage
+
+
+def _reasoning_tokens(streams: Iterable[ReasoningStream | None]) -> int:
+    return sum(stream.num_tokens for stream in streams if stream is not None)
 
 
 def _set_ids(field: struct_pb2.ListValue, token_ids: Sequence[int]) -> None:
@@ -633,14 +642,22 @@ class _Collected:
     prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     last: GenerationDelta = field(default_factory=lambda: GenerationDelta("", []))
+    # Its output's reasoning, counting the tokens only (the text is split whole).
+    thinking: ReasoningStream | None = None
 
 
-async def _collect(choices: AsyncIterator[ChoiceDelta], num_choices: int) -> list[_Collected]:
-    """Each choice's stream folded, by index."""
-    collected = [_Collected() for _ in range(num_choices)]
+async def _collect(choices: AsyncIterator[ChoiceDelta], num_choices: int,
+                   reasoning: ReasoningPlan | None = None) -> list[_Collected]:
+    """Each choice's stream folded, by index (with ``reasoning``, its thinking tokens
+    counted as a stream counts them)."""
+    collected = [_Collected(thinking=reasoning.stream() if reasoning else None)
+                 for _ in range(num_choices)]
     parts: list[list[str]] = [[] for _ in range(num_choices)]
     async for choice_delta in choices:
         index, delta = choice_delta.index, choice_delta.delta
+        one = collected[index]
+        if one.thinking is not None:
+            one.thinking.feed(delta.text, delta.completion_tokens - one.last.completion_tokens)
         parts[index].append(delta.text)
         collected[index].logprobs.extend(delta.logprobs)
         collected[index].prompt_logprobs.extend(delta.prompt_logprobs or ())
@@ -711,13 +728,14 @@ async def chat_chunks(
     prompt_ids_sent = False
     async for choice_delta in choices:
         index, delta = choice_delta.index, choice_delta.delta
+        done_before = lasts[index].completion_tokens if index in lasts else 0
         lasts[index] = delta
         first = index not in started
         thoughts, text = "", delta.text
         if first:
             thinking[index] = reasoning.stream()
         if (split := thinking[index]) is not None:
-            thoughts, text = split.feed(delta.text)
+            thoughts, text = split.feed(delta.text, delta.completion_tokens - done_before)
             if delta.finish_reason is not None:
                 more_thoughts, more_text = split.finish()
                 thoughts, text = thoughts + more_thoughts, text + more_text
@@ -776,8 +794,10 @@ async def chat_chunks(
             prompt_ids_sent = True
         yield chunk
     if include_usage and lasts:
-        yield pb.ChatCompletionChunk(id=response_id, object="chat.completion.chunk",
-                                     created=created, model=model, usage=_usage(lasts))
+        yield pb.ChatCompletionChunk(
+            id=response_id, object="chat.completion.chunk", created=created, model=model,
+            usage=_usage(lasts, reasoning_tokens=_reasoning_tokens(thinking.values())
+                         if reasoning.enabled else None))
 
 
 def _add_call_deltas(delta: pb.ChatDelta, calls: list[pb.ToolCall]) -> None:
@@ -797,10 +817,12 @@ async def chat_response(choices: AsyncIterator[ChoiceDelta], *, response_id: str
     ``prompt_token_ids`` those ids, and each choice its tokens' ids."""
     tools = tools or ToolPlan()
     reasoning = reasoning or ReasoningPlan()
-    collected = await _collect(choices, num_choices)
+    collected = await _collect(choices, num_choices, reasoning)
     response = pb.ChatCompletionResponse(
         id=response_id, object="chat.completion", created=int(time.time()), model=model,
-        usage=_usage({index: one.last for index, one in enumerate(collected)}))
+        usage=_usage({index: one.last for index, one in enumerate(collected)},
+                     reasoning_tokens=_reasoning_tokens(one.thinking for one in collected)
+                     if reasoning.enabled else None))
     for index, one in enumerate(collected):
         thoughts, text = reasoning.split(one.text)
         content, calls = tools.split(text)

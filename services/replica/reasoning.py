@@ -86,10 +86,22 @@ class ReasoningStream:
         self._state = "reasoning" if opened else "start"
         self._held = ""
         self._include = include
+        # The output tokens of the thinking, its tags' included (the usage's
+        # reasoning_tokens), and those of text before it that may still open it.
+        self.num_tokens = 0
+        self._undecided_tokens = 0
 
-    def feed(self, piece: str) -> tuple[str, str]:
-        """(reasoning, content) this piece lets the stream show now."""
+    def feed(self, piece: str, num_tokens: int = 0) -> tuple[str, str]:
+        """(reasoning, content) this piece lets the stream show now; ``num_tokens``: how
+        many output tokens the piece is, counted as thinking if the block was open before
+        the piece or opened in it (a piece that closes the block counts whole)."""
+        was = self._state
         reasoning, content = self._split(piece)
+        if "reasoning" in (was, self._state):
+            self.num_tokens += self._undecided_tokens + num_tokens
+            self._undecided_tokens = 0
+        elif self._state == "start":
+            self._undecided_tokens += num_tokens
         return (reasoning if self._include else ""), content
 
     def _split(self, piece: str) -> tuple[str, str]:

@@ -378,7 +378,8 @@ async def response_events(
                 total_tokens=usage.total_tokens,
                 input_tokens_details=pb.ResponseInputTokensDetails(
                     cached_tokens=usage.prompt_tokens_details.cached_tokens),
-                output_tokens_details=pb.ResponseOutputTokensDetails()))
+                output_tokens_details=pb.ResponseOutputTokensDetails(
+                    reasoning_tokens=usage.completion_tokens_details.reasoning_tokens)))
         for choice in chunk.choices:
             events: list[pb.ResponseStreamEvent] = []
             if choice.delta.reasoning:

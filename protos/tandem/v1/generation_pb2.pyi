@@ -157,16 +157,24 @@ class PromptTokensDetails(_message.Message):
     def __init__(self, cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details")
+    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details", "completion_tokens_details")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_DETAILS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., prompt_tokens_details: _Optional[_Union[PromptTokensDetails, _Mapping]] = ...) -> None: ...
+    completion_tokens_details: CompletionTokensDetails
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., prompt_tokens_details: _Optional[_Union[PromptTokensDetails, _Mapping]] = ..., completion_tokens_details: _Optional[_Union[CompletionTokensDetails, _Mapping]] = ...) -> None: ...
+
+class CompletionTokensDetails(_message.Message):
+    __slots__ = ("reasoning_tokens",)
+    REASONING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    reasoning_tokens: int
+    def __init__(self, reasoning_tokens: _Optional[int] = ...) -> None: ...
 
 class CompletionResponse(_message.Message):
     __slots__ = ("id", "object", "created", "model", "choices", "usage")
