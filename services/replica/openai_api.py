@@ -659,10 +659,10 @@ async def _collect(choices: AsyncIterator[ChoiceDelta], num_choices: int,
         if one.thinking is not None:
             one.thinking.feed(delta.text, delta.completion_tokens - one.last.completion_tokens)
         parts[index].append(delta.text)
-        collected[index].logprobs.extend(delta.logprobs)
-        collected[index].prompt_logprobs.extend(delta.prompt_logprobs or ())
-        collected[index].token_ids.extend(delta.token_ids)
-        collected[index].last = delta
+        one.logprobs.extend(delta.logprobs)
+        one.prompt_logprobs.extend(delta.prompt_logprobs or ())
+        one.token_ids.extend(delta.token_ids)
+        one.last = delta
     for one, texts in zip(collected, parts, strict=True):
         one.text = "".join(texts)
     return collected
