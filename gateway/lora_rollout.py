@@ -102,9 +102,11 @@ class ClusterLoraUpdates:
     async def unload(self, name: str) -> tuple[str, list[str]]:
         check_unload(name)
         async with self._lock:
-            self.runtime_adapters.pop(name, None)
+            loaded_here = self.runtime_adapters.pop(name, None) is not None
             holders = [r for r in self._in_rotation() if name in r.lora_adapters]
-            if not holders:
+            # One loaded through here may be only on replicas out of rotation just now: they
+            # lose it when they return.
+            if not holders and not loaded_here:
                 raise NotFound(f"no replica serves LoRA adapter {name!r}; served: "
                                f"{', '.join(self._served()) or 'none'}")
             self.unloaded.add(name)
