@@ -323,11 +323,12 @@ class Scheduler:
         """Admit waiting requests, in order, while the budget, max_num_seqs and the KV
         pool allow."""
         kv = self.kv_cache_manager
-        # The adapters of requests running, or about to run once their KV has arrived (a
-        # finished pull joins the running requests without coming back here).
+        # Under a max_loras cap, the adapters of requests running, or about to run once their
+        # KV has arrived (a finished pull joins the running requests without coming back
+        # here); without one the step need not look.
         active_loras = {r.lora_name for r in itertools.chain(self.running,
                                                               self.receiving.values())
-                        if r.lora_name}
+                        if r.lora_name} if self.max_loras is not None else set()
         while (len(self.waiting) > 0 and budget > 0
                and len(self.running) + len(self.receiving) < self.config.max_num_seqs):
             request = self.waiting.peek()

@@ -121,14 +121,19 @@ class ClusterLoraUpdates:
             return (f"LoRA adapter {name!r} unloaded from {len(holders)} "
                     f"replica{'s' if len(holders) != 1 else ''}", self._served())
 
+    @property
+    def has_targets(self) -> bool:
+        """Whether anything was loaded or unloaded through here (``reconcile`` has work)."""
+        return bool(self.runtime_adapters or self.unloaded)
+
     async def reconcile(self) -> None:
         """Brings the replicas in rotation to what was loaded and unloaded through this
         gateway: loads the runtime adapters a replica lacks (a new one, a restarted one)
         and unloads those unloaded here that it serves (it was out of rotation then, or
         its flags load them at start), once per replica process and adapter."""
-        names = {*self.runtime_adapters, *self.unloaded}
-        if not names or self._lock.locked():
+        if not self.has_targets or self._lock.locked():
             return
+        names = {*self.runtime_adapters, *self.unloaded}
         async with self._lock:
             changes = [(replica, name) for replica in self.registry.routable() for name in names
                        if (name in self.runtime_adapters) != (name in replica.lora_adapters)

@@ -250,8 +250,8 @@ class GatewayServer:
         if max_model_len is not None:
             self.inputs.max_model_len = max_model_len
         self._refresh_model()
-        if self.lora_updates is not None and (self._reconciling is None
-                                              or self._reconciling.done()):
+        if self.lora_updates is not None and self.lora_updates.has_targets and (
+                self._reconciling is None or self._reconciling.done()):
             # In its own task: loading an adapter takes a while, health must not wait.
             self._reconciling = asyncio.create_task(self.lora_updates.reconcile())
 
