@@ -12,6 +12,8 @@ Owns what a cluster runs and how the pieces find each other:
   (``envoy_config.render_picker_bootstrap``, descriptor inlined), a Deployment running the
   official Envoy image on it and a Service, with TLS on a second port when a Secret is named
   and API keys from a Secret (added to the bootstrap by an init container) when one is named;
+- with ``lora_syncer``, a ConfigMap naming the LoRA adapters to serve and a sidecar in every
+  replica pod (``tandem lora sync``) that loads and unloads them as the ConfigMap changes;
 - an ``InferencePool`` (``inference.networking.k8s.io/v1``) of the decode-capable replicas,
   their gRPC port over h2c and the endpoint picker as its ``endpointPickerRef``, and an
   ``HTTPRoute`` (``gateway.networking.k8s.io/v1``) on an existing Gateway: gRPC calls of
@@ -35,6 +37,7 @@ from deploy.envoy_config import (
 )
 from engine_common.config import ModelSettings
 from services.model_settings import model_settings_args
+from tandem.lora_sync import render_config
 
 REPLICA_PORT = 50051
 REPLICA_METRICS_PORT = 9400
@@ -49,6 +52,8 @@ API_KEYS_DIR = "/etc/tandem-api-keys"
 API_KEYS_ENTRY = "api-keys"
 TLS_DIR = "/etc/tandem/tls"
 CACHE_DIR = "/var/cache/tandem"
+LORA_CONFIG_DIR = "/etc/tandem/lora"
+LORA_CONFIG_ENTRY = "configmap.yaml"  # the inference extension's LoRA syncer's file name
 ROLE_LABEL = "tandem.dev/role"
 POOL_LABEL = "tandem.dev/inference-pool"
 INFERENCE_GROUP = "inference.networking.k8s.io"
@@ -92,6 +97,9 @@ class K8sOptions:
     api_key_secret: str | None = None
     gateway_name: str = "inference-gateway"
     image_pull_policy: str = "IfNotPresent"
+    # A sidecar in every replica pod keeps its LoRA adapters in step with the ConfigMap
+    # ``<name>-lora-adapters`` (adapter directories on the model volume).
+    lora_syncer: bool = False
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.both) < 0:
@@ -101,6 +109,9 @@ class K8sOptions:
         if self.exclusive_cpus and not (self.replica_cpu.isdigit() and int(self.replica_cpu) > 0):
             raise ValueError(f"exclusive CPUs need a whole number of CPUs per replica, got "
                              f"--replica-cpu {self.replica_cpu!r}")
+        if self.lora_syncer and not self.model_settings.allow_runtime_lora_updating:
+            raise ValueError("the LoRA syncer loads adapters while the replicas serve: add "
+                             "--allow-runtime-lora-updating")
 
 
 def _labels(options: K8sOptions, component: str) -> dict[str, str]:
@@ -225,11 +236,52 @@ def replica_deployment(options: K8sOptions, role: str, replicas: int) -> dict[st
         "resources": resources,
         "volumeMounts": mounts,
     }
+    sidecars = []
+    if options.lora_syncer:
+        volumes.append({"name": "lora-adapters",
+                        "configMap": {"name": lora_adapters_name(options)}})
+        sidecars.append(_lora_syncer(options))
     deployment = _deployment(options, f"{options.name}-{role}", replicas, labels, container,
-                             volumes)
+                             volumes, sidecars)
     # In-flight requests get the replica's own drain period (30 s) before SIGKILL.
     deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 45
     return deployment
+
+
+def lora_adapters_name(options: K8sOptions) -> str:
+    return f"{options.name}-lora-adapters"
+
+
+def lora_adapters_config_map(options: K8sOptions) -> dict[str, Any]:
+    """The adapters every replica serves, none at first: edit it (``kubectl edit configmap``)
+    to roll adapters out; the kubelet updates the mounted file within a minute or so."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(options, lora_adapters_name(options),
+                              _labels(options, "lora-syncer")),
+        "data": {LORA_CONFIG_ENTRY: render_config()},
+    }
+
+
+def _lora_syncer(options: K8sOptions) -> dict[str, Any]:
+    """A native sidecar (an init container that keeps running, Kubernetes 1.29 and later):
+    it talks to its pod's replica over loopback and loads the adapters again when the
+    replica restarts."""
+    return {
+        "name": "lora-syncer",
+        "image": options.image,
+        "imagePullPolicy": options.image_pull_policy,
+        "restartPolicy": "Always",
+        "command": ["tandem"],
+        "args": ["lora", "sync", "--config", f"{LORA_CONFIG_DIR}/{LORA_CONFIG_ENTRY}",
+                 "--target", f"127.0.0.1:{REPLICA_PORT}"],
+        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "resources": {"requests": {"cpu": "50m", "memory": "64Mi"},
+                      "limits": {"memory": "256Mi"}},
+        "volumeMounts": [{"name": "lora-adapters", "mountPath": LORA_CONFIG_DIR,
+                          "readOnly": True}],
+    }
 
 
 def replica_service(options: K8sOptions, role: str) -> dict[str, Any]:
@@ -438,6 +490,8 @@ def render_k8s_manifests(options: K8sOptions,
     descriptor = descriptor if descriptor is not None else Path(DEFAULT_DESCRIPTOR).read_bytes()
     objects: list[dict[str, Any]] = [
         envoy_config_map(options, dump_bootstrap(envoy_bootstrap(options, descriptor)))]
+    if options.lora_syncer:
+        objects.append(lora_adapters_config_map(options))
     for role, count in _roles(options):
         objects += [replica_service(options, role), replica_deployment(options, role, count)]
     objects += [picker_service(options), picker_deployment(options),

@@ -98,6 +98,10 @@ def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--api-key-secret", default=None,
                    help="a Secret whose 'api-keys' entry lists API keys (one per line): "
                         "Envoy requires one on every request")
+    p.add_argument("--lora-syncer", action="store_true",
+                   help="a sidecar in every replica pod loads and unloads LoRA adapters as "
+                        "the ConfigMap NAME-lora-adapters lists them (the inference "
+                        "extension's format; needs --allow-runtime-lora-updating)")
     p.add_argument("--gateway-name", default=defaults.gateway_name,
                    help="the Gateway the HTTPRoute attaches to (default: %(default)s)")
     p.add_argument("-o", "--output", type=Path, required=True, help="directory to write")
@@ -174,7 +178,7 @@ def _render_k8s(args: argparse.Namespace) -> int:
             kv_cache_memory=args.kv_cache_memory, envoy_image=args.envoy_image,
             envoy_replicas=args.envoy_replicas, picker_replicas=args.picker_replicas,
             tls_secret=args.tls_secret, api_key_secret=args.api_key_secret,
-            gateway_name=args.gateway_name)
+            gateway_name=args.gateway_name, lora_syncer=args.lora_syncer)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -2,7 +2,8 @@
 
 Each subcommand is a thin front over the module that owns the work: ``services.replica``
 (serve), ``gateway`` (gateway), ``deploy.supervisor`` (up), ``tandem.demo`` (demo), the SDK
-(generate, chat) and ``engine_common.default_model`` (prepare-model).
+(generate, chat, lora), ``tandem.lora_sync`` (lora sync) and ``engine_common.default_model``
+(prepare-model).
 """
 
 from __future__ import annotations
@@ -140,6 +141,41 @@ def cmd_lora(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lora_sync(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+    import threading
+
+    from tandem.client import Client
+    from tandem.errors import TandemError
+    from tandem.lora_sync import LoraSyncer, parse_wanted_adapters
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    with Client(args.target, timeout=args.timeout) as client:
+        syncer = LoraSyncer(client)
+        if not args.once:
+            stop = threading.Event()
+            signal.signal(signal.SIGTERM, lambda *_: stop.set())
+            try:
+                syncer.run(args.config, args.interval, stop)
+            except KeyboardInterrupt:
+                pass
+            return 0
+        try:
+            outcome = syncer.sync(parse_wanted_adapters(args.config.read_text()))
+        except (OSError, ValueError) as error:
+            print(f"error: {args.config}: {error}", file=sys.stderr)
+            return 2
+        except TandemError as error:
+            print(f"error: {error.details} ({error.code.name})", file=sys.stderr)
+            return 1
+    print(f"loaded: {', '.join(outcome.loaded) or 'none'}; "
+          f"unloaded: {', '.join(outcome.unloaded) or 'none'}")
+    for name, why in outcome.failed.items():
+        print(f"error: {name}: {why}", file=sys.stderr)
+    return 1 if outcome.failed else 0
+
+
 def cmd_prepare_model(args: argparse.Namespace) -> int:
     from engine_common.default_model import ensure_default_model
 
@@ -167,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return render_main(argv[1:]) or 0
 
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of the subcommands this module runs itself."""
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="run one replica (see `tandem serve --help`)")
@@ -188,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--model", default=None,
                      help="the served model or one of its LoRA adapters (default: the model)")
     gen.set_defaults(func=cmd_generate)
-    lora = sub.add_parser("lora", help="load or unload a LoRA adapter on a running suite "
+    lora = sub.add_parser("lora", help="load, unload or sync LoRA adapters on a running suite "
                                        "(started with --allow-runtime-lora-updating)")
     lora_actions = lora.add_subparsers(dest="action", required=True)
     lora_load = lora_actions.add_parser("load", help="serve the PEFT adapter in PATH as NAME")
@@ -196,13 +238,24 @@ def main(argv: list[str] | None = None) -> int:
     lora_load.add_argument("path", help="the adapter's directory, on the replicas' machines")
     lora_unload = lora_actions.add_parser("unload", help="stop serving adapter NAME")
     lora_unload.add_argument("name")
-    for action in (lora_load, lora_unload):
+    lora_sync = lora_actions.add_parser(
+        "sync", help="keep the adapters in step with a file (the inference extension's "
+                     "LoRA syncer ConfigMap format; see tandem/lora_sync.py)")
+    lora_sync.add_argument("--config", type=Path, required=True,
+                           help="the file naming the adapters to serve and not to serve")
+    lora_sync.add_argument("--interval", type=float, default=5.0,
+                           help="seconds between checks of the file and the server "
+                                "(default: %(default)s)")
+    lora_sync.add_argument("--timeout", type=float, default=120.0,
+                           help="seconds one load or unload may take (default: %(default)s)")
+    lora_sync.add_argument("--once", action="store_true",
+                           help="sync once and exit (1 if anything failed)")
+    for action, run in ((lora_load, cmd_lora), (lora_unload, cmd_lora), (lora_sync, cmd_lora_sync)):
         action.add_argument("--target", default="127.0.0.1:50051")
-        action.set_defaults(func=cmd_lora)
+        action.set_defaults(func=run)
     prep = sub.add_parser("prepare-model", help="convert the default model once; print its directory")
     prep.set_defaults(func=cmd_prepare_model)
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+    return parser
 
 
 if __name__ == "__main__":

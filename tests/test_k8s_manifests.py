@@ -35,6 +35,8 @@ from gateway.endpoint_picker_main import build_parser as picker_parser
 from gateway.endpoint_picker_main import options_from_args as picker_options
 from services.replica.main import build_parser as replica_parser
 from services.replica.main import options_from_args as replica_options
+from tandem.cli import build_parser as tandem_parser
+from tandem.lora_sync import WantedAdapters, parse_wanted_adapters
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"ConfigMap": "V1ConfigMap", "Service": "V1Service", "Deployment": "V1Deployment"}
@@ -320,3 +322,51 @@ def test_api_keys_come_from_a_secret_through_an_init_container(tmp_path: Path) -
                              "envoy.filters.http.ext_proc"]
         keys = manager["http_filters"][1]["typed_config"]["credentials"]
         assert [k["key"] for k in keys] == ["first-key", "second-key"]
+
+
+def test_the_lora_syncer_sidecar_reads_its_config_map_from_every_replica_pod(
+        tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="add --allow-runtime-lora-updating"):
+        K8sOptions(image="x", lora_syncer=True)
+    settings = ModelSettings(allow_runtime_lora_updating=True)
+    objects = render(prefill=1, decode=1, both=1, lora_syncer=True, model_settings=settings)
+    api = ApiClient()
+    config_map = by_kind(objects, "ConfigMap")["tandem-lora-adapters"]
+    (entry, text), = config_map["data"].items()
+    assert parse_wanted_adapters(text) == WantedAdapters({}, frozenset())
+    for role in ("prefill", "decode", "both"):
+        deployment = by_kind(objects, "Deployment")[f"tandem-{role}"]
+        model = api._ApiClient__deserialize(deployment, "V1Deployment")  # type: ignore[attr-defined]
+        assert api.sanitize_for_serialization(model) == deployment
+        pod = deployment["spec"]["template"]["spec"]
+        (syncer,) = pod["initContainers"]
+        assert syncer["restartPolicy"] == "Always"  # a native sidecar: runs beside the replica
+        replica = pod["containers"][0]
+        assert "--allow-runtime-lora-updating" in replica["args"]
+        # The command is the real CLI's: it reads the mounted ConfigMap and calls this pod's
+        # replica over loopback.
+        assert syncer["command"] == ["tandem"]
+        args = tandem_parser().parse_args(syncer["args"])
+        assert args.func.__name__ == "cmd_lora_sync"
+        (mount,) = syncer["volumeMounts"]
+        assert args.config == Path(mount["mountPath"]) / entry
+        volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+        assert volume["configMap"]["name"] == "tandem-lora-adapters"
+        assert args.target == f"127.0.0.1:{REPLICA_PORT}"
+    # Without the option, no sidecar and no ConfigMap.
+    plain = render(model_settings=settings)
+    assert "tandem-lora-adapters" not in by_kind(plain, "ConfigMap")
+    assert all("initContainers" not in d["spec"]["template"]["spec"]
+               for name, d in by_kind(plain, "Deployment").items() if name != "tandem-envoy")
+
+
+def test_cli_renders_the_lora_syncer_and_says_what_it_needs(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "tandem.cli", "render", "k8s", "--image", "img:1",
+               "--lora-syncer", "-o", str(tmp_path)]
+    refused = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "add --allow-runtime-lora-updating" in refused.stderr
+    result = subprocess.run([*command, "--allow-runtime-lora-updating"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    config_map = yaml.safe_load((tmp_path / "configmap-tandem-lora-adapters.yaml").read_text())
+    assert parse_wanted_adapters(config_map["data"]["configmap.yaml"]).present == {}
