@@ -97,7 +97,9 @@ class ModelSettings:
 @dataclass
 class EngineConfig:
     model: str
-    dtype: str = "auto"  # "auto" (the checkpoint's), "bfloat16", "float16", "float32"
+    # "auto" (the checkpoint's; float32 for bf16 on a CPU without a bf16 matmul), "bfloat16",
+    # "float16", "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None
     seed: int = 0

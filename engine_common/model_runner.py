@@ -59,7 +59,7 @@ class ModelRunner:
         self.config = config
         self.arch = arch
         self.device = torch.device(config.device)
-        self.dtype = resolve_dtype(config.dtype, arch)
+        self.dtype = resolve_dtype(config.dtype, arch, self.device)
         self.block_size = config.cache.block_size
         self.eos_token_ids = eos_token_ids
         torch.manual_seed(config.seed)

@@ -213,8 +213,11 @@ def test_bf16_checkpoint_loads_and_tracks_hf(tmp_path):
     model_dir = build_tiny_model(tmp_path / "bf16", "llama", dtype=torch.bfloat16)
     arch = ModelArchConfig.from_model_dir(model_dir)
     assert arch.dtype == torch.bfloat16
-    assert resolve_dtype("auto", arch) == torch.bfloat16
-    model = load_model(model_dir, resolve_dtype("auto", arch), "cpu", "torch")
+    # "auto": the checkpoint's bf16, but float32 on a CPU without a bf16 matmul.
+    assert resolve_dtype("auto", arch, "cuda") == torch.bfloat16
+    assert resolve_dtype("auto", arch, "cpu") == (
+        torch.bfloat16 if bf16_packing_supported() else torch.float32)
+    model = load_model(model_dir, resolve_dtype("bfloat16", arch), "cpu", "torch")
     assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
     # The same bf16 checkpoint upcast to float32 matches HF's float32 closely.
     model32 = load_model(model_dir, torch.float32, "cpu", "torch")

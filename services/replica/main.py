@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: <role>-<hostname>-<port>)")
     p.add_argument("--dtype", default=engine.dtype,
                    choices=("auto", "bfloat16", "float16", "float32"),
-                   help="weights and KV-cache dtype (default: the checkpoint's)")
+                   help="weights and KV-cache dtype (default: the checkpoint's; a bf16 one runs "
+                        "in float32 on a CPU without a bf16 matmul)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="auto: cuda when available, else cpu (default: %(default)s)")
     p.add_argument("--attention-backend", default=engine.attention_backend,
