@@ -16,6 +16,9 @@ which runs before the transcoder on requests and after it on responses:
   ``:stream`` path, the ``*Events`` RPC: the server writes the server-sent events itself
   (each a ``google.api.HttpBody`` the transcoder passes through), ``data: [DONE]`` last,
   and the script labels them ``text/event-stream``.
+- A list in a query as the openai SDK writes it (``include[]=a&include[]=b``) becomes the
+  repeated parameter the transcoder reads (``include=a&include=b``); a parameter no field
+  takes is the transcoder's 400 naming it.
 - Every error (a gRPC status the transcoder turned into an HTTP status with
   ``convert_grpc_status``, the transcoder's own 400 for bad JSON, Envoy's 503 when the
   upstream is down) leaves with OpenAI's body, ``{"error": {"message", "type", "param",
@@ -81,6 +84,19 @@ local GRPC_CODES = {
   [15] = "data_loss", [16] = "unauthenticated",
 }
 
+-- The openai SDK writes a list in a query as include[]=a&include[]=b (brackets, or their
+-- percent-encoding); the transcoder fills a repeated field from include=a&include=b.
+local function plain_list_keys(path)
+  local start = string.find(path, "?", 1, true)
+  if start == nil then
+    return path
+  end
+  local query = string.sub(path, start)
+  query = string.gsub(query, "%[%]=", "=")
+  query = string.gsub(query, "%%5[Bb]%%5[Dd]=", "=")
+  return string.sub(path, 1, start - 1) .. query
+end
+
 -- Marks HTTP (not gRPC) requests, so responses to gRPC clients pass untouched; moves a body
 -- with "stream": true to the streaming RPC's path. A JSON key "stream" whose value is true:
 -- inside a JSON string every quote is escaped, so the pattern cannot match a prompt's text.
@@ -89,11 +105,15 @@ local GRPC_CODES = {
 function envoy_on_request(handle)
   local headers = handle:headers()
   local path = headers:get(":path")
-  -- GET and DELETE /v1/responses/{id}: a stored response.
+  -- GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items: a stored response.
   if not OPENAI_PATHS[path] and not string.find(path, "^/v1/responses/[^/:?]+") then
     return
   end
   handle:streamInfo():dynamicMetadata():set(NAMESPACE, "http", true)
+  local plain = plain_list_keys(path)
+  if plain ~= path then
+    headers:replace(":path", plain)
+  end
   local stream_path = STREAM_PATHS[path]
   if stream_path == nil or headers:get(":method") ~= "POST" then
     return
@@ -258,7 +278,8 @@ def _routes(cluster: str) -> list[dict[str, Any]]:
         {"match": {"path": path}, "route": forward} for path in OPENAI_PATHS]
     routes += [{"match": {"prefix": f"/v1/{name}:stream"}, "route": forward}
                for name in ("completions", "chat/completions", "responses")]
-    routes.append({"match": {"prefix": "/v1/responses/"}, "route": forward})  # stored ones
+    # Stored responses: /v1/responses/{id} and /v1/responses/{id}/input_items.
+    routes.append({"match": {"prefix": "/v1/responses/"}, "route": forward})
     routes += [{"match": {"prefix": f"/{service}/"}, "route": forward}
                for service in GRPC_SERVICES]
     for route in routes:
@@ -268,7 +289,8 @@ def _routes(cluster: str) -> list[dict[str, Any]]:
                 "@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig",
                 "disabled": True}}
     not_found = ('{"error":{"message":"no such endpoint; Tandem serves /v1/completions, '
-                 '/v1/chat/completions, /v1/responses (and /v1/responses/{id}), /v1/models, '
+                 '/v1/chat/completions, /v1/responses (and /v1/responses/{id}, '
+                 '/v1/responses/{id}/input_items), /v1/models, '
                  '/tokenize, /detokenize, '
                  '/v1/load_lora_adapter and /v1/unload_lora_adapter",'
                  '"type":"not_found_error","param":null,"code":null}}')
@@ -294,6 +316,9 @@ def _transcoder(descriptor: Path | bytes) -> dict[str, Any]:
                 "always_print_primitive_fields": True,  # e.g. "index": 0
             },
             "convert_grpc_status": True,  # a gRPC error becomes its HTTP status + JSON body
+            # A query parameter no field takes is a 400 that names it (by default the
+            # request would pass through untranscoded and fail upstream as a 503).
+            "request_validation_options": {"reject_unknown_query_parameters": True},
             "max_request_body_size": MAX_REQUEST_BYTES,
         },
     }

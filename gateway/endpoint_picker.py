@@ -17,8 +17,8 @@ snapshot, and answers with
   (``priority`` > 0, below the default) while every candidate replica is saturated.
 
 A request that reads or continues a stored Responses API response (``GET`` / ``DELETE
-/v1/responses/{id}``, ``previous_response_id``) goes to the replica whose engine id the
-response's id carries, the only one that stored it.
+/v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``, ``previous_response_id``) goes
+to the replica whose engine id the response's id carries, the only one that stored it.
 
 A body the picker cannot read or that the replicas will reject is routed by load alone; the
 replica then answers it with its own error, so error messages have one source.
@@ -122,10 +122,12 @@ _RESPONSES_PATHS = frozenset({
     "/v1/responses", "/v1/responses:stream",
     "/tandem.v1.Generation/CreateResponse", "/tandem.v1.Generation/CreateResponseStream",
     "/tandem.v1.Generation/CreateResponseEvents"})
-# A stored response, read or deleted: GET / DELETE /v1/responses/{id} (before the
-# transcoder), or the gRPC methods, whose bodies both hold the id as field 1.
+# A stored response, read, deleted or its input items listed: GET / DELETE
+# /v1/responses/{id} and GET /v1/responses/{id}/input_items (before the transcoder), or the
+# gRPC methods, whose bodies all hold the id as field 1.
 _STORED_RESPONSE_PATHS = frozenset({"/tandem.v1.Generation/GetResponse",
-                                    "/tandem.v1.Generation/DeleteResponse"})
+                                    "/tandem.v1.Generation/DeleteResponse",
+                                    "/tandem.v1.Generation/ListResponseInputItems"})
 _STORED_RESPONSE_PREFIX = "/v1/responses/"
 
 
@@ -151,8 +153,9 @@ def read_request(path: str, content_type: str, body: bytes, inputs: InputProcess
         return model if model in lora_names else None
 
     if path.startswith(_STORED_RESPONSE_PREFIX):
-        return RequestFeatures(responder=responses_api.responder_of(
-            path.removeprefix(_STORED_RESPONSE_PREFIX)))
+        # The id is the first segment: /v1/responses/{id}/input_items names it too.
+        response_id = path.removeprefix(_STORED_RESPONSE_PREFIX).split("/", 1)[0]
+        return RequestFeatures(responder=responses_api.responder_of(response_id))
     responder = ""
     try:
         if path in _STORED_RESPONSE_PATHS:

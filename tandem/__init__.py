@@ -16,6 +16,7 @@ from tandem.responses import (
     FunctionCall,
     Response,
     ResponseEvent,
+    ResponseItemPage,
     ResponseOptions,
     ResponseUsage,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "PromptLogprob",
     "Response",
     "ResponseEvent",
+    "ResponseItemPage",
     "ResponseOptions",
     "ResponseUsage",
     "TandemError",

@@ -37,7 +37,10 @@ from tandem.responses import (
     Response,
     ResponseEvent,
     ResponseInput,
+    ResponseItemPage,
     ResponseOptions,
+    input_items_request,
+    item_page_from_pb,
     response_event_from_pb,
     response_from_pb,
     response_request,
@@ -216,6 +219,23 @@ class Client:
     def delete_response(self, response_id: str) -> None:
         self._unary(self._stub.DeleteResponse, pb.DeleteResponseRequest(response_id=response_id))
 
+    def list_response_input_items(
+        self,
+        response_id: str,
+        *,
+        after: str | None = None,
+        limit: int | None = None,
+        order: str | None = None,
+        include: Sequence[str] | None = None,
+    ) -> ResponseItemPage:
+        """One page of a stored response's input items, as OpenAI's ``input_items.list``:
+        ``limit`` 1 to 100 (default 20), ``order`` "asc" or "desc" (the default, newest
+        first), the page after the item ``after``; ``include`` may name
+        "message.output_text.logprobs" to keep the logprobs of earlier output."""
+        request = input_items_request(response_id, after=after, limit=limit, order=order,
+                                      include=include)
+        return item_page_from_pb(self._unary(self._stub.ListResponseInputItems, request))
+
     def models(self) -> list[ModelInfo]:
         response = self._unary(self._stub.ListModels, pb.ListModelsRequest())
         return [model_from_pb(m) for m in response.data]
@@ -388,6 +408,21 @@ class AsyncClient:
     async def delete_response(self, response_id: str) -> None:
         await self._unary(self._stub.DeleteResponse,
                           pb.DeleteResponseRequest(response_id=response_id))
+
+    async def list_response_input_items(
+        self,
+        response_id: str,
+        *,
+        after: str | None = None,
+        limit: int | None = None,
+        order: str | None = None,
+        include: Sequence[str] | None = None,
+    ) -> ResponseItemPage:
+        """See ``Client.list_response_input_items``."""
+        request = input_items_request(response_id, after=after, limit=limit, order=order,
+                                      include=include)
+        return item_page_from_pb(
+            await self._unary(self._stub.ListResponseInputItems, request))
 
     async def models(self) -> list[ModelInfo]:
         response = await self._unary(self._stub.ListModels, pb.ListModelsRequest())

@@ -4,8 +4,9 @@ the records a response and its stream events become.
 Owns ``response_request`` (input as a string or OpenAI's input items; instructions, the flat
 function tools, ``tool_choice``, ``text.format``, ``include`` and the sampling knobs in
 ``ResponseOptions``; a knob left out stays unset on the wire, so the server applies its
-default) and ``Response``,
-``ResponseEvent``, ``FunctionCall``, ``ResponseUsage`` with their conversion from the wire.
+default), ``input_items_request`` (a page of a stored response's input items) and
+``Response``, ``ResponseEvent``, ``FunctionCall``, ``ResponseUsage``, ``ResponseItemPage``
+with their conversion from the wire.
 A ``Response`` flattens the output items the way the openai SDK reads them: ``output_text``
 joins the messages' text, ``reasoning`` the reasoning items', ``function_calls`` lists the
 calls. It does not validate input items, tools or ranges (the server does, and answers
@@ -103,6 +104,40 @@ def response_request(input: ResponseInput, *, model: str | None,
     if request.HasField("top_logprobs") and OUTPUT_TEXT_LOGPROBS not in request.include:
         request.include.append(OUTPUT_TEXT_LOGPROBS)
     return request
+
+
+def input_items_request(response_id: str, *, after: str | None, limit: int | None,
+                        order: str | None,
+                        include: Sequence[str] | None) -> pb.ListResponseInputItemsRequest:
+    """The request for one page of ``response_id``'s input items; None leaves a parameter
+    to the server's default (the newest 20 first)."""
+    request = pb.ListResponseInputItemsRequest(response_id=response_id, after=after or "",
+                                               order=order or "", include=include or ())
+    if limit is not None:
+        request.limit = limit
+    return request
+
+
+@dataclass(frozen=True)
+class ResponseItemPage:
+    """One page of a stored response's input items (``Client.list_response_input_items``):
+    the items as OpenAI's JSON objects, each with its ``id``; for a response that continued
+    another, the conversation's items come first (oldest first, in order "asc"). Ask for the
+    next page with ``after=last_id`` while ``has_more``."""
+
+    items: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+def item_page_from_pb(page: pb.ResponseItemList) -> ResponseItemPage:
+    return ResponseItemPage(
+        items=[json_format.MessageToDict(item) for item in page.data],
+        first_id=page.first_id if page.HasField("first_id") else None,
+        last_id=page.last_id if page.HasField("last_id") else None,
+        has_more=page.has_more,
+    )
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -65,7 +66,7 @@ def inputs(tiny_llama_dir: Path) -> InputProcessor:
     return load_inputs(str(tiny_llama_dir))
 
 
-def grpc_frame(message: pb.CompletionRequest | pb.ChatCompletionRequest) -> bytes:
+def grpc_frame(message: Message) -> bytes:
     payload = message.SerializeToString()
     return b"\x00" + len(payload).to_bytes(4, "big") + payload
 
@@ -112,6 +113,28 @@ def test_a_lora_adapters_requests_are_read_under_its_name(inputs: InputProcessor
                            ("/v1/responses", response)):
             features = read_request(path, "application/json", body, inputs, adapters)
             assert features is not None and features.lora_name == want, (path, model)
+
+
+def test_a_stored_responses_requests_name_its_replica(inputs: InputProcessor) -> None:
+    """GET / DELETE /v1/responses/{id} and GET /v1/responses/{id}/input_items (with or
+    without a query), and their gRPC methods, are read for the engine id in the id."""
+    response_id = f"resp_{'0' * 32}_replica-a.1"
+    for path in (f"/v1/responses/{response_id}", f"/v1/responses/{response_id}?include[]=x",
+                 f"/v1/responses/{response_id}/input_items",
+                 f"/v1/responses/{response_id}/input_items?after=msg_1&limit=2&order=asc"):
+        features = read_request(path, "", b"", inputs)
+        assert features is not None and features.responder == "replica-a.1", path
+    listing = pb.ListResponseInputItemsRequest(response_id=response_id, after="msg_1", limit=2)
+    for method, message in (("GetResponse", pb.GetResponseRequest(response_id=response_id)),
+                            ("DeleteResponse", pb.DeleteResponseRequest(
+                                response_id=response_id)),
+                            ("ListResponseInputItems", listing)):
+        features = read_request(f"/tandem.v1.Generation/{method}", "application/grpc",
+                                grpc_frame(message), inputs)
+        assert features is not None and features.responder == "replica-a.1", method
+    # An id without an engine id (a gateway's) is routed by load alone.
+    features = read_request(f"/v1/responses/resp_{'0' * 32}/input_items", "", b"", inputs)
+    assert features is not None and features.responder == ""
 
 
 def test_unreadable_bodies_are_routed_by_load_alone(inputs: InputProcessor) -> None:
@@ -385,8 +408,8 @@ def test_picker_refusal_reaches_http_clients_as_an_openai_503(cluster: PickerClu
 def test_a_stored_response_is_read_and_continued_where_it_is_stored(
         cluster: PickerCluster) -> None:
     """Each replica keeps the responses it answered; a response's id names its replica, so
-    continuations (previous_response_id) and GET /v1/responses/{id} reach that one, over
-    HTTP in both body modes and from gRPC clients."""
+    continuations (previous_response_id), GET /v1/responses/{id} and its input_items reach
+    that one, over HTTP in both body modes and from gRPC clients."""
     targets = {name: r.target for name, r in cluster.replicas.items()}
     for mode in ("BUFFERED", "FULL_DUPLEX_STREAMED"):
         client = openai_client(cluster.envoy_ports[mode])
@@ -406,11 +429,24 @@ def test_a_stored_response_is_read_and_continued_where_it_is_stored(
         retrieved = client.responses.with_raw_response.retrieve(first.id)
         assert retrieved.headers[SERVED_HEADER] == holder
         assert retrieved.parse().output_text == first.output_text
+        for _ in range(4):  # the path's query and its /input_items suffix hide no id
+            listed = client.responses.input_items.with_raw_response.list(
+                previous, limit=2, order="asc")
+            assert listed.headers[SERVED_HEADER] == holder, mode
+        # The chain's items, oldest first: each turn's input, then its output; the latest
+        # input last.
+        items = [item.model_dump() for item in client.responses.input_items.list(
+            previous, limit=3, order="asc")]  # by the SDK's auto-pagination
+        assert len(items) == 2 * 5 - 1 and items[0]["content"][0]["text"] == "alpha bravo"
+        assert items[-1]["content"][0]["text"] == "and then 3"
         client.responses.delete(previous)
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(previous)
     with Client(f"127.0.0.1:{cluster.envoy_ports['BUFFERED']}", timeout=60) as sdk:
         assert sdk.get_response(first.id).output_text == first.output_text
+        page = sdk.list_response_input_items(first.id)
+        assert [item["content"] for item in page.items] == [
+            [{"type": "input_text", "text": "alpha bravo"}]]
         continued = sdk.respond("and so on", model="tiny", previous_response_id=first.id,
                                 max_output_tokens=2, temperature=0)
         assert continued.id.endswith(f"_{name}")

@@ -88,6 +88,7 @@ def test_gateway_bootstrap_is_valid_and_transcodes_as_openai_needs(tmp_path: Pat
     assert transcoder["convert_grpc_status"] is True
     assert transcoder["print_options"] == {
         "preserve_proto_field_names": True, "always_print_primitive_fields": True}
+    assert transcoder["request_validation_options"] == {"reject_unknown_query_parameters": True}
     assert transcoder["proto_descriptor"] == str(DEFAULT_DESCRIPTOR)
     assert config["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
     cluster = config["static_resources"]["clusters"][0]
@@ -161,6 +162,14 @@ def post(port: int, path: str, body: bytes) -> tuple[int, dict[str, str], dict[s
         return error.code, dict(error.headers), json.loads(error.read())
 
 
+def get(port: int, path: str) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
 def assert_openai_error(payload: dict[str, Any], error_type: str) -> dict[str, Any]:
     assert set(payload) == {"error"}
     error = payload["error"]
@@ -182,6 +191,29 @@ def test_bad_json_is_an_openai_400_before_any_upstream(envoy_without_upstream: i
         assert status == 400, payload
         assert headers["content-type"] == "application/json"
         assert_openai_error(payload, "invalid_request_error")
+
+
+def test_input_items_query_is_transcoded_or_refused_by_name(
+        envoy_without_upstream: int) -> None:
+    """GET /v1/responses/{id}/input_items takes after, limit, order and include, the last
+    also as the openai SDK writes a list (include[]=..., bracket percent-encoded or not):
+    such a request is transcoded and goes upstream (down here: 503). A parameter no field
+    takes is a 400 naming it, before any upstream."""
+    items = "/v1/responses/resp_1/input_items"
+    for query in ("", "?after=msg_1&limit=2&order=asc",
+                  "?include=message.output_text.logprobs&include=reasoning.encrypted_content",
+                  "?include[]=message.output_text.logprobs&limit=3",
+                  "?include%5B%5D=message.output_text.logprobs&include%5b%5d=x"):
+        status, payload = get(envoy_without_upstream, items + query)
+        assert status == 503, (query, payload)
+        assert_openai_error(payload, "server_error")
+    for query, name in (("?before=msg_1", "before"), ("?limit=2&starting_after=3",
+                                                      "starting_after")):
+        status, payload = get(envoy_without_upstream, items + query)
+        assert status == 400, (query, payload)
+        assert name in assert_openai_error(payload, "invalid_request_error")["message"]
+    status, payload = get(envoy_without_upstream, items + "?limit=many")
+    assert status == 400 and "limit" in payload["error"]["message"]
 
 
 def test_upstream_down_is_an_openai_503(envoy_without_upstream: int) -> None:

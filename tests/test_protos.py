@@ -90,6 +90,7 @@ def test_descriptor_set_carries_the_openai_http_routes() -> None:
         "CreateResponseEvents": ("post", "/v1/responses:stream", "*"),
         "GetResponse": ("get", "/v1/responses/{response_id}", ""),
         "DeleteResponse": ("delete", "/v1/responses/{response_id}", ""),
+        "ListResponseInputItems": ("get", "/v1/responses/{response_id}/input_items", ""),
         "ListModels": ("get", "/v1/models", ""),
         "Tokenize": ("post", "/tokenize", "*"),
         "Detokenize": ("post", "/detokenize", "*"),

@@ -7,16 +7,18 @@ SDK's own accumulator (``client.responses.stream``), the same text; function too
 and their outputs in the input, structured output and reasoning must come back as their
 items; what cannot be served must be a 400 that names the field, streamed or not. Responses
 are stored (unless ``store`` is false): ``previous_response_id`` continues one's conversation
-as the offline engine continues the same chat, and ``GET`` / ``DELETE /v1/responses/{id}``
-read and drop them.
+as the offline engine continues the same chat, ``GET`` / ``DELETE /v1/responses/{id}`` read
+and drop them, and ``GET /v1/responses/{id}/input_items`` lists their input items (the
+conversation's first) a page at a time, with ids that stay the same.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 import openai
@@ -30,11 +32,12 @@ from gateway.endpoint_picker import read_request
 from protos.tandem.v1 import generation_pb2, generation_pb2_grpc
 from services.replica.errors import InvalidArgument, NotFound
 from services.replica.generation_servicer import GenerationServicer
+from services.replica.response_input_items import identified
 from services.replica.response_store import ResponseStore, StoredResponse
 from services.replica.responses_api import chat_request, input_items
 from services.replica.served_model import ServedModel
 from tandem import InvalidRequestError
-from tandem.client import Client
+from tandem.client import AsyncClient, Client
 from tests.openai_http import (
     CITY_SCHEMA,
     CLOCK,
@@ -435,3 +438,230 @@ def test_a_server_that_keeps_no_responses_says_so(offline: LLM) -> None:
         servicer._history(follow_up)
     with pytest.raises(NotFound, match="keeps no responses"):
         servicer._stored()
+
+
+# A conversation's worth of input items: each kind the Responses API takes, one with an id of
+# the client's and one that repeats it.
+LISTED_INPUT: list[dict[str, Any]] = [
+    {"role": "developer", "content": "be brief"},
+    {"role": "user", "content": "What is the weather in Oslo?", "id": "msg_client_1"},
+    {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+     "arguments": '{"city": "Oslo", "days": 1}'},
+    {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    {"role": "assistant", "content": "It is sunny."},
+    {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Lima?"}]},
+    {"role": "user", "content": "Thanks", "id": "msg_client_1"},
+]
+LISTED_TOOLS: list[dict[str, Any]] = [{"type": "function", **WEATHER["function"]}]  # type: ignore[dict-item]
+# The same items as OpenAI lists them, ids aside.
+LISTED_ITEMS: list[dict[str, Any]] = [
+    {"type": "message", "role": "developer", "status": "completed",
+     "content": [{"type": "input_text", "text": "be brief"}]},
+    {"type": "message", "role": "user", "status": "completed",
+     "content": [{"type": "input_text", "text": "What is the weather in Oslo?"}]},
+    {"type": "function_call", "status": "completed", "call_id": "call_1",
+     "name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'},
+    {"type": "function_call_output", "status": "completed", "call_id": "call_1",
+     "output": "sunny"},
+    {"type": "message", "role": "assistant", "status": "completed",
+     "content": [{"type": "output_text", "text": "It is sunny.", "annotations": []}]},
+    {"type": "message", "role": "user", "status": "completed",
+     "content": [{"type": "input_text", "text": "Lima?"}]},
+    {"type": "message", "role": "user", "status": "completed",
+     "content": [{"type": "input_text", "text": "Thanks"}]},
+]
+
+
+def without_ids(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in item.items() if k != "id"} for item in items]
+
+
+# One page: its items' ids, first_id, last_id, has_more.
+Page = tuple[list[str], str | None, str | None, bool]
+
+
+def pages(list_page: Callable[..., Page], order: str, limit: int) -> tuple[list[str], int]:
+    """Every id of a listing, following ``after`` from page to page as a client does; and
+    how many pages it took. Each page but the last says ``has_more``."""
+    ids: list[str] = []
+    after = None
+    for count in range(1, 100):
+        got, first_id, last_id, has_more = list_page(after=after, limit=limit, order=order)
+        assert 1 <= len(got) <= limit
+        assert (first_id, last_id) == (got[0], got[-1])
+        ids += got
+        if not has_more:
+            return ids, count
+        after = got[-1]
+    raise AssertionError("the pages never end")
+
+
+def test_input_items_are_listed_as_openai_lists_them(stack: Stack) -> None:
+    """GET /v1/responses/{id}/input_items through Envoy with the openai SDK: the request's
+    items in OpenAI's listed shape, each with an id (a client's own kept, unless it repeats
+    one) that stays the same from call to call; newest first by default; pages of ``limit``
+    after ``after``, in either order, by hand and by the SDK's auto-pagination."""
+    client = stack.client()
+    options: dict[str, Any] = {"model": "tiny", "input": LISTED_INPUT, "tools": LISTED_TOOLS,
+                               "tool_choice": "none", "max_output_tokens": 4,
+                               "temperature": 0}
+    response = client.responses.create(**options)
+    raw = client.responses.input_items.with_raw_response.list(response.id, order="asc")
+    listing = raw.http_response.json()
+    items = listing["data"]
+    assert without_ids(items) == LISTED_ITEMS
+    ids = [item["id"] for item in items]
+    assert [i.split("_", 1)[0] for i in ids] == ["msg", "msg", "fc", "fco", "msg", "msg", "msg"]
+    assert ids[1] == "msg_client_1" and len(set(ids)) == len(ids)
+    assert listing == {"object": "list", "data": items, "first_id": ids[0],
+                       "last_id": ids[-1], "has_more": False}
+
+    newest_first = client.responses.input_items.list(response.id)
+    assert [item.id for item in newest_first.data] == ids[::-1]  # the same ids, again
+    assert newest_first.data[0].type == "message" and not newest_first.has_more
+
+    def list_page(**query: Any) -> Page:
+        raw = client.responses.input_items.with_raw_response.list(response.id, **query)
+        page = raw.http_response.json()
+        return ([item["id"] for item in page["data"]], page.get("first_id"),
+                page.get("last_id"), page["has_more"])
+
+    orders: list[tuple[Literal["asc", "desc"], list[str]]] = [("asc", ids),
+                                                              ("desc", ids[::-1])]
+    for order, want in orders:
+        for limit in (1, 2, 3, 7, 100):
+            got, count = pages(list_page, order, limit)
+            assert got == want and count == -(-len(ids) // limit), (order, limit)
+        auto = client.responses.input_items.list(response.id, limit=2, order=order)
+        assert [item.id for item in auto] == want, order
+    # After the last item: an empty page.
+    empty = client.responses.input_items.with_raw_response.list(
+        response.id, after=ids[-1], order="asc").http_response.json()
+    assert (empty["data"], empty["has_more"]) == ([], False)
+    assert empty.get("first_id") is None and empty.get("last_id") is None
+
+
+def test_a_continued_responses_input_items_begin_with_its_conversation(stack: Stack) -> None:
+    """A response that continued another lists the conversation first, as OpenAI does:
+    the earlier response's input items (same ids), its output items (as GET gives them,
+    their logprobs only with include), then its own input. Taken when it was created: the
+    listing outlives the earlier response."""
+    client = stack.client()
+    options: dict[str, Any] = {"model": "tiny", "max_output_tokens": 4, "temperature": 0}
+    first = client.responses.create(input=QUESTION, include=["message.output_text.logprobs"],
+                                    top_logprobs=1, **options)
+    second = client.responses.create(input="And then?", previous_response_id=first.id,
+                                      **options)
+    first_items = client.responses.input_items.with_raw_response.list(
+        first.id).http_response.json()["data"]
+    first_output = client.responses.with_raw_response.retrieve(
+        first.id).http_response.json()["output"]
+    assert first_output[0]["content"][0]["logprobs"]
+
+    def listed(response_id: str, **query: Any) -> list[dict[str, Any]]:
+        raw = client.responses.input_items.with_raw_response.list(response_id, order="asc",
+                                                                   **query)
+        return list(raw.http_response.json()["data"])
+
+    plain_output = [{**item, "content": [{k: v for k, v in part.items() if k != "logprobs"}
+                                         for part in item["content"]]}
+                    for item in first_output]
+    conversation = listed(second.id)
+    assert conversation[:-1] == first_items + plain_output
+    assert without_ids(conversation[-1:]) == [{
+        "type": "message", "role": "user", "status": "completed",
+        "content": [{"type": "input_text", "text": "And then?"}]}]
+    with_logprobs = listed(second.id, include=["message.output_text.logprobs"])
+    assert with_logprobs[:-1] == first_items + first_output
+    # OpenAI's other include values name items Tandem never makes: nothing to add.
+    assert listed(second.id, include=["reasoning.encrypted_content"]) == conversation
+
+    client.responses.delete(first.id)
+    assert listed(second.id) == conversation
+    with pytest.raises(openai.NotFoundError, match=f"no stored response '{first.id}'"):
+        client.responses.input_items.list(first.id)
+
+
+def test_input_items_queries_that_cannot_be_served_say_why(stack: Stack) -> None:
+    """A limit outside 1..100, an unknown order or include value and an ``after`` that is
+    not one of the response's items are 400s naming the parameter; a response that is not
+    stored is a 404, as GET's."""
+    client = stack.client()
+    options: dict[str, Any] = {"model": "tiny", "max_output_tokens": 2, "temperature": 0}
+    response = client.responses.create(input="alpha", **options)
+    other = client.responses.create(input="bravo", **options)
+    [others_item] = client.responses.input_items.list(other.id).data
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"limit": 0}, "limit must be between 1 and 100 (default 20); got 0"),
+        ({"limit": 101}, "limit must be between 1 and 100 (default 20); got 101"),
+        ({"order": "sideways"}, 'order must be "asc"'),
+        ({"include": ["everything"]}, "include has 'everything'"),
+        ({"after": "msg_nope"},
+         f"after 'msg_nope' is not an item of response '{response.id}'"),
+        # An item of another response is no cursor here either.
+        ({"after": others_item.id}, f"after '{others_item.id}' is not an item of response"),
+    ]
+    for query, message in cases:
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.responses.input_items.list(response.id, **query)
+        assert message in raised.value.message, (query, raised.value.message)
+    unstored = client.responses.create(input="charlie", store=False, **options)
+    for missing in ("resp_1", unstored.id):
+        with pytest.raises(openai.NotFoundError, match=f"no stored response '{missing}'"):
+            client.responses.input_items.list(missing)
+
+
+def test_the_grpc_sdk_lists_input_items_as_the_openai_sdk(stack: Stack) -> None:
+    """``Client.list_response_input_items`` (and ``AsyncClient``'s) over gRPC: the items and
+    pages the openai SDK gets over HTTP; failures as INVALID_ARGUMENT and NOT_FOUND."""
+    with Client(stack.gateway, timeout=60) as sdk:
+        response = sdk.respond(LISTED_INPUT, model="tiny", tools=LISTED_TOOLS,
+                               tool_choice="none", max_output_tokens=4, temperature=0)
+        first = sdk.list_response_input_items(response.id, order="asc")
+        assert without_ids(first.items) == LISTED_ITEMS and not first.has_more
+        ids = [item["id"] for item in first.items]
+        assert (first.first_id, first.last_id) == (ids[0], ids[-1])
+        over_http = stack.client().responses.input_items.list(response.id, order="asc")
+        assert [item.id for item in over_http.data] == ids
+
+        def list_page(**query: Any) -> Page:
+            page = sdk.list_response_input_items(response.id, **query)
+            return [item["id"] for item in page.items], page.first_id, page.last_id, \
+                page.has_more
+
+        assert pages(list_page, "desc", 3) == (ids[::-1], 3)
+        empty = sdk.list_response_input_items(response.id, after=ids[0])  # newest first
+        assert (empty.items, empty.first_id, empty.last_id, empty.has_more) == (
+            [], None, None, False)
+        with pytest.raises(InvalidRequestError, match="limit must be between 1 and 100"):
+            sdk.list_response_input_items(response.id, limit=0)
+        with pytest.raises(InvalidRequestError, match="NOT_FOUND"):
+            sdk.list_response_input_items("resp_1")
+
+    async def newest_two() -> list[str]:
+        async with AsyncClient(stack.gateway, timeout=60) as client:
+            page = await client.list_response_input_items(response.id, limit=2)
+            assert page.has_more
+            return [item["id"] for item in page.items]
+
+    assert asyncio.run(newest_two()) == ids[:-3:-1]
+
+
+def test_listed_items_replay_as_the_items_they_were() -> None:
+    """The stored items (ids, listed shape) render the same chat as the client's own: a
+    continuation's prompt does not change because its items were listed. A repeated or
+    non-string id is replaced; ids of the conversation before them count as taken."""
+    request = json_format.ParseDict({"input": LISTED_INPUT}, generation_pb2.ResponseRequest())
+    listed = identified(input_items(request), taken=["msg_earlier"])
+    relisted = generation_pb2.ResponseRequest()
+    relisted.input.list_value.values.extend(listed)
+    assert chat_request(relisted) == chat_request(request)
+    assert [json_format.MessageToDict(item) for item in listed][1]["id"] == "msg_client_1"
+    odd = json_format.ParseDict([{"role": "user", "content": "a", "id": "msg_earlier"},  # type: ignore[arg-type]  # a JSON list
+                                 {"role": "user", "content": "b", "id": 7},
+                                 {"type": "reasoning", "id": "rs_1", "summary": []}],
+                                struct_pb2.Value())
+    ids = [json_format.MessageToDict(item)["id"]
+           for item in identified(odd.list_value.values, taken=["msg_earlier"])]
+    assert ids[0] not in ("msg_earlier", "") and ids[0].startswith("msg_")
+    assert ids[1].startswith("msg_") and ids[2] == "rs_1"

@@ -5,13 +5,14 @@ Owns the RPC handlers: check the model name, resolve the request (``openai_api``
 OpenAI-shaped responses; every failure becomes a status (``errors.rpc_handler``). The
 Responses API runs as the chat request it translates to (``responses_api``), after the
 conversation of a stored response it continues; finished responses are stored
-(``response_store``) unless the request says not to. Loading and unloading LoRA adapters is
-handed to a ``LoraUpdates`` where the server allows it. The ``*Events`` RPCs write the
-streams' chunks as server-sent events for HTTP clients (``server_sent_events``). Streams are
-closed explicitly, so a client that cancels or runs out of deadline aborts every choice of
-its request in the engine at once. The replica builds it over its local engine; the gateway
-can build it over a remote replica's ``Engine.Generate``, with the same tokenizer
-(``InputProcessor``) and served model. It does not own tokenization rules
+(``response_store``) unless the request says not to, their input items with ids so that
+they can be listed a page at a time (``response_input_items``). Loading and unloading LoRA
+adapters is handed to a ``LoraUpdates`` where the server allows it. The ``*Events`` RPCs
+write the streams' chunks as server-sent events for HTTP clients (``server_sent_events``).
+Streams are closed explicitly, so a client that cancels or runs out of deadline aborts every
+choice of its request in the engine at once. The replica builds it over its local engine;
+the gateway can build it over a remote replica's ``Engine.Generate``, with the same
+tokenizer (``InputProcessor``) and served model. It does not own tokenization rules
 (``InputProcessor``), admission or the engine.
 """
 
@@ -28,7 +29,7 @@ from engine_common.input_processor import InputProcessor
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 from services.replica import openai_api as api
-from services.replica import responses_api
+from services.replica import response_input_items, responses_api
 from services.replica.errors import InvalidArgument, NotFound, rpc_handler
 from services.replica.lora_updates import LoraUpdates, runtime_updates_off
 from services.replica.response_store import ResponseStore, StoredResponse
@@ -177,6 +178,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         chat_request = responses_api.chat_request(request, self._history(request))
         # Resolved before the first event, so that a bad request fails with its status.
         chat = self._chat_stream_request(chat_request)
+        # Read now: the response it continues may be dropped from the store while this runs.
+        earlier = (store.get(request.previous_response_id).conversation_items()
+                   if store is not None and request.previous_response_id else ())
         events = responses_api.response_events(
             self._chat_chunks_of(chat_request, chat), request=request,
             response_id=responses_api.new_response_id(self.responder),
@@ -184,8 +188,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         async with aclosing(events):
             async for event in events:
                 if store is not None and event.type in responses_api.FINAL_EVENTS:
-                    store.put(StoredResponse(event.response, responses_api.input_items(request),
-                                             request.previous_response_id))
+                    items = response_input_items.identified(
+                        responses_api.input_items(request),
+                        taken=map(response_input_items.item_id, earlier))
+                    store.put(StoredResponse(event.response, items,
+                                             request.previous_response_id, earlier))
                 yield event
 
     def _history(self, request: pb.ResponseRequest) -> list[struct_pb2.Value]:
@@ -209,6 +216,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self._stored().delete(request.response_id)
         return pb.DeleteResponseResponse(id=request.response_id, object="response",
                                          deleted=True)
+
+    @rpc_handler
+    async def ListResponseInputItems(  # noqa: N802
+            self, request: pb.ListResponseInputItemsRequest,
+            context: grpc.aio.ServicerContext) -> pb.ResponseItemList:
+        query = response_input_items.ItemQuery.of(request)
+        stored = self._stored().get(request.response_id)
+        return response_input_items.page(stored.listed_items(), query, request.response_id)
 
     def _stored(self) -> ResponseStore:
         if self.responses is None:

@@ -1,24 +1,27 @@
 """The Responses API's stored responses: what ``previous_response_id``, ``GET`` and ``DELETE
-/v1/responses/{id}`` read.
+/v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` read.
 
 Owns keeping the latest responses a server answered with ``store`` true (the default, as
-OpenAI's), each with its own input items and the id of the response it continued, in memory
-and bounded (the oldest go first), and rebuilding a conversation from a chain of them: each
-response's input, then its output as input items (``responses_api.output_as_input``). The
-instructions of earlier responses are not carried, as OpenAI documents. It does not own
-translating requests and responses (``responses_api``) or the RPCs
-(``generation_servicer``).
+OpenAI's), each with its own input items, the id of the response it continued and the items
+of the conversation it continued as they are listed, in memory and bounded (the oldest go
+first), and rebuilding a conversation from a chain of them: each response's input, then its
+output as input items (``responses_api.output_as_input``). The instructions of earlier
+responses are not carried, as OpenAI documents. It does not own translating requests and
+responses (``responses_api``), the listed shape of items and their pages
+(``response_input_items``) or the RPCs (``generation_servicer``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from google.protobuf import struct_pb2
 
 from protos.tandem.v1 import generation_pb2 as pb
 from services.replica.errors import NotFound
+from services.replica.response_input_items import output_items
 from services.replica.responses_api import output_as_input
 
 DEFAULT_MAX_STORED_RESPONSES = 1024
@@ -30,9 +33,27 @@ STORE_HELP = ("Responses API responses kept in memory (the latest N) for previou
 @dataclass(frozen=True)
 class StoredResponse:
     response: pb.Response
-    # The request's own input items (a string input as one user message).
+    # The request's own input items (a string input as one user message); stored as they
+    # are listed, with their ids (``response_input_items.identified``).
     input_items: list[struct_pb2.Value]
     previous_response_id: str = ""
+    # The conversation it continued as listed items, oldest first: each earlier response's
+    # input items, then its output items. OpenAI lists them before the response's own in
+    # GET /v1/responses/{id}/input_items: its list is "the items used to generate this
+    # response", and its docs say a conversation's items "are prepended to input_items"
+    # of the response that continues it. Taken when the request came, so a listing
+    # outlives the earlier responses' eviction; the items are shared along a chain, not
+    # copied.
+    earlier_items: Sequence[struct_pb2.Value] = ()
+
+    def listed_items(self) -> list[struct_pb2.Value]:
+        """What GET /v1/responses/{id}/input_items lists, oldest first."""
+        return [*self.earlier_items, *self.input_items]
+
+    def conversation_items(self) -> tuple[struct_pb2.Value, ...]:
+        """The listed items of its conversation so far, its own output last: the
+        ``earlier_items`` of a response that continues it."""
+        return (*self.earlier_items, *self.input_items, *output_items(self.response.output))
 
 
 class ResponseStore:

@@ -701,6 +701,34 @@ class DeleteResponseResponse(_message.Message):
     deleted: bool
     def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., deleted: _Optional[bool] = ...) -> None: ...
 
+class ListResponseInputItemsRequest(_message.Message):
+    __slots__ = ("response_id", "after", "limit", "order", "include")
+    RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_FIELD_NUMBER: _ClassVar[int]
+    response_id: str
+    after: str
+    limit: int
+    order: str
+    include: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, response_id: _Optional[str] = ..., after: _Optional[str] = ..., limit: _Optional[int] = ..., order: _Optional[str] = ..., include: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ResponseItemList(_message.Message):
+    __slots__ = ("object", "data", "first_id", "last_id", "has_more")
+    OBJECT_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_ID_FIELD_NUMBER: _ClassVar[int]
+    HAS_MORE_FIELD_NUMBER: _ClassVar[int]
+    object: str
+    data: _containers.RepeatedCompositeFieldContainer[_struct_pb2.Value]
+    first_id: str
+    last_id: str
+    has_more: bool
+    def __init__(self, object: _Optional[str] = ..., data: _Optional[_Iterable[_Union[_struct_pb2.Value, _Mapping]]] = ..., first_id: _Optional[str] = ..., last_id: _Optional[str] = ..., has_more: _Optional[bool] = ...) -> None: ...
+
 class ResponseStreamEvent(_message.Message):
     __slots__ = ("type", "sequence_number", "response", "output_index", "content_index", "item_id", "item", "part", "delta", "text", "arguments", "logprobs")
     TYPE_FIELD_NUMBER: _ClassVar[int]

@@ -92,6 +92,11 @@ class GenerationStub:
                 request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.DeleteResponseRequest.SerializeToString,
                 response_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.DeleteResponseResponse.FromString,
                 _registered_method=True)
+        self.ListResponseInputItems = channel.unary_unary(
+                '/tandem.v1.Generation/ListResponseInputItems',
+                request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ListResponseInputItemsRequest.SerializeToString,
+                response_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ResponseItemList.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/tandem.v1.Generation/ListModels',
                 request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
@@ -207,6 +212,20 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListResponseInputItems(self, request, context):
+        """The input items of a stored response, as OpenAI lists them: GET
+        /v1/responses/{id}/input_items?after=&limit=&order= (the openai SDK's
+        responses.input_items.list). For a response that continued another
+        (previous_response_id), the items of the conversation it continued come first, as
+        OpenAI lists them: each earlier response's input items, then its output items.
+        NOT_FOUND as GetResponse; INVALID_ARGUMENT for a limit outside 1..100, an order other
+        than asc or desc, an `after` that is not one of the response's items, or an include
+        value OpenAI does not define.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListModels(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -300,6 +319,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.DeleteResponse,
                     request_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.DeleteResponseRequest.FromString,
                     response_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.DeleteResponseResponse.SerializeToString,
+            ),
+            'ListResponseInputItems': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListResponseInputItems,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ListResponseInputItemsRequest.FromString,
+                    response_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ResponseItemList.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -626,6 +650,33 @@ class Generation:
             '/tandem.v1.Generation/DeleteResponse',
             protos_dot_tandem_dot_v1_dot_generation__pb2.DeleteResponseRequest.SerializeToString,
             protos_dot_tandem_dot_v1_dot_generation__pb2.DeleteResponseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListResponseInputItems(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Generation/ListResponseInputItems',
+            protos_dot_tandem_dot_v1_dot_generation__pb2.ListResponseInputItemsRequest.SerializeToString,
+            protos_dot_tandem_dot_v1_dot_generation__pb2.ResponseItemList.FromString,
             options,
             channel_credentials,
             insecure,
