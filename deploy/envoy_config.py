@@ -19,6 +19,8 @@ which runs before the transcoder on requests and after it on responses:
 - A list in a query as the openai SDK writes it (``include[]=a&include[]=b``) becomes the
   repeated parameter the transcoder reads (``include=a&include=b``); a parameter no field
   takes is the transcoder's 400 naming it.
+- ``GET /v1/responses/{id}?stream=true`` (a background response's events again) moves to
+  the ``/v1/responses/{id}:stream`` path, the ``GetResponseEvents`` RPC, labelled the same.
 - Every error (a gRPC status the transcoder turned into an HTTP status with
   ``convert_grpc_status``, the transcoder's own 400 for bad JSON, Envoy's 503 when the
   upstream is down) leaves with OpenAI's body, ``{"error": {"message", "type", "param",
@@ -105,7 +107,7 @@ end
 function envoy_on_request(handle)
   local headers = handle:headers()
   local path = headers:get(":path")
-  -- GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items: a stored response.
+  -- GET and DELETE /v1/responses/{id}, its input_items, its cancel: a stored response.
   if not OPENAI_PATHS[path] and not string.find(path, "^/v1/responses/[^/:?]+") then
     return
   end
@@ -113,6 +115,16 @@ function envoy_on_request(handle)
   local plain = plain_list_keys(path)
   if plain ~= path then
     headers:replace(":path", plain)
+  end
+  -- GET /v1/responses/{id}?stream=true: a background response's events again, from the
+  -- GetResponseEvents path.
+  local id, query = string.match(plain, "^/v1/responses/([^/:?]+)%?(.*)$")
+  if id ~= nil and headers:get(":method") == "GET"
+      and string.find("&" .. query .. "&", "&stream=true&", 1, true) then
+    headers:replace(":path", "/v1/responses/" .. id .. ":stream?" .. query)
+    handle:clearRouteCache()
+    handle:streamInfo():dynamicMetadata():set(NAMESPACE, "stream", true)
+    return
   end
   local stream_path = STREAM_PATHS[path]
   if stream_path == nil or headers:get(":method") ~= "POST" then
@@ -278,7 +290,7 @@ def _routes(cluster: str) -> list[dict[str, Any]]:
         {"match": {"path": path}, "route": forward} for path in OPENAI_PATHS]
     routes += [{"match": {"prefix": f"/v1/{name}:stream"}, "route": forward}
                for name in ("completions", "chat/completions", "responses")]
-    # Stored responses: /v1/responses/{id} and /v1/responses/{id}/input_items.
+    # Stored responses: /v1/responses/{id}, its input_items, cancel and :stream.
     routes.append({"match": {"prefix": "/v1/responses/"}, "route": forward})
     routes += [{"match": {"prefix": f"/{service}/"}, "route": forward}
                for service in GRPC_SERVICES]
@@ -290,7 +302,7 @@ def _routes(cluster: str) -> list[dict[str, Any]]:
                 "disabled": True}}
     not_found = ('{"error":{"message":"no such endpoint; Tandem serves /v1/completions, '
                  '/v1/chat/completions, /v1/responses (and /v1/responses/{id}, '
-                 '/v1/responses/{id}/input_items), /v1/models, '
+                 '/v1/responses/{id}/input_items, /v1/responses/{id}/cancel), /v1/models, '
                  '/tokenize, /detokenize, '
                  '/v1/load_lora_adapter and /v1/unload_lora_adapter",'
                  '"type":"not_found_error","param":null,"code":null}}')

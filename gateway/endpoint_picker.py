@@ -122,12 +122,15 @@ _RESPONSES_PATHS = frozenset({
     "/v1/responses", "/v1/responses:stream",
     "/tandem.v1.Generation/CreateResponse", "/tandem.v1.Generation/CreateResponseStream",
     "/tandem.v1.Generation/CreateResponseEvents"})
-# A stored response, read, deleted or its input items listed: GET / DELETE
-# /v1/responses/{id} and GET /v1/responses/{id}/input_items (before the transcoder), or the
-# gRPC methods, whose bodies all hold the id as field 1.
+# A stored response, read (or its events streamed again), deleted, cancelled or its input
+# items listed: /v1/responses/{id}... (before the transcoder), or the gRPC methods, whose
+# bodies all hold the id as field 1.
 _STORED_RESPONSE_PATHS = frozenset({"/tandem.v1.Generation/GetResponse",
                                     "/tandem.v1.Generation/DeleteResponse",
-                                    "/tandem.v1.Generation/ListResponseInputItems"})
+                                    "/tandem.v1.Generation/ListResponseInputItems",
+                                    "/tandem.v1.Generation/GetResponseStream",
+                                    "/tandem.v1.Generation/GetResponseEvents",
+                                    "/tandem.v1.Generation/CancelResponse"})
 _STORED_RESPONSE_PREFIX = "/v1/responses/"
 
 
@@ -153,8 +156,10 @@ def read_request(path: str, content_type: str, body: bytes, inputs: InputProcess
         return model if model in lora_names else None
 
     if path.startswith(_STORED_RESPONSE_PREFIX):
-        # The id is the first segment: /v1/responses/{id}/input_items names it too.
+        # The id is the first segment: /v1/responses/{id}/input_items and .../cancel name it
+        # too, and /v1/responses/{id}:stream (Lua's path for GET ...?stream=true).
         response_id = path.removeprefix(_STORED_RESPONSE_PREFIX).split("/", 1)[0]
+        response_id = response_id.split(":", 1)[0]
         return RequestFeatures(responder=responses_api.responder_of(response_id))
     responder = ""
     try:

@@ -219,6 +219,22 @@ class Client:
     def delete_response(self, response_id: str) -> None:
         self._unary(self._stub.DeleteResponse, pb.DeleteResponseRequest(response_id=response_id))
 
+    def cancel_response(self, response_id: str) -> Response:
+        """Stops a background response (``respond(..., background=True)``); the response as
+        it stands, "cancelled" (a finished one as it finished)."""
+        request = pb.CancelResponseRequest(response_id=response_id)
+        return response_from_pb(self._unary(self._stub.CancelResponse, request))
+
+    def follow_response(self, response_id: str, *,
+                        starting_after: int | None = None) -> ResponseStream[ResponseEvent]:
+        """A background response's events: those after the one numbered ``starting_after``
+        (all of them without), then each as it comes, to the last. Resumes a stream lost
+        midway (``respond_stream(..., background=True)``)."""
+        request = pb.GetResponseRequest(response_id=response_id, stream=True)
+        if starting_after is not None:
+            request.starting_after = starting_after
+        return self._stream(self._stub.GetResponseStream, request, response_event_from_pb)
+
     def list_response_input_items(
         self,
         response_id: str,
@@ -408,6 +424,19 @@ class AsyncClient:
     async def delete_response(self, response_id: str) -> None:
         await self._unary(self._stub.DeleteResponse,
                           pb.DeleteResponseRequest(response_id=response_id))
+
+    async def cancel_response(self, response_id: str) -> Response:
+        """See ``Client.cancel_response``."""
+        request = pb.CancelResponseRequest(response_id=response_id)
+        return response_from_pb(await self._unary(self._stub.CancelResponse, request))
+
+    def follow_response(self, response_id: str, *, starting_after: int | None = None,
+                        ) -> AsyncResponseStream[ResponseEvent]:
+        """See ``Client.follow_response``."""
+        request = pb.GetResponseRequest(response_id=response_id, stream=True)
+        if starting_after is not None:
+            request.starting_after = starting_after
+        return self._stream(self._stub.GetResponseStream, request, response_event_from_pb)
 
     async def list_response_input_items(
         self,

@@ -67,6 +67,9 @@ class ResponseOptions(TypedDict, total=False):
     # Continue a stored response's conversation (its input and output come first).
     previous_response_id: str
     store: bool  # default true: the server keeps the response (Client.get_response)
+    # Answer at once with the response "queued"; it runs on in the server (get_response
+    # shows how far it got, cancel_response stops it; streamed, follow_response resumes).
+    background: bool
 
 
 _OPTION_NAMES = frozenset(ResponseOptions.__annotations__)
@@ -163,7 +166,8 @@ class ResponseUsage:
 class Response:
     """A response, its output items read as the openai SDK reads them. ``status`` is
     "completed", "incomplete" (``incomplete_reason`` says why: "max_output_tokens"), or
-    "in_progress" in a stream's first events."""
+    "in_progress" in a stream's first events; a background response is "queued" at first,
+    and may end "failed" (``error`` says why) or "cancelled"."""
 
     id: str
     model: str
@@ -177,6 +181,8 @@ class Response:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     stored: bool = False  # kept by the server: a later request may continue it
     previous_response_id: str | None = None
+    background: bool = False
+    error: str | None = None  # a failed background response's "code: message"
 
 
 @dataclass(frozen=True)
@@ -251,6 +257,9 @@ def response_from_pb(response: pb.Response) -> Response:
         stored=response.store,
         previous_response_id=(response.previous_response_id
                               if response.HasField("previous_response_id") else None),
+        background=response.background,
+        error=(f"{response.error.code}: {response.error.message}"
+               if response.HasField("error") else None),
     )
 
 

@@ -116,19 +116,26 @@ def test_a_lora_adapters_requests_are_read_under_its_name(inputs: InputProcessor
 
 
 def test_a_stored_responses_requests_name_its_replica(inputs: InputProcessor) -> None:
-    """GET / DELETE /v1/responses/{id} and GET /v1/responses/{id}/input_items (with or
-    without a query), and their gRPC methods, are read for the engine id in the id."""
+    """GET / DELETE /v1/responses/{id}, its input_items and cancel, a background one's
+    events again (Lua's :stream path) (with or without a query), and their gRPC methods,
+    are read for the engine id in the id."""
     response_id = f"resp_{'0' * 32}_replica-a.1"
     for path in (f"/v1/responses/{response_id}", f"/v1/responses/{response_id}?include[]=x",
                  f"/v1/responses/{response_id}/input_items",
-                 f"/v1/responses/{response_id}/input_items?after=msg_1&limit=2&order=asc"):
+                 f"/v1/responses/{response_id}/input_items?after=msg_1&limit=2&order=asc",
+                 f"/v1/responses/{response_id}/cancel",
+                 f"/v1/responses/{response_id}:stream?stream=true&starting_after=3"):
         features = read_request(path, "", b"", inputs)
         assert features is not None and features.responder == "replica-a.1", path
     listing = pb.ListResponseInputItemsRequest(response_id=response_id, after="msg_1", limit=2)
     for method, message in (("GetResponse", pb.GetResponseRequest(response_id=response_id)),
                             ("DeleteResponse", pb.DeleteResponseRequest(
                                 response_id=response_id)),
-                            ("ListResponseInputItems", listing)):
+                            ("ListResponseInputItems", listing),
+                            ("GetResponseStream", pb.GetResponseRequest(
+                                response_id=response_id, stream=True, starting_after=3)),
+                            ("CancelResponse", pb.CancelResponseRequest(
+                                response_id=response_id))):
         features = read_request(f"/tandem.v1.Generation/{method}", "application/grpc",
                                 grpc_frame(message), inputs)
         assert features is not None and features.responder == "replica-a.1", method

@@ -89,6 +89,8 @@ def test_descriptor_set_carries_the_openai_http_routes() -> None:
         "CreateResponse": ("post", "/v1/responses", "*"),
         "CreateResponseEvents": ("post", "/v1/responses:stream", "*"),
         "GetResponse": ("get", "/v1/responses/{response_id}", ""),
+        "GetResponseEvents": ("get", "/v1/responses/{response_id}:stream", ""),
+        "CancelResponse": ("post", "/v1/responses/{response_id}/cancel", ""),
         "DeleteResponse": ("delete", "/v1/responses/{response_id}", ""),
         "ListResponseInputItems": ("get", "/v1/responses/{response_id}/input_items", ""),
         "ListModels": ("get", "/v1/models", ""),
@@ -99,7 +101,8 @@ def test_descriptor_set_carries_the_openai_http_routes() -> None:
     }
     streaming = {m.name for m in service.method if m.server_streaming}
     assert streaming == {"CompleteStream", "ChatCompleteStream", "CompleteEvents",
-                         "ChatCompleteEvents", "CreateResponseStream", "CreateResponseEvents"}
+                         "ChatCompleteEvents", "CreateResponseStream", "CreateResponseEvents",
+                         "GetResponseStream", "GetResponseEvents"}
     # HTTP clients get server-sent events the server writes (ending in "data: [DONE]").
     assert {m.output_type for m in service.method if m.name.endswith("Events")} == {
         ".google.api.HttpBody"}

@@ -18,6 +18,7 @@ tokenizer (``InputProcessor``) and served model. It does not own tokenization ru
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
@@ -30,6 +31,7 @@ from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 from services.replica import openai_api as api
 from services.replica import response_input_items, responses_api
+from services.replica.background_responses import BackgroundResponses
 from services.replica.errors import InvalidArgument, NotFound, rpc_handler
 from services.replica.lora_updates import LoraUpdates, runtime_updates_off
 from services.replica.response_store import ResponseStore, StoredResponse
@@ -49,6 +51,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.generate = generate
         self.lora_updates = lora_updates  # None: adapters are fixed at start
         self.responses = responses  # None: no response is kept (store is answered false)
+        self.background = BackgroundResponses(responses) if responses is not None else None
         # Written into response ids (``responses_api.new_response_id``): the engine id of a
         # replica that serves clients itself, behind an endpoint picker.
         self.responder = responder
@@ -157,6 +160,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     @rpc_handler
     async def CreateResponse(self, request: pb.ResponseRequest,  # noqa: N802
                              context: grpc.aio.ServicerContext) -> pb.Response:
+        if request.background:
+            return self._start_background(request).response
         events = self._response_events(request)
         async with aclosing(events):
             return await responses_api.final_response(events)
@@ -164,36 +169,58 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     @rpc_handler
     async def CreateResponseStream(self, request: pb.ResponseRequest,  # noqa: N802
                                    context: grpc.aio.ServicerContext) -> None:
-        await _write_all(self._response_events(request), context)
+        await _write_all(self._response_stream(request), context)
 
     @rpc_handler
     async def CreateResponseEvents(self, request: pb.ResponseRequest,  # noqa: N802
                                    context: grpc.aio.ServicerContext) -> None:
-        await write_events(self._response_events(request), context,
+        await write_events(self._response_stream(request), context,
                            name=lambda event: event.type)
+
+    def _response_stream(
+            self, request: pb.ResponseRequest) -> AsyncGenerator[pb.ResponseStreamEvent, None]:
+        if request.background:  # the client reads along; it may leave and come back
+            return self._background_runs().follow(self._start_background(request).response.id)
+        return self._response_events(request)
 
     async def _response_events(
             self, request: pb.ResponseRequest) -> AsyncGenerator[pb.ResponseStreamEvent, None]:
         store = self.responses if not request.HasField("store") or request.store else None
-        chat_request = responses_api.chat_request(request, self._history(request))
-        # Resolved before the first event, so that a bad request fails with its status.
-        chat = self._chat_stream_request(chat_request)
-        # Read now: the response it continues may be dropped from the store while this runs.
-        earlier = (store.get(request.previous_response_id).conversation_items()
-                   if store is not None and request.previous_response_id else ())
-        events = responses_api.response_events(
-            self._chat_chunks_of(chat_request, chat), request=request,
-            response_id=responses_api.new_response_id(self.responder),
-            model=self.model.response_name(chat.engine.lora_name), store=store is not None)
+        prepared, events = self._prepare_response(request, store is not None)
         async with aclosing(events):
             async for event in events:
                 if store is not None and event.type in responses_api.FINAL_EVENTS:
-                    items = response_input_items.identified(
-                        responses_api.input_items(request),
-                        taken=map(response_input_items.item_id, earlier))
-                    store.put(StoredResponse(event.response, items,
-                                             request.previous_response_id, earlier))
+                    store.put(dataclasses.replace(prepared, response=event.response))
                 yield event
+
+    def _start_background(self, request: pb.ResponseRequest) -> StoredResponse:
+        if request.HasField("store") and not request.store:
+            raise InvalidArgument("background needs store: a background response is read "
+                                  "back with GET /v1/responses/{id}; leave store out or "
+                                  "set it true")
+        runs = self._background_runs()
+        prepared, events = self._prepare_response(request, True)
+        prepared.response.status = "queued"
+        runs.start(prepared, events)
+        return prepared
+
+    def _prepare_response(self, request: pb.ResponseRequest, store: bool) -> tuple[
+            StoredResponse, AsyncGenerator[pb.ResponseStreamEvent, None]]:
+        """The response as it will be stored (before any output) and its events. Every
+        check is made here, so that a bad request fails with its status before either."""
+        chat_request = responses_api.chat_request(request, self._history(request))
+        chat = self._chat_stream_request(chat_request)
+        # Read now: the response it continues may be dropped from the store while this runs.
+        earlier = (self._stored().get(request.previous_response_id).conversation_items()
+                   if store and request.previous_response_id else ())
+        items = response_input_items.identified(
+            responses_api.input_items(request), taken=map(response_input_items.item_id, earlier))
+        shell = responses_api.response_shell(
+            request, responses_api.new_response_id(self.responder),
+            self.model.response_name(chat.engine.lora_name), store)
+        events = responses_api.response_events(self._chat_chunks_of(chat_request, chat),
+                                               request=request, shell=shell)
+        return StoredResponse(shell, items, request.previous_response_id, earlier), events
 
     def _history(self, request: pb.ResponseRequest) -> list[struct_pb2.Value]:
         """The conversation ``previous_response_id`` continues (none without one)."""
@@ -208,11 +235,37 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     @rpc_handler
     async def GetResponse(self, request: pb.GetResponseRequest,  # noqa: N802
                           context: grpc.aio.ServicerContext) -> pb.Response:
+        if request.stream:
+            raise InvalidArgument("stream is GetResponseStream's (a background response's "
+                                  "events); GetResponse answers the response as it stands")
         return self._stored().get(request.response_id).response
+
+    @rpc_handler
+    async def GetResponseStream(self, request: pb.GetResponseRequest,  # noqa: N802
+                                context: grpc.aio.ServicerContext) -> None:
+        await _write_all(self._followed(request), context)
+
+    @rpc_handler
+    async def GetResponseEvents(self, request: pb.GetResponseRequest,  # noqa: N802
+                                context: grpc.aio.ServicerContext) -> None:
+        await write_events(self._followed(request), context, name=lambda event: event.type)
+
+    def _followed(
+            self, request: pb.GetResponseRequest) -> AsyncGenerator[pb.ResponseStreamEvent, None]:
+        starting_after = (request.starting_after if request.HasField("starting_after")
+                          else None)
+        return self._background_runs().follow(request.response_id, starting_after)
+
+    @rpc_handler
+    async def CancelResponse(self, request: pb.CancelResponseRequest,  # noqa: N802
+                             context: grpc.aio.ServicerContext) -> pb.Response:
+        return await self._background_runs().cancel(request.response_id)
 
     @rpc_handler
     async def DeleteResponse(self, request: pb.DeleteResponseRequest,  # noqa: N802
                              context: grpc.aio.ServicerContext) -> pb.DeleteResponseResponse:
+        if self._stored().get(request.response_id).response.background:
+            await self._background_runs().cancel(request.response_id)  # if still running
         self._stored().delete(request.response_id)
         return pb.DeleteResponseResponse(id=request.response_id, object="response",
                                          deleted=True)
@@ -229,6 +282,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if self.responses is None:
             raise NotFound("this server keeps no responses (--max-stored-responses 0)")
         return self.responses
+
+    def _background_runs(self) -> BackgroundResponses:
+        if self.background is None:
+            raise InvalidArgument("background responses are stored, and this server keeps "
+                                  "none (--max-stored-responses 0)")
+        return self.background
 
     @rpc_handler
     async def ListModels(self, request: pb.ListModelsRequest,  # noqa: N802

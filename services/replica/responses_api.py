@@ -233,12 +233,14 @@ def _set_response_format(out: pb.ResponseFormat, text_format: pb.ResponseTextFor
 # --------------------------------------------------------------------------- responses out
 
 
-def _response_shell(request: pb.ResponseRequest, response_id: str, model: str,
-                    store: bool) -> pb.Response:
-    """The response before any output: in progress, the request's settings echoed."""
+def response_shell(request: pb.ResponseRequest, response_id: str, model: str,
+                   store: bool) -> pb.Response:
+    """The response before any output: in progress, the request's settings echoed;
+    ``store``: it will be kept, as it says."""
     response = pb.Response(id=response_id, object="response", created_at=int(time.time()),
                            model=model, status="in_progress", tools=request.tools,
                            metadata=request.metadata, store=store,
+                           background=request.background,
                            parallel_tool_calls=(request.parallel_tool_calls
                                                 if request.HasField("parallel_tool_calls")
                                                 else True))
@@ -358,12 +360,14 @@ class _ResponseBuilder:
 
 async def response_events(
     chunks: AsyncIterator[pb.ChatCompletionChunk], *, request: pb.ResponseRequest,
-    response_id: str, model: str, store: bool = False,
+    shell: pb.Response,
 ) -> AsyncGenerator[pb.ResponseStreamEvent, None]:
-    """The Responses stream of one chat stream (one choice, usage in its last chunk);
-    ``store``: the response will be kept, as it says."""
-    builder = _ResponseBuilder(_response_shell(request, response_id, model, store),
-                               logprobs=LOGPROBS_INCLUDE in request.include)
+    """The Responses stream of one chat stream (one choice, usage in its last chunk), the
+    response growing from ``shell`` (``response_shell``)."""
+    response = pb.Response()
+    response.CopyFrom(shell)
+    response.status = "in_progress"  # a background shell waits "queued" until now
+    builder = _ResponseBuilder(response, logprobs=LOGPROBS_INCLUDE in request.include)
     response = builder.response
     yield builder.event("created", response=response)
     yield builder.event("in_progress", response=response)

@@ -472,7 +472,7 @@ class ChatCompletionChunk(_message.Message):
     def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., created: _Optional[int] = ..., model: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[ChatChunkChoice, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[_struct_pb2.ListValue, _Mapping]] = ...) -> None: ...
 
 class ResponseRequest(_message.Message):
-    __slots__ = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "tools", "tool_choice", "parallel_tool_calls", "text", "store", "previous_response_id", "metadata", "user", "seed", "top_k", "min_p", "repetition_penalty", "cache_salt", "priority", "chat_template_kwargs", "include", "top_logprobs")
+    __slots__ = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "tools", "tool_choice", "parallel_tool_calls", "text", "store", "previous_response_id", "metadata", "user", "seed", "top_k", "min_p", "repetition_penalty", "cache_salt", "priority", "chat_template_kwargs", "include", "top_logprobs", "background")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -504,6 +504,7 @@ class ResponseRequest(_message.Message):
     CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    BACKGROUND_FIELD_NUMBER: _ClassVar[int]
     model: str
     input: _struct_pb2.Value
     instructions: str
@@ -528,7 +529,8 @@ class ResponseRequest(_message.Message):
     chat_template_kwargs: _struct_pb2.Struct
     include: _containers.RepeatedScalarFieldContainer[str]
     top_logprobs: int
-    def __init__(self, model: _Optional[str] = ..., input: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., instructions: _Optional[str] = ..., max_output_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stream: _Optional[bool] = ..., tools: _Optional[_Iterable[_Union[ResponseTool, _Mapping]]] = ..., tool_choice: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., text: _Optional[_Union[ResponseTextConfig, _Mapping]] = ..., store: _Optional[bool] = ..., previous_response_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., user: _Optional[str] = ..., seed: _Optional[int] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., include: _Optional[_Iterable[str]] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    background: bool
+    def __init__(self, model: _Optional[str] = ..., input: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., instructions: _Optional[str] = ..., max_output_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stream: _Optional[bool] = ..., tools: _Optional[_Iterable[_Union[ResponseTool, _Mapping]]] = ..., tool_choice: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., text: _Optional[_Union[ResponseTextConfig, _Mapping]] = ..., store: _Optional[bool] = ..., previous_response_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., user: _Optional[str] = ..., seed: _Optional[int] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., include: _Optional[_Iterable[str]] = ..., top_logprobs: _Optional[int] = ..., background: _Optional[bool] = ...) -> None: ...
 
 class ResponseTool(_message.Message):
     __slots__ = ("type", "name", "description", "parameters", "strict")
@@ -631,7 +633,7 @@ class ResponseUsage(_message.Message):
     def __init__(self, input_tokens: _Optional[int] = ..., input_tokens_details: _Optional[_Union[ResponseInputTokensDetails, _Mapping]] = ..., output_tokens: _Optional[int] = ..., output_tokens_details: _Optional[_Union[ResponseOutputTokensDetails, _Mapping]] = ..., total_tokens: _Optional[int] = ...) -> None: ...
 
 class Response(_message.Message):
-    __slots__ = ("id", "object", "created_at", "model", "status", "incomplete_details", "output", "usage", "instructions", "max_output_tokens", "temperature", "top_p", "tool_choice", "tools", "text", "parallel_tool_calls", "metadata", "store", "previous_response_id")
+    __slots__ = ("id", "object", "created_at", "model", "status", "incomplete_details", "output", "usage", "instructions", "max_output_tokens", "temperature", "top_p", "tool_choice", "tools", "text", "parallel_tool_calls", "metadata", "store", "previous_response_id", "background", "error")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -658,6 +660,8 @@ class Response(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKGROUND_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     id: str
     object: str
     created_at: int
@@ -677,9 +681,29 @@ class Response(_message.Message):
     metadata: _containers.ScalarMap[str, str]
     store: bool
     previous_response_id: str
-    def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., created_at: _Optional[int] = ..., model: _Optional[str] = ..., status: _Optional[str] = ..., incomplete_details: _Optional[_Union[ResponseIncompleteDetails, _Mapping]] = ..., output: _Optional[_Iterable[_Union[ResponseOutputItem, _Mapping]]] = ..., usage: _Optional[_Union[ResponseUsage, _Mapping]] = ..., instructions: _Optional[str] = ..., max_output_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., tool_choice: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[ResponseTool, _Mapping]]] = ..., text: _Optional[_Union[ResponseTextConfig, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., metadata: _Optional[_Mapping[str, str]] = ..., store: _Optional[bool] = ..., previous_response_id: _Optional[str] = ...) -> None: ...
+    background: bool
+    error: ResponseError
+    def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., created_at: _Optional[int] = ..., model: _Optional[str] = ..., status: _Optional[str] = ..., incomplete_details: _Optional[_Union[ResponseIncompleteDetails, _Mapping]] = ..., output: _Optional[_Iterable[_Union[ResponseOutputItem, _Mapping]]] = ..., usage: _Optional[_Union[ResponseUsage, _Mapping]] = ..., instructions: _Optional[str] = ..., max_output_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., tool_choice: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[ResponseTool, _Mapping]]] = ..., text: _Optional[_Union[ResponseTextConfig, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., metadata: _Optional[_Mapping[str, str]] = ..., store: _Optional[bool] = ..., previous_response_id: _Optional[str] = ..., background: _Optional[bool] = ..., error: _Optional[_Union[ResponseError, _Mapping]] = ...) -> None: ...
+
+class ResponseError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class GetResponseRequest(_message.Message):
+    __slots__ = ("response_id", "stream", "starting_after")
+    RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    STARTING_AFTER_FIELD_NUMBER: _ClassVar[int]
+    response_id: str
+    stream: bool
+    starting_after: int
+    def __init__(self, response_id: _Optional[str] = ..., stream: _Optional[bool] = ..., starting_after: _Optional[int] = ...) -> None: ...
+
+class CancelResponseRequest(_message.Message):
     __slots__ = ("response_id",)
     RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
     response_id: str

@@ -87,6 +87,21 @@ class GenerationStub:
                 request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.GetResponseRequest.SerializeToString,
                 response_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.Response.FromString,
                 _registered_method=True)
+        self.GetResponseStream = channel.unary_stream(
+                '/tandem.v1.Generation/GetResponseStream',
+                request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.GetResponseRequest.SerializeToString,
+                response_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ResponseStreamEvent.FromString,
+                _registered_method=True)
+        self.GetResponseEvents = channel.unary_stream(
+                '/tandem.v1.Generation/GetResponseEvents',
+                request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.GetResponseRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
+        self.CancelResponse = channel.unary_unary(
+                '/tandem.v1.Generation/CancelResponse',
+                request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.CancelResponseRequest.SerializeToString,
+                response_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.Response.FromString,
+                _registered_method=True)
         self.DeleteResponse = channel.unary_unary(
                 '/tandem.v1.Generation/DeleteResponse',
                 request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.DeleteResponseRequest.SerializeToString,
@@ -206,6 +221,31 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetResponseStream(self, request, context):
+        """A background response's stream events (OpenAI's GET /v1/responses/{id}?stream=true),
+        from the one after starting_after: every event so far, then each as it comes, to the
+        last. Resumes a stream its client lost; the response runs on whether read or not.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetResponseEvents(self, request, context):
+        """GetResponseStream's events as server-sent events; the HTTP layer routes
+        GET /v1/responses/{id}?stream=true here.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelResponse(self, request, context):
+        """Stops a background response that is queued or in progress: its status becomes
+        "cancelled" (POST /v1/responses/{id}/cancel). A finished one is answered as it is.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DeleteResponse(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -313,6 +353,21 @@ def add_GenerationServicer_to_server(servicer, server):
             'GetResponse': grpc.unary_unary_rpc_method_handler(
                     servicer.GetResponse,
                     request_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.GetResponseRequest.FromString,
+                    response_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.Response.SerializeToString,
+            ),
+            'GetResponseStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetResponseStream,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.GetResponseRequest.FromString,
+                    response_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ResponseStreamEvent.SerializeToString,
+            ),
+            'GetResponseEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetResponseEvents,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.GetResponseRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'CancelResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelResponse,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.CancelResponseRequest.FromString,
                     response_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.Response.SerializeToString,
             ),
             'DeleteResponse': grpc.unary_unary_rpc_method_handler(
@@ -622,6 +677,87 @@ class Generation:
             target,
             '/tandem.v1.Generation/GetResponse',
             protos_dot_tandem_dot_v1_dot_generation__pb2.GetResponseRequest.SerializeToString,
+            protos_dot_tandem_dot_v1_dot_generation__pb2.Response.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetResponseStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.Generation/GetResponseStream',
+            protos_dot_tandem_dot_v1_dot_generation__pb2.GetResponseRequest.SerializeToString,
+            protos_dot_tandem_dot_v1_dot_generation__pb2.ResponseStreamEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetResponseEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.Generation/GetResponseEvents',
+            protos_dot_tandem_dot_v1_dot_generation__pb2.GetResponseRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Generation/CancelResponse',
+            protos_dot_tandem_dot_v1_dot_generation__pb2.CancelResponseRequest.SerializeToString,
             protos_dot_tandem_dot_v1_dot_generation__pb2.Response.FromString,
             options,
             channel_credentials,
