@@ -9,7 +9,8 @@ nothing: when one replica refuses, those that loaded it unload it again. Unloadi
 request running with the adapter finish with it and refuses new ones. The gateway gives its
 adapters to a replica that restarts (which forgot them), and takes an adapter it unloaded
 from a replica that was away at the time. Each refusal has its status and a message naming
-what to do.
+what to do. ``tandem lora sync`` against the gateway rolls a file's adapters out over the
+suite.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from gateway.registry import ReplicaRegistry
 from protos.tandem.v1 import engine_pb2, engine_pb2_grpc
 from services.replica.served_model import ServedModel
 from tandem import Client, InvalidRequestError, TandemError
+from tandem.lora_sync import render_config
 from tests.model_factory import write_serving_adapters
 from tests.replica_process import (
     ReplicaProcess,
@@ -300,6 +302,26 @@ def test_the_cli_loads_and_unloads(suite: Suite, adapters: dict[str, str]) -> No
     assert again.returncode == 1 and "ALREADY_EXISTS" in again.stderr
     unloaded = cli("unload", "sql")
     assert (unloaded.returncode, unloaded.stdout) == (0, "LoRA adapters served: none\n")
+
+
+def test_the_syncer_rolls_a_file_out_over_the_suite(suite: Suite, adapters: dict[str, str],
+                                                    tmp_path: Path) -> None:
+    """``tandem lora sync`` against the gateway: every replica follows the file."""
+    config = tmp_path / "adapters.yaml"
+
+    def sync() -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "tandem.cli", "lora", "sync", "--once",
+                               "--config", str(config), "--target", suite.gateway],
+                              capture_output=True, text=True, timeout=120)
+
+    config.write_text(render_config({"poet": adapters["poet"]}))
+    loaded = sync()
+    assert (loaded.returncode, loaded.stdout) == (0, "loaded: poet; unloaded: none\n"), loaded
+    assert suite.adapters_of("prefill") == suite.adapters_of("decode") == ["poet"]
+    config.write_text(render_config({}, frozenset({"poet"})))
+    unloaded = sync()
+    assert (unloaded.returncode, unloaded.stdout) == (0, "loaded: none; unloaded: poet\n")
+    assert suite.adapters_of("prefill") == suite.adapters_of("decode") == []
 
 
 def _metrics_text(replica: ReplicaProcess) -> str:
