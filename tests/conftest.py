@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: tiny random Hugging Face model directories, built once a session."""
+"""Shared pytest fixtures: tiny random Hugging Face model directories, built once a session,
+and the OpenAI HTTP cluster the Responses API modules share."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
 from tests.model_factory import build_tiny_model  # noqa: E402
+from tests.openai_http import Stack, running_stack  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +39,13 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-mistral"), "mistral")
+
+
+@pytest.fixture(scope="session")
+def openai_stack(tiny_llama_dir: Path,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The OpenAI HTTP cluster (Envoy -> gateway -> prefill + decode replicas;
+    ``tests.openai_http``), started once for the Responses API modules: each test leaves it
+    idle and whole, as it found it (``test_envoy_e2e``, which stops a replica, has its own)."""
+    with running_stack(tiny_llama_dir, tmp_path_factory.mktemp("openai-stack-logs")) as stack:
+        yield stack

@@ -13,7 +13,6 @@ apply is a 400 that says why, a missing response a 404.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +24,12 @@ from engine_common.llm import LLM
 from engine_common.sampling_params import SamplingParams
 from protos.tandem.v1 import engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
 from tandem import Client, InvalidRequestError
-from tests.openai_http import Stack, offline_engine, running_stack
+from tests.openai_http import Stack, offline_engine
 
 QUESTION = "Tell me a story about a lighthouse"
 LONG = 400  # output tokens: still running when the test acts on it
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(tiny_llama_dir, tmp_path_factory.mktemp("background-logs")) as running:
-        yield running
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +55,9 @@ def finished(response: Any) -> bool:
     return response.status not in ("queued", "in_progress")
 
 
-def running_requests(stack: Stack) -> int:
+def running_requests(openai_stack: Stack) -> int:
     total = 0
-    for replica in stack.replicas.values():
+    for replica in openai_stack.replicas.values():
         with grpc.insecure_channel(replica.target) as channel:
             load = engine_pb2_grpc.EngineStub(channel).GetLoad(engine_pb2.GetLoadRequest(),
                                                                timeout=10)
@@ -73,8 +66,8 @@ def running_requests(stack: Stack) -> int:
 
 
 def test_a_background_response_answers_at_once_and_is_polled_to_the_answer(
-        stack: Stack, want: str) -> None:
-    client = stack.client()
+        openai_stack: Stack, want: str) -> None:
+    client = openai_stack.client()
     queued = client.responses.create(model="tiny", input=QUESTION, max_output_tokens=12,
                                      temperature=0, background=True)
     assert (queued.status, queued.background, queued.output) == ("queued", True, [])
@@ -84,8 +77,8 @@ def test_a_background_response_answers_at_once_and_is_polled_to_the_answer(
     assert done.usage is not None and done.usage.output_tokens > 0
 
 
-def test_cancel_stops_it_and_frees_the_replica(stack: Stack) -> None:
-    client = stack.client()
+def test_cancel_stops_it_and_frees_the_replica(openai_stack: Stack) -> None:
+    client = openai_stack.client()
     started = client.responses.create(model="tiny", input=QUESTION, max_output_tokens=LONG,
                                       temperature=0, background=True)
     until(client, started.id, lambda r: r.status == "in_progress")
@@ -95,15 +88,15 @@ def test_cancel_stops_it_and_frees_the_replica(stack: Stack) -> None:
     assert client.responses.cancel(started.id).status == "cancelled"  # again: as it stands
     # The engine request was aborted: the replicas run nothing, and serve the next at once.
     deadline = time.monotonic() + 10
-    while running_requests(stack):
+    while running_requests(openai_stack):
         assert time.monotonic() < deadline, "the cancelled response still runs"
         time.sleep(0.05)
     assert client.responses.create(model="tiny", input=QUESTION, max_output_tokens=2,
                                    temperature=0).status == "incomplete"
 
 
-def test_a_response_the_replica_refuses_ends_failed_with_the_reason(stack: Stack) -> None:
-    client = stack.client()
+def test_a_response_the_replica_refuses_ends_failed_with_the_reason(openai_stack: Stack) -> None:
+    client = openai_stack.client()
     busy = client.responses.create(model="tiny", input=QUESTION, max_output_tokens=LONG,
                                    temperature=0, background=True)
     until(client, busy.id, lambda r: r.status == "in_progress")
@@ -120,9 +113,9 @@ def test_a_response_the_replica_refuses_ends_failed_with_the_reason(stack: Stack
         client.responses.cancel(busy.id)
 
 
-def test_a_dropped_background_stream_resumes_where_it_stopped(stack: Stack,
+def test_a_dropped_background_stream_resumes_where_it_stopped(openai_stack: Stack,
                                                              want: str) -> None:
-    client = stack.client()
+    client = openai_stack.client()
     first: list[Any] = []
     with client.responses.create(model="tiny", input=QUESTION, max_output_tokens=12,
                                  temperature=0, background=True, stream=True) as stream:
@@ -144,8 +137,8 @@ def test_a_dropped_background_stream_resumes_where_it_stopped(stack: Stack,
     assert [e.sequence_number for e in again] == [e.sequence_number for e in events]
 
 
-def test_what_does_not_apply_is_refused_with_the_reason(stack: Stack) -> None:
-    client = stack.client()
+def test_what_does_not_apply_is_refused_with_the_reason(openai_stack: Stack) -> None:
+    client = openai_stack.client()
     with pytest.raises(openai.BadRequestError, match="background needs store"):
         client.responses.create(model="tiny", input=QUESTION, max_output_tokens=2,
                                 background=True, store=False)
@@ -159,8 +152,8 @@ def test_what_does_not_apply_is_refused_with_the_reason(stack: Stack) -> None:
         client.responses.cancel("resp_missing")
 
 
-def test_the_grpc_sdk_starts_follows_and_cancels(stack: Stack, want: str) -> None:
-    with Client(stack.gateway, timeout=60) as client:
+def test_the_grpc_sdk_starts_follows_and_cancels(openai_stack: Stack, want: str) -> None:
+    with Client(openai_stack.gateway, timeout=60) as client:
         queued = client.respond(QUESTION, model="tiny", max_output_tokens=12, temperature=0,
                                 background=True)
         assert (queued.status, queued.background) == ("queued", True)
@@ -175,7 +168,7 @@ def test_the_grpc_sdk_starts_follows_and_cancels(stack: Stack, want: str) -> Non
         with pytest.raises(InvalidRequestError, match="no stored response"):
             client.cancel_response("resp_missing")
     # The unary GetResponse does not stream: it says which RPC does.
-    with grpc.insecure_channel(stack.gateway) as channel, pytest.raises(grpc.RpcError) as raw:
+    with grpc.insecure_channel(openai_stack.gateway) as channel, pytest.raises(grpc.RpcError) as raw:
         generation_pb2_grpc.GenerationStub(channel).GetResponse(
             generation_pb2.GetResponseRequest(response_id=queued.id, stream=True), timeout=10)
     assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT

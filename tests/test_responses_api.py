@@ -1,7 +1,7 @@
 """OpenAI's Responses API end to end: the real ``openai`` SDK -> Envoy -> gateway -> P/D.
 
-The same kind of cluster as ``test_envoy_e2e``'s (``tests.openai_http``), one for the
-module. A response must say what the offline engine says for the equivalent chat (greedy,
+The same kind of cluster as ``test_envoy_e2e``'s (``tests.openai_http``), shared with
+``test_background_responses`` (``conftest.openai_stack``). A response must say what the offline engine says for the equivalent chat (greedy,
 float32), streamed or not; the stream's events must come in OpenAI's order and build, in the
 SDK's own accumulator (``client.responses.stream``), the same text; function tools, earlier calls
 and their outputs in the input, structured output and reasoning must come back as their
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -46,7 +46,6 @@ from tests.openai_http import (
     Stack,
     expected_tool_text,
     offline_engine,
-    running_stack,
 )
 
 INSTRUCTIONS = "be brief"
@@ -54,12 +53,6 @@ QUESTION = "Tell me a \"story\" about envoy"
 MESSAGES = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}]
 
 pytestmark = pytest.mark.timeout(400)
-
-
-@pytest.fixture(scope="module")
-def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(tiny_llama_dir, tmp_path_factory.mktemp("responses-logs")) as running:
-        yield running
 
 
 @pytest.fixture(scope="module")
@@ -79,12 +72,12 @@ def event_types(events: list[Any]) -> list[str]:
     return [e.type.removeprefix("response.") for e in events]
 
 
-def test_a_response_says_what_the_chat_says_streamed_or_not(stack: Stack,
+def test_a_response_says_what_the_chat_says_streamed_or_not(openai_stack: Stack,
                                                            offline: LLM) -> None:
     want, prompt_len = offline_chat(offline, MESSAGES, 10)
     text = want.text
     status = "incomplete" if want.finish_reason == "length" else "completed"
-    client = stack.client()
+    client = openai_stack.client()
     response = client.responses.create(model="tiny", instructions=INSTRUCTIONS, input=QUESTION,
                                        max_output_tokens=10, temperature=0,
                                        metadata={"ticket": "42"})
@@ -131,12 +124,12 @@ def test_a_response_says_what_the_chat_says_streamed_or_not(stack: Stack,
     assert accumulated[-1].type == f"response.{status}"
 
 
-def test_function_calls_and_their_outputs(stack: Stack, offline: LLM) -> None:
+def test_function_calls_and_their_outputs(openai_stack: Stack, offline: LLM) -> None:
     """A named tool choice forces that call, as the chat API's does; the call and its output
     sent back as input items continue the conversation as tool messages do."""
     tools = [{"type": "function", **tool["function"]} for tool in (WEATHER, CLOCK)]
     want = expected_tool_text(offline, {"type": "function", "function": {"name": "get_weather"}})
-    client = stack.client()
+    client = openai_stack.client()
     options: dict[str, Any] = {"model": "tiny", "input": TOOL_MESSAGES, "tools": tools,
                                "tool_choice": {"type": "function", "name": "get_weather"},
                                "max_output_tokens": 48, "temperature": 0}
@@ -170,8 +163,8 @@ def test_function_calls_and_their_outputs(stack: Stack, offline: LLM) -> None:
     assert answer.output_text == text
 
 
-def test_structured_output_and_reasoning_items(stack: Stack, offline: LLM) -> None:
-    client = stack.client()
+def test_structured_output_and_reasoning_items(openai_stack: Stack, offline: LLM) -> None:
+    client = openai_stack.client()
     # text.format json_schema is the chat's response_format json_schema.
     chat = client.chat.completions.create(
         model="tiny", messages=MESSAGES, max_tokens=40, temperature=0,  # type: ignore[arg-type]
@@ -203,14 +196,14 @@ def test_structured_output_and_reasoning_items(stack: Stack, offline: LLM) -> No
     assert event_types(events)[2:4] == ["output_item.added", "content_part.added"]
 
 
-def test_the_grpc_stream_and_the_endpoint_picker(stack: Stack, offline: LLM) -> None:
+def test_the_grpc_stream_and_the_endpoint_picker(openai_stack: Stack, offline: LLM) -> None:
     """gRPC clients get the same events as messages; the endpoint picker reads a responses
     body as the chat it stands for."""
     request = json_format.ParseDict({"model": "tiny", "instructions": INSTRUCTIONS,
                                      "input": QUESTION, "max_output_tokens": 6,
                                      "temperature": 0}, generation_pb2.ResponseRequest())
     text = offline_chat(offline, MESSAGES, 6)[0].text
-    with grpc.insecure_channel(stack.gateway) as channel:
+    with grpc.insecure_channel(openai_stack.gateway) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         events = list(stub.CreateResponseStream(request, timeout=60))
         assert events[-1].response.output[0].content[0].text == text
@@ -222,18 +215,18 @@ def test_the_grpc_stream_and_the_endpoint_picker(stack: Stack, offline: LLM) -> 
     assert features.prompt_token_ids == offline.inputs.tokenize_chat(MESSAGES)
 
 
-def test_the_grpc_sdk_responds_as_the_openai_sdk(stack: Stack) -> None:
+def test_the_grpc_sdk_responds_as_the_openai_sdk(openai_stack: Stack) -> None:
     """``tandem.Client.respond`` over gRPC gives the text, status and usage the openai SDK
     gets over HTTP; ``respond_stream``'s deltas join to that text and its last event carries
     the same response."""
     options: dict[str, Any] = {"instructions": INSTRUCTIONS, "max_output_tokens": 8,
                                "temperature": 0}
-    want = stack.client().responses.create(model="tiny", input=QUESTION, **options)
+    want = openai_stack.client().responses.create(model="tiny", input=QUESTION, **options)
     assert want.usage is not None and want.output_text
     want_reason = want.incomplete_details.reason if want.incomplete_details else None
     # Not cached_tokens: the prefix cache may serve a later request's prompt.
     want_tokens = (want.usage.input_tokens, want.usage.output_tokens, want.usage.total_tokens)
-    with Client(stack.gateway, timeout=60) as client:
+    with Client(openai_stack.gateway, timeout=60) as client:
         response = client.respond(QUESTION, model="tiny", **options)
         events = list(client.respond_stream(QUESTION, model="tiny", **options))
 
@@ -255,8 +248,8 @@ def test_the_grpc_sdk_responds_as_the_openai_sdk(stack: Stack) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
-def test_what_cannot_be_served_is_a_400_naming_the_field(stack: Stack, stream: bool) -> None:
-    client = stack.client()
+def test_what_cannot_be_served_is_a_400_naming_the_field(openai_stack: Stack, stream: bool) -> None:
+    client = openai_stack.client()
     for options, message in [
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
          "input[0].content[0] has type 'input_image'"),
@@ -296,11 +289,11 @@ def test_the_request_translation_keeps_every_setting() -> None:
         "stream_options": {"include_usage": True}}
 
 
-def test_output_text_logprobs_are_the_chats(stack: Stack) -> None:
+def test_output_text_logprobs_are_the_chats(openai_stack: Stack) -> None:
     """include "message.output_text.logprobs" (with top_logprobs) gives the output text's
     tokens with the logprobs the chat API gives for the same request, on the part and on
     the deltas; without it, there are none."""
-    client = stack.client()
+    client = openai_stack.client()
     chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6,  # type: ignore[arg-type]
                                           temperature=0, logprobs=True, top_logprobs=2)
     assert chat.choices[0].logprobs is not None and chat.choices[0].logprobs.content
@@ -328,12 +321,12 @@ def test_output_text_logprobs_are_the_chats(stack: Stack) -> None:
     assert not getattr(plain, "logprobs", None)
 
 
-def test_previous_response_id_continues_the_stored_conversation(stack: Stack,
+def test_previous_response_id_continues_the_stored_conversation(openai_stack: Stack,
                                                                 offline: LLM) -> None:
     """Each response continues the chat of the ones before it (their input, then their
     output as the assistant's turn; not their instructions), as the offline engine continues
     that chat; retrieve and delete act on the store, which the chain then misses."""
-    client = stack.client()
+    client = openai_stack.client()
     options: dict[str, Any] = {"model": "tiny", "max_output_tokens": 8, "temperature": 0}
     first = client.responses.create(instructions=INSTRUCTIONS, input=QUESTION, **options)
     assert first.store
@@ -375,7 +368,7 @@ def test_previous_response_id_continues_the_stored_conversation(stack: Stack,
             list(client.responses.create(previous_response_id="resp_1", input="hi",  # type: ignore[call-overload]
                                          stream=stream, **options))
     # The gRPC SDK reads and drops them too.
-    with Client(stack.gateway, timeout=60) as sdk:
+    with Client(openai_stack.gateway, timeout=60) as sdk:
         opening = sdk.respond(QUESTION, model="tiny", max_output_tokens=8, temperature=0)
         response = sdk.respond("And then?", model="tiny", previous_response_id=opening.id,
                                max_output_tokens=8, temperature=0)
@@ -496,12 +489,12 @@ def pages(list_page: Callable[..., Page], order: str, limit: int) -> tuple[list[
     raise AssertionError("the pages never end")
 
 
-def test_input_items_are_listed_as_openai_lists_them(stack: Stack) -> None:
+def test_input_items_are_listed_as_openai_lists_them(openai_stack: Stack) -> None:
     """GET /v1/responses/{id}/input_items through Envoy with the openai SDK: the request's
     items in OpenAI's listed shape, each with an id (a client's own kept, unless it repeats
     one) that stays the same from call to call; newest first by default; pages of ``limit``
     after ``after``, in either order, by hand and by the SDK's auto-pagination."""
-    client = stack.client()
+    client = openai_stack.client()
     options: dict[str, Any] = {"model": "tiny", "input": LISTED_INPUT, "tools": LISTED_TOOLS,
                                "tool_choice": "none", "max_output_tokens": 4,
                                "temperature": 0}
@@ -541,12 +534,12 @@ def test_input_items_are_listed_as_openai_lists_them(stack: Stack) -> None:
     assert empty.get("first_id") is None and empty.get("last_id") is None
 
 
-def test_a_continued_responses_input_items_begin_with_its_conversation(stack: Stack) -> None:
+def test_a_continued_responses_input_items_begin_with_its_conversation(openai_stack: Stack) -> None:
     """A response that continued another lists the conversation first, as OpenAI does:
     the earlier response's input items (same ids), its output items (as GET gives them,
     their logprobs only with include), then its own input. Taken when it was created: the
     listing outlives the earlier response."""
-    client = stack.client()
+    client = openai_stack.client()
     options: dict[str, Any] = {"model": "tiny", "max_output_tokens": 4, "temperature": 0}
     first = client.responses.create(input=QUESTION, include=["message.output_text.logprobs"],
                                     top_logprobs=1, **options)
@@ -582,11 +575,11 @@ def test_a_continued_responses_input_items_begin_with_its_conversation(stack: St
         client.responses.input_items.list(first.id)
 
 
-def test_input_items_queries_that_cannot_be_served_say_why(stack: Stack) -> None:
+def test_input_items_queries_that_cannot_be_served_say_why(openai_stack: Stack) -> None:
     """A limit outside 1..100, an unknown order or include value and an ``after`` that is
     not one of the response's items are 400s naming the parameter; a response that is not
     stored is a 404, as GET's."""
-    client = stack.client()
+    client = openai_stack.client()
     options: dict[str, Any] = {"model": "tiny", "max_output_tokens": 2, "temperature": 0}
     response = client.responses.create(input="alpha", **options)
     other = client.responses.create(input="bravo", **options)
@@ -611,17 +604,17 @@ def test_input_items_queries_that_cannot_be_served_say_why(stack: Stack) -> None
             client.responses.input_items.list(missing)
 
 
-def test_the_grpc_sdk_lists_input_items_as_the_openai_sdk(stack: Stack) -> None:
+def test_the_grpc_sdk_lists_input_items_as_the_openai_sdk(openai_stack: Stack) -> None:
     """``Client.list_response_input_items`` (and ``AsyncClient``'s) over gRPC: the items and
     pages the openai SDK gets over HTTP; failures as INVALID_ARGUMENT and NOT_FOUND."""
-    with Client(stack.gateway, timeout=60) as sdk:
+    with Client(openai_stack.gateway, timeout=60) as sdk:
         response = sdk.respond(LISTED_INPUT, model="tiny", tools=LISTED_TOOLS,
                                tool_choice="none", max_output_tokens=4, temperature=0)
         first = sdk.list_response_input_items(response.id, order="asc")
         assert without_ids(first.items) == LISTED_ITEMS and not first.has_more
         ids = [item["id"] for item in first.items]
         assert (first.first_id, first.last_id) == (ids[0], ids[-1])
-        over_http = stack.client().responses.input_items.list(response.id, order="asc")
+        over_http = openai_stack.client().responses.input_items.list(response.id, order="asc")
         assert [item.id for item in over_http.data] == ids
 
         def list_page(**query: Any) -> Page:
@@ -639,7 +632,7 @@ def test_the_grpc_sdk_lists_input_items_as_the_openai_sdk(stack: Stack) -> None:
             sdk.list_response_input_items("resp_1")
 
     async def newest_two() -> list[str]:
-        async with AsyncClient(stack.gateway, timeout=60) as client:
+        async with AsyncClient(openai_stack.gateway, timeout=60) as client:
             page = await client.list_response_input_items(response.id, limit=2)
             assert page.has_more
             return [item["id"] for item in page.items]
