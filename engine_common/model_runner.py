@@ -63,7 +63,12 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.eos_token_ids = eos_token_ids
         torch.manual_seed(config.seed)
-        self.model = load_model(config.model, self.dtype, self.device, config.attention_backend)
+        # "auto" gives float32 for a bf16 checkpoint only on a CPU without a bf16 matmul:
+        # float32 stands in for bf16 there, and its weights may be packed too.
+        stands_in_for_bf16 = (config.dtype == "auto" and arch.dtype == torch.bfloat16
+                              and self.dtype == torch.float32)
+        self.model = load_model(config.model, self.dtype, self.device, config.attention_backend,
+                                pack_float32=stands_in_for_bf16)
         # Before the KV cache is sized: on a GPU the adapters take memory the cache would.
         self.lora_adapters = LoadedLoraAdapters.load(config.model_settings.lora_modules,
                                                      self.model)

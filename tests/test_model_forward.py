@@ -19,8 +19,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine_common.config import CacheConfig, EngineConfig
 from engine_common.default_model import ensure_default_model
 from engine_common.engine_core import context_length
+from engine_common.llm import LLM
 from engine_common.model.arch_config import ModelArchConfig
 from engine_common.model.attention.backend import AttentionMetadata
 from engine_common.model.attention.selector import get_attention_backend_cls
@@ -234,13 +236,40 @@ def test_bf16_checkpoint_loads_and_tracks_hf(tmp_path):
         assert (ours - ref).abs().max() < 0.05 * ref.abs().max()
 
 
+def test_float32_standing_in_for_bf16_is_packed_and_tracks_plain_float32(tmp_path):
+    """Float32 weights are packed only when they stand in for a bf16 checkpoint; the logits
+    then differ from plain ``F.linear``'s in the last bits only, and the engine does it by
+    itself where --dtype auto runs a bf16 checkpoint in float32."""
+    model_dir = build_tiny_model(tmp_path / "bf16", "llama", dtype=torch.bfloat16)
+    packed = load_model(model_dir, torch.float32, "cpu", "torch", pack_float32=True)
+    plain = load_model(model_dir, torch.float32, "cpu", "torch")
+    assert packed.packed_lm_head is not None and plain.packed_lm_head is None
+    assert packed.model.layers[0].mlp.gate_up_proj.packed_weight is not None
+    results = []
+    for model in (packed, plain):
+        seqs = _make_seqs(model.arch.vocab_size, seed=6)
+        kv_cache = _new_cache(model)
+        _run_step(model, kv_cache, seqs, PROMPT_LENS)
+        _decode_steps(model, kv_cache, seqs)
+        results.append(seqs)
+    for ours, reference in zip(*results, strict=True):
+        for pos, logits in ours.logits.items():
+            torch.testing.assert_close(logits, reference.logits[pos], rtol=1e-4, atol=1e-4)
+    engine = LLM(EngineConfig(model=str(model_dir),
+                              cache=CacheConfig(num_gpu_blocks_override=64)))
+    runner = engine.core.model_runner
+    assert runner.model.packed_lm_head is not None  # bf16 here, or float32 standing in
+    assert runner.dtype == (torch.bfloat16 if bf16_packing_supported() else torch.float32)
+
+
 @pytest.mark.parametrize("model_fixture", ARCH_FIXTURES)
 def test_packed_bf16_weights_give_bitwise_the_same_logits(model_fixture, request):
     """oneDNN-packed projections (the CPU bf16 default) change the layout, not the result:
     ragged prefill, chunked steps and decodes give the very logits of plain ``F.linear``."""
     if not bf16_packing_supported():
-        pytest.skip("this CPU has no oneDNN bf16 matmul (AVX512 or AVX-NE-CONVERT): the "
-                    "engine keeps plain weights here, which the other bf16 tests cover")
+        pytest.skip("this CPU has no oneDNN bf16 matmul (AVX512 or AVX-NE-CONVERT): bf16 "
+                    "weights stay plain here (the other bf16 tests cover them, and "
+                    "float32 standing in for bf16 is packed instead)")
     model_dir = request.getfixturevalue(model_fixture)
     packed = load_model(model_dir, torch.bfloat16, "cpu", "torch")
     plain = load_model(model_dir, torch.bfloat16, "cpu", "torch", pack_weights=False)

@@ -61,11 +61,12 @@ class Linear(nn.Module):
         self.lora: dict[int, LoraLinearWeights] = {}
         self.lora_stacked: StackedLoraWeights | None = None  # see ``stack_lora``
 
-    def pack_weight(self) -> None:
+    def pack_weight(self, float32: bool = False) -> None:
         """Keep the weight only in oneDNN's packed layout, if it can be (see
-        ``packed_linear``); the plain copy is dropped, or the model would take twice the
-        memory. Call after the checkpoint is loaded."""
-        if can_pack(self.weight):
+        ``packed_linear``; ``float32``: float32 stands in for bf16); the plain copy is
+        dropped, or the model would take twice the memory. Call after the checkpoint is
+        loaded."""
+        if can_pack(self.weight, float32):
             self.packed_weight = pack(self.weight.data)
             self.weight.data = self.weight.data.new_empty(0)
 
@@ -358,14 +359,15 @@ class LlamaForCausalLM(nn.Module):
             return packed_linear(hidden, self.packed_lm_head, None).float()
         return F.linear(hidden, self.lm_head.weight).float()
 
-    def pack_linear_weights(self) -> bool:
-        """On the CPU in bf16, put every projection and the LM head in oneDNN's packed
-        layout (same outputs, bitwise; see ``packed_linear``). Returns whether it did."""
-        if not can_pack(self.lm_head.weight):
+    def pack_linear_weights(self, float32: bool = False) -> bool:
+        """On the CPU in bf16 (or in float32 standing in for bf16: ``float32``), put every
+        projection and the LM head in oneDNN's packed layout (see ``packed_linear``).
+        Returns whether it did."""
+        if not can_pack(self.lm_head.weight, float32):
             return False
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack_weight()
+                module.pack_weight(float32)
         # A copy: the embedding keeps its plain rows for the lookup (the head is the
         # embedding when they are tied).
         self.packed_lm_head = pack(self.lm_head.weight.data)

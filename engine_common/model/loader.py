@@ -89,10 +89,12 @@ def load_model(
     device: torch.device | str,
     attention_backend: str,
     pack_weights: bool = True,
+    pack_float32: bool = False,
 ) -> LlamaForCausalLM:
     """The model in ``dtype`` on ``device``, its weights read from ``model_dir``; on the CPU in
     bf16 its projections are packed for oneDNN unless ``pack_weights`` is False (see
-    ``packed_linear``: the outputs are the same, bitwise)."""
+    ``packed_linear``: the outputs are the same, bitwise), and in float32 too with
+    ``pack_float32`` (float32 standing in for a bf16 checkpoint)."""
     arch = ModelArchConfig.from_model_dir(model_dir)
     device = torch.device(device)
     files = safetensors_files(model_dir)
@@ -100,5 +102,5 @@ def load_model(
     model = LlamaForCausalLM(arch, backend_cls, dtype=dtype, device=device)
     model.load_weights(iterate_checkpoint(files))
     if pack_weights:
-        model.pack_linear_weights()
+        model.pack_linear_weights(float32=pack_float32)
     return model.eval()
