@@ -107,8 +107,9 @@ end
 function envoy_on_request(handle)
   local headers = handle:headers()
   local path = headers:get(":path")
+  local bare = string.match(path, "^[^?]*")  -- a query does not change the route
   -- GET and DELETE /v1/responses/{id}, its input_items, its cancel: a stored response.
-  if not OPENAI_PATHS[path] and not string.find(path, "^/v1/responses/[^/:?]+") then
+  if not OPENAI_PATHS[bare] and not string.find(path, "^/v1/responses/[^/:?]+") then
     return
   end
   handle:streamInfo():dynamicMetadata():set(NAMESPACE, "http", true)
@@ -126,7 +127,7 @@ function envoy_on_request(handle)
     handle:streamInfo():dynamicMetadata():set(NAMESPACE, "stream", true)
     return
   end
-  local stream_path = STREAM_PATHS[path]
+  local stream_path = STREAM_PATHS[bare]
   if stream_path == nil or headers:get(":method") ~= "POST" then
     return
   end
@@ -135,7 +136,7 @@ function envoy_on_request(handle)
     return
   end
   if string.find(body:getBytes(0, body:length()), '"stream"%s*:%s*true') then
-    handle:headers():replace(":path", stream_path)
+    handle:headers():replace(":path", stream_path .. string.sub(plain, #bare + 1))
     handle:clearRouteCache()
     handle:streamInfo():dynamicMetadata():set(NAMESPACE, "stream", true)
   end

@@ -216,6 +216,16 @@ def test_input_items_query_is_transcoded_or_refused_by_name(
     assert status == 400 and "limit" in payload["error"]["message"]
 
 
+def test_a_query_on_a_post_route_is_read_as_its_route(envoy_without_upstream: int) -> None:
+    """A client that adds a query (Azure-style api-version) is still an OpenAI HTTP client:
+    the parameter no field takes is an OpenAI-shaped 400 naming it, streamed or not."""
+    for body in (b'{"prompt": "hi"}', b'{"prompt": "hi", "stream": true}'):
+        status, headers, payload = post(envoy_without_upstream,
+                                        "/v1/completions?api-version=2024-10-21", body)
+        assert status == 400, payload
+        assert "api-version" in assert_openai_error(payload, "invalid_request_error")["message"]
+
+
 def test_upstream_down_is_an_openai_503(envoy_without_upstream: int) -> None:
     for body in (b'{"prompt": "hi"}', b'{"prompt": "hi", "stream": true}'):
         status, headers, payload = post(envoy_without_upstream, "/v1/completions", body)
