@@ -225,6 +225,9 @@ MISTRAL_TEXTS = [
     '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": ',  # cut off by max_tokens
     '[TOOL_CALLS]get_weather[ARGS]{"city": "Li',  # cut off by max_tokens
     "a [TOOL_CALL is not the tag",
+    # Mistral 7B v0.3 may write its call id after the arguments: not part of them.
+    '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}, '
+    '"id": "a1b2c3d4e"}]',
 ]
 # (content, [(name, arguments)]) of each text above.
 MISTRAL_SPLITS = [
@@ -235,6 +238,7 @@ MISTRAL_SPLITS = [
     (None, [("get_weather", '{"city": ')]),
     (None, [("get_weather", '{"city": "Li')]),
     ("a [TOOL_CALL is not the tag", []),
+    (None, [("get_weather", '{"city": "Oslo", "days": 2}')]),
 ]
 
 

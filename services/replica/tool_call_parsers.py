@@ -171,6 +171,8 @@ class CallStream:
             shown = _final_arguments(arguments)
         elif arguments.startswith('"'):
             shown = ""  # arguments as a JSON string: decoded when the call ends
+        elif (whole := _whole_json_value(arguments)) is not None:
+            shown = whole  # not the keys that may follow it (Mistral v0.3 writes "id" last)
         else:
             held = partial_tag_length(arguments, self.closing_tag) if self.closing_tag else 0
             visible = arguments[:len(arguments) - held]
@@ -383,15 +385,22 @@ def _json_string(escaped: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _whole_json_value(text: str) -> str | None:
+    """The JSON value ``text`` begins with, as written, once it is whole (None before)."""
+    try:
+        _, end = json.JSONDecoder().raw_decode(text)
+    except json.JSONDecodeError:
+        return None
+    return text[:end]
+
+
 def _final_arguments(text: str) -> str:
     """A finished (or cut-off) call's arguments from the text after ``"arguments":``: the
-    JSON value without the call object's closing brace, a JSON string decoded, or the text as
-    it is when it is not JSON (cut short)."""
-    without_brace = re.sub(r"\s*\}\s*$", "", text)
-    for candidate in (without_brace, text.rstrip()):
-        try:
-            value = json.loads(candidate)
-        except json.JSONDecodeError:
-            continue
-        return value if isinstance(value, str) else candidate
-    return text
+    JSON value, without what follows it (the call object's closing brace, keys after the
+    arguments), a JSON string decoded, or the text as it is when it is not JSON (cut
+    short)."""
+    whole = _whole_json_value(text)
+    if whole is None:
+        return text
+    value = json.loads(whole)
+    return value if isinstance(value, str) else whole
