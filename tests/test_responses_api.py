@@ -350,6 +350,11 @@ def test_previous_response_id_continues_the_stored_conversation(openai_stack: St
     retrieved = client.responses.retrieve(first.id)
     assert (retrieved.id, retrieved.output_text, retrieved.instructions) == (
         first.id, first.output_text, INSTRUCTIONS)
+    # The SDK's retrieve parameters are taken (Envoy refuses a parameter no field takes).
+    assert client.responses.retrieve(first.id, include=["message.output_text.logprobs"],
+                                     include_obfuscation=False).id == first.id
+    with pytest.raises(openai.BadRequestError, match="include has 'bogus'"):
+        client.responses.retrieve(first.id, include=["bogus"])  # type: ignore[list-item]
     client.responses.delete(first.id)
     for missing in (lambda: client.responses.retrieve(first.id),
                     lambda: client.responses.delete(first.id),

@@ -238,6 +238,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if request.stream:
             raise InvalidArgument("stream is GetResponseStream's (a background response's "
                                   "events); GetResponse answers the response as it stands")
+        response_input_items.includes_logprobs(request.include)  # names a value it lacks
         return self._stored().get(request.response_id).response
 
     @rpc_handler
@@ -252,6 +253,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     def _followed(
             self, request: pb.GetResponseRequest) -> AsyncGenerator[pb.ResponseStreamEvent, None]:
+        response_input_items.includes_logprobs(request.include)
         starting_after = (request.starting_after if request.HasField("starting_after")
                           else None)
         return self._background_runs().follow(request.response_id, starting_after)

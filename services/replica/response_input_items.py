@@ -129,13 +129,19 @@ class ItemQuery:
         if order not in _ORDERS:
             raise InvalidArgument('order must be "asc" (oldest first) or "desc" (newest '
                                   f"first, the default); got {request.order!r}")
-        unknown = [value for value in request.include if value not in _INCLUDABLE]
-        if unknown:
-            raise InvalidArgument(f"include has {', '.join(map(repr, unknown))}, which the "
-                                  f"input items do not know; OpenAI's values are "
-                                  f"{', '.join(sorted(_INCLUDABLE))}")
         return cls(after=request.after, limit=limit, order=order,
-                   logprobs=LOGPROBS_INCLUDE in request.include)
+                   logprobs=includes_logprobs(request.include))
+
+
+def includes_logprobs(include: Sequence[str]) -> bool:
+    """Whether ``include`` (a query's, OpenAI's values) asks for the output text's logprobs;
+    raises InvalidArgument naming a value OpenAI does not define."""
+    unknown = [value for value in include if value not in _INCLUDABLE]
+    if unknown:
+        raise InvalidArgument(f"include has {', '.join(map(repr, unknown))}, which OpenAI "
+                              f"does not define; its values are "
+                              f"{', '.join(sorted(_INCLUDABLE))}")
+    return LOGPROBS_INCLUDE in include
 
 
 def page(items: Sequence[struct_pb2.Value], query: ItemQuery,

@@ -694,14 +694,18 @@ class ResponseError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class GetResponseRequest(_message.Message):
-    __slots__ = ("response_id", "stream", "starting_after")
+    __slots__ = ("response_id", "stream", "starting_after", "include", "include_obfuscation")
     RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     STARTING_AFTER_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_OBFUSCATION_FIELD_NUMBER: _ClassVar[int]
     response_id: str
     stream: bool
     starting_after: int
-    def __init__(self, response_id: _Optional[str] = ..., stream: _Optional[bool] = ..., starting_after: _Optional[int] = ...) -> None: ...
+    include: _containers.RepeatedScalarFieldContainer[str]
+    include_obfuscation: bool
+    def __init__(self, response_id: _Optional[str] = ..., stream: _Optional[bool] = ..., starting_after: _Optional[int] = ..., include: _Optional[_Iterable[str]] = ..., include_obfuscation: _Optional[bool] = ...) -> None: ...
 
 class CancelResponseRequest(_message.Message):
     __slots__ = ("response_id",)
