@@ -39,6 +39,7 @@ from tandem.responses import (
     ResponseInput,
     ResponseItemPage,
     ResponseOptions,
+    follow_request,
     input_items_request,
     item_page_from_pb,
     response_event_from_pb,
@@ -230,9 +231,7 @@ class Client:
         """A background response's events: those after the one numbered ``starting_after``
         (all of them without), then each as it comes, to the last. Resumes a stream lost
         midway (``respond_stream(..., background=True)``)."""
-        request = pb.GetResponseRequest(response_id=response_id, stream=True)
-        if starting_after is not None:
-            request.starting_after = starting_after
+        request = follow_request(response_id, starting_after)
         return self._stream(self._stub.GetResponseStream, request, response_event_from_pb)
 
     def list_response_input_items(
@@ -433,9 +432,7 @@ class AsyncClient:
     def follow_response(self, response_id: str, *, starting_after: int | None = None,
                         ) -> AsyncResponseStream[ResponseEvent]:
         """See ``Client.follow_response``."""
-        request = pb.GetResponseRequest(response_id=response_id, stream=True)
-        if starting_after is not None:
-            request.starting_after = starting_after
+        request = follow_request(response_id, starting_after)
         return self._stream(self._stub.GetResponseStream, request, response_event_from_pb)
 
     async def list_response_input_items(

@@ -4,7 +4,8 @@ the records a response and its stream events become.
 Owns ``response_request`` (input as a string or OpenAI's input items; instructions, the flat
 function tools, ``tool_choice``, ``text.format``, ``include`` and the sampling knobs in
 ``ResponseOptions``; a knob left out stays unset on the wire, so the server applies its
-default), ``input_items_request`` (a page of a stored response's input items) and
+default), ``input_items_request`` (a page of a stored response's input items),
+``follow_request`` (a background response's events again) and
 ``Response``, ``ResponseEvent``, ``FunctionCall``, ``ResponseUsage``, ``ResponseItemPage``
 with their conversion from the wire.
 A ``Response`` flattens the output items the way the openai SDK reads them: ``output_text``
@@ -118,6 +119,15 @@ def input_items_request(response_id: str, *, after: str | None, limit: int | Non
                                                order=order or "", include=include or ())
     if limit is not None:
         request.limit = limit
+    return request
+
+
+def follow_request(response_id: str, starting_after: int | None) -> pb.GetResponseRequest:
+    """The request for a background response's events after ``starting_after`` (a
+    sequence number; None: from the first)."""
+    request = pb.GetResponseRequest(response_id=response_id, stream=True)
+    if starting_after is not None:
+        request.starting_after = starting_after
     return request
 
 
