@@ -3,8 +3,8 @@ Envoy -> gateway -> P/D replicas (``tests.openai_http``'s cluster, whose decode 
 one request at a time and queues none).
 
 A background response answers at once, "queued", runs on in the server and is polled with
-``retrieve`` to the offline engine's answer; ``cancel`` stops it (the replica is free again)
-and answers it "cancelled", again and again; one the replica refuses ends "failed" with the
+``retrieve`` to the offline engine's answer; it cannot be continued before it finishes;
+``cancel`` stops it (the replica is free again) and answers it "cancelled", again and again; one the replica refuses ends "failed" with the
 reason; a background stream dropped midway resumes with ``retrieve(stream=True,
 starting_after=N)``, nothing lost or repeated; the gRPC SDK does the same. What does not
 apply is a 400 that says why, a missing response a 404.
@@ -82,6 +82,9 @@ def test_cancel_stops_it_and_frees_the_replica(openai_stack: Stack) -> None:
     started = client.responses.create(model="tiny", input=QUESTION, max_output_tokens=LONG,
                                       temperature=0, background=True)
     until(client, started.id, lambda r: r.status == "in_progress")
+    with pytest.raises(openai.BadRequestError, match="is still in_progress: continue it once"):
+        client.responses.create(model="tiny", input="and then?", max_output_tokens=2,
+                                previous_response_id=started.id)
     cancelled = client.responses.cancel(started.id)
     assert (cancelled.id, cancelled.status) == (started.id, "cancelled")
     assert client.responses.retrieve(started.id).status == "cancelled"

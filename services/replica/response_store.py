@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from google.protobuf import struct_pb2
 
 from protos.tandem.v1 import generation_pb2 as pb
-from services.replica.errors import NotFound
+from services.replica.errors import InvalidArgument, NotFound
 from services.replica.response_input_items import output_items
 from services.replica.responses_api import output_as_input
 
@@ -96,6 +96,10 @@ class ResponseStore:
         chain = []
         while response_id:  # a response only continues an earlier one: no cycles
             stored = self.get(response_id)
+            if stored.response.status in ("queued", "in_progress"):  # a background one
+                raise InvalidArgument(f"response {response_id!r} is still "
+                                      f"{stored.response.status}: continue it once it has "
+                                      "finished (GET /v1/responses/{id} shows its status)")
             chain.append(stored)
             response_id = stored.previous_response_id
         items: list[struct_pb2.Value] = []
