@@ -109,8 +109,10 @@ class BackgroundResponses:
         if run is not None and run.task is not None and not run.finished:
             run.task.cancel()
             await asyncio.wait([run.task])  # not its outcome: this call's own cancel counts
-            run.finished = True  # a task cancelled before it began ran none of _run
-            run.publish(None)
+            if not run.finished:  # cancelled before it began, it ran none of _run
+                run.finished = True
+                run.publish(None)
+                self._forget_finished()
         stored = self.store.get(response_id)
         if stored.response.status in _RUNNING:  # it never began
             self._put(stored, _with_status(stored.response, "cancelled"))
