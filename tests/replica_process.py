@@ -9,7 +9,8 @@ a log file whose tail is shown when it fails to start.
 For the rest of a suite (gateway, Envoy): ``spawn_module`` starts ``python -m MODULE`` in its
 own session with its output in a log, ``wait_until`` polls a readiness check (showing every
 log's tail when it times out), ``is_serving`` and ``envoy_answers`` are such checks.
-``replica_behind_gateway`` is the common small stack: one replica and a gateway in front.
+``replica_behind_gateway`` is the common small stack: one replica and a gateway in front
+(``gateway_before`` puts a gateway in front of replicas already running).
 """
 
 from __future__ import annotations
@@ -249,6 +250,26 @@ class GatewayStack:
 
 
 @contextmanager
+def gateway_before(model_dir: Path, log_dir: Path, targets: Sequence[str],
+                   gateway_args: Sequence[str] = (), name: str = "gateway") -> Iterator[str]:
+    """A gateway routing to the replicas at ``targets`` (``gateway_args`` added to its
+    command line; served model name "tiny"), killed on the way out; yields its target."""
+    port = free_port()
+    gateway = spawn_module(log_dir, name, [
+        "gateway", "--model", str(model_dir), "--served-model-name", "tiny",
+        "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
+        *[arg for target in targets for arg in ("--replica", target)], *gateway_args])
+    try:
+        wait_until(lambda: is_serving(f"127.0.0.1:{port}"), time.monotonic() + 60, name,
+                   log_dir)
+        yield f"127.0.0.1:{port}"
+    finally:
+        if gateway.poll() is None:
+            os.killpg(gateway.pid, signal.SIGKILL)
+            gateway.wait(10)
+
+
+@contextmanager
 def replica_behind_gateway(model_dir: Path, log_dir: Path, replica_args: list[str],
                            gateway_args: Sequence[str] = ()) -> Iterator[GatewayStack]:
     """One replica (``replica_args`` added to its command line) and a gateway routing to it
@@ -256,18 +277,8 @@ def replica_behind_gateway(model_dir: Path, log_dir: Path, replica_args: list[st
     is "tiny"."""
     replicas = start_replicas(model_dir, log_dir, {"a": [
         "--served-model-name", "tiny", *replica_args]})
-    gateway_port = free_port()
-    gateway: subprocess.Popen[bytes] | None = None
     try:
-        gateway = spawn_module(log_dir, "gateway", [
-            "gateway", "--model", str(model_dir), "--served-model-name", "tiny",
-            "--host", "127.0.0.1", "--port", str(gateway_port), "--metrics-port", "0",
-            "--replica", replicas["a"].target, *gateway_args])
-        wait_until(lambda: is_serving(f"127.0.0.1:{gateway_port}"), time.monotonic() + 60,
-                   "gateway", log_dir)
-        yield GatewayStack(replicas["a"], f"127.0.0.1:{gateway_port}")
+        with gateway_before(model_dir, log_dir, [replicas["a"].target], gateway_args) as gateway:
+            yield GatewayStack(replicas["a"], gateway)
     finally:
-        if gateway is not None and gateway.poll() is None:
-            os.killpg(gateway.pid, signal.SIGKILL)
-            gateway.wait(10)
         replicas["a"].kill()

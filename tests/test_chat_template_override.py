@@ -1,8 +1,9 @@
 """``--chat-template``: serving a chat template instead of the model's own (vLLM's flag).
 
-A model without a template (a base model) refuses chats with a message that names the flag;
-given a template file (or the template's text), the replica and the gateway, which renders
-chats itself, both serve chats that say what the offline engine says with that template.
+Given a template file (or the template's text), the replica and the gateway, which renders
+chats itself, both serve a model without a template (a base model) chats that say what the
+offline engine says with that template; a gateway not given it refuses chats with a message
+that names the flag.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from engine_common.sampling_params import SamplingParams
 from engine_common.tokenizer import load_tokenizer, read_chat_template
 from tandem.client import Client
 from tandem.errors import InvalidRequestError
-from tests.replica_process import replica_behind_gateway
+from tests.replica_process import gateway_before, replica_behind_gateway
 
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -54,10 +55,6 @@ def test_a_model_without_a_template_is_served_with_the_given_one(tiny_llama_dir,
     flags = ["--dtype", "float32", "--kv-cache-memory", "16MiB"]
     logs = tmp_path / "logs"
     logs.mkdir()
-    with replica_behind_gateway(model, logs, flags) as stack, \
-            Client(stack.gateway, timeout=60) as client:
-        with pytest.raises(InvalidRequestError, match="no chat template.*--chat-template"):
-            client.chat(MESSAGES, max_tokens=4)
     with replica_behind_gateway(model, logs, [*flags, "--chat-template", str(template)],
                                 ["--chat-template", str(template)]) as stack:
         for target in (stack.gateway, stack.replica.target):
@@ -65,3 +62,9 @@ def test_a_model_without_a_template_is_served_with_the_given_one(tiny_llama_dir,
                 answer = client.chat(MESSAGES, max_tokens=12, temperature=0, ignore_eos=True)
                 assert answer.content == want
                 assert answer.usage.prompt_tokens == len(prompt)
+        # A gateway given no template renders no chat for this model, and says how to.
+        with gateway_before(model, logs, [stack.replica.target],
+                            name="gateway-without-template") as plain, \
+                Client(plain, timeout=60) as client, \
+                pytest.raises(InvalidRequestError, match="no chat template.*--chat-template"):
+            client.chat(MESSAGES, max_tokens=4)

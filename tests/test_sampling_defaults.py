@@ -30,7 +30,7 @@ from services.replica import responses_api
 from services.replica.main import build_parser as replica_parser
 from services.replica.openai_api import chat_to_engine_request, completion_to_engine_request
 from tandem.client import Client
-from tests.replica_process import replica_behind_gateway, start_replicas
+from tests.replica_process import gateway_before, start_replicas
 
 RECOMMENDED = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
                "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.25}
@@ -151,19 +151,22 @@ def test_a_model_that_recommends_greedy_is_served_greedy(tiny_llama_dir, tmp_pat
     flags = ["--dtype", "float32", "--kv-cache-memory", "16MiB"]
     logs = tmp_path / "logs"
     logs.mkdir()
-    with replica_behind_gateway(model, logs, flags) as stack:
-        for target in (stack.gateway, stack.replica.target):
-            with Client(target, timeout=60) as client:
-                assert client.chat(messages, max_tokens=16, ignore_eos=True).content == greedy
-    # The file off, one value set by hand: sampled at temperature 1, 16 tokens by default.
-    plain = start_replicas(model, logs, {"vllm": [
-        *flags, "--generation-config", "vllm",
-        "--override-generation-config", '{"max_new_tokens": 16}']})["vllm"]
+    replicas = start_replicas(model, logs, {
+        "auto": [*flags, "--served-model-name", "tiny"],
+        # The file off, one value set by hand: sampled at temperature 1, 16 tokens by default.
+        "vllm": [*flags, "--generation-config", "vllm",
+                 "--override-generation-config", '{"max_new_tokens": 16}']})
     try:
-        with Client(plain.target, timeout=60) as client:
+        with gateway_before(model, logs, [replicas["auto"].target]) as gateway:
+            for target in (gateway, replicas["auto"].target):
+                with Client(target, timeout=60) as client:
+                    assert client.chat(messages, max_tokens=16,
+                                       ignore_eos=True).content == greedy
+        with Client(replicas["vllm"].target, timeout=60) as client:
             answers = [client.chat(messages, ignore_eos=True) for _ in range(2)]
     finally:
-        plain.kill()
+        for replica in replicas.values():
+            replica.kill()
     sampled = [answer.content for answer in answers]
     assert greedy not in sampled and sampled[0] != sampled[1]
     assert [answer.usage.completion_tokens for answer in answers if answer.usage] == [16, 16]
