@@ -88,6 +88,9 @@ class ModelSettings:
     # request of another adapter waits until one of the running adapters has no request
     # left. None: no cap.
     max_loras: int | None = None
+    # Adapters of a higher rank (the largest of any projection) are refused, at start and
+    # when loaded at run time (vLLM's max_lora_rank). None: any rank.
+    max_lora_rank: int | None = None
     # Adapters may be loaded and unloaded while serving (vLLM's
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING): the API reads a directory the caller names on the
     # server's file system, so it is off unless asked for.

@@ -70,8 +70,9 @@ class ModelRunner:
         self.model = load_model(config.model, self.dtype, self.device, config.attention_backend,
                                 pack_float32=stands_in_for_bf16)
         # Before the KV cache is sized: on a GPU the adapters take memory the cache would.
-        self.lora_adapters = LoadedLoraAdapters.load(config.model_settings.lora_modules,
-                                                     self.model)
+        settings = config.model_settings
+        self.lora_adapters = LoadedLoraAdapters.load(settings.lora_modules, self.model,
+                                                     settings.max_lora_rank)
         self.num_blocks = self._num_kv_blocks()
         self.kv_cache = torch.zeros(
             (arch.num_layers, 2, self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_size),

@@ -64,6 +64,9 @@ def add_model_settings_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-loras", type=_positive_int, default=None,
                         help="at most this many different LoRA adapters in one step; a "
                              "request of another adapter waits (vLLM's flag; default: no cap)")
+    parser.add_argument("--max-lora-rank", type=_positive_int, default=None,
+                        help="refuse LoRA adapters of a higher rank, at start and when loaded "
+                             "at run time (vLLM's flag; default: any rank)")
     parser.add_argument("--allow-runtime-lora-updating", action="store_true",
                         help="serve LoadLoraAdapter / UnloadLoraAdapter (POST "
                              "/v1/load_lora_adapter, /v1/unload_lora_adapter): adapters are "
@@ -85,7 +88,7 @@ def model_settings_from_args(args: argparse.Namespace) -> ModelSettings:
                          generation_config=args.generation_config,
                          override_generation_config=args.override_generation_config,
                          lora_modules=_unique_lora_names(args.lora_modules),
-                         max_loras=args.max_loras,
+                         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                          allow_runtime_lora_updating=args.allow_runtime_lora_updating)
 
 
@@ -112,6 +115,8 @@ def model_settings_args(settings: ModelSettings) -> list[str]:
                  *(f"{name}={path}" for name, path in settings.lora_modules.items())]
     if settings.max_loras is not None:
         args += ["--max-loras", str(settings.max_loras)]
+    if settings.max_lora_rank is not None:
+        args += ["--max-lora-rank", str(settings.max_lora_rank)]
     if settings.allow_runtime_lora_updating:
         args.append("--allow-runtime-lora-updating")
     return args

@@ -254,7 +254,8 @@ def test_replicas_and_picker_parse_their_args_and_agree_on_the_template() -> Non
     settings = ModelSettings(chat_template="/models/llama/chat.jinja",
                              tool_call_parser="hermes", generation_config="vllm",
                              override_generation_config={"top_p": 0.9},
-                             lora_modules={"sql": "/models/sql-lora", "chat": "/models/c"})
+                             lora_modules={"sql": "/models/sql-lora", "chat": "/models/c"},
+                             max_loras=2, max_lora_rank=16)
     objects = render(model_settings=settings)
     deployments = by_kind(objects, "Deployment")
     replica_args = deployments["tandem-decode"]["spec"]["template"]["spec"]["containers"][0][

@@ -93,13 +93,14 @@ def engine(model_dir: Path, lora_modules: dict[str, str], *, budget: int = 512,
            num_blocks: int = 512, dtype: str = "float32",
            speculative: SpeculativeConfig | None = None, policy: str = "fcfs",
            max_loras: int | None = None, allow_runtime_lora_updating: bool = False,
-           **config: object) -> LLM:
+           max_lora_rank: int | None = None, **config: object) -> LLM:
     return LLM(EngineConfig(
         model=str(model_dir), dtype=dtype,
         cache=CacheConfig(block_size=4, num_gpu_blocks_override=num_blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=64,
                                   policy=policy),
         model_settings=ModelSettings(lora_modules=lora_modules, max_loras=max_loras,
+                                     max_lora_rank=max_lora_rank,
                                      allow_runtime_lora_updating=allow_runtime_lora_updating),
         speculative=speculative or SpeculativeConfig(), **config))  # type: ignore[arg-type]
 

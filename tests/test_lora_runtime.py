@@ -247,6 +247,20 @@ def test_refusals_leave_the_engine_serving(tiny_llama_dir, adapters, expected, t
     still_serving()
 
 
+def test_max_lora_rank_refuses_a_higher_rank_at_start_and_at_run_time(tiny_llama_dir,
+                                                                      adapters):
+    """alpha: rank 8 (2 on k_proj); beta: rank 4. vLLM's max_lora_rank, checked against the
+    largest rank of any projection."""
+    with pytest.raises(ValueError, match="LoRA adapter 'alpha' has rank 8, above "
+                                         "--max-lora-rank 4"):
+        engine(tiny_llama_dir, {"alpha": adapters["alpha"]}, max_lora_rank=4)
+    llm = engine(tiny_llama_dir, {"beta": adapters["beta"]}, max_lora_rank=4)
+    with pytest.raises(ValueError, match="LoRA adapter 'a' has rank 8, above --max-lora-rank 4"):
+        llm.load_lora_adapter("a", adapters["alpha"])
+    llm.load_lora_adapter("g", adapters["gamma"])  # rank 4: at the cap
+    assert llm.lora_names == ["beta", "g"]
+
+
 # ----------------------------------------------------------------------------- max_loras
 
 

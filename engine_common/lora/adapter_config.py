@@ -58,6 +58,11 @@ class LoraAdapterConfig:
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def max_rank(self) -> int:
+        """The largest rank of any of its projections."""
+        return max([self.r, *map(int, self.rank_pattern.values())])
+
     def rank_of(self, module_key: str) -> int:
         """The rank of the module at ``module_key`` ("model.layers.0.self_attn.q_proj")."""
         pattern = _pattern_key(self.rank_pattern, module_key)

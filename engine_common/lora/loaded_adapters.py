@@ -46,7 +46,8 @@ class _Draining:
 
 
 class LoadedLoraAdapters:
-    def __init__(self) -> None:
+    def __init__(self, max_rank: int | None = None) -> None:
+        self.max_rank = max_rank  # adapters of a higher rank are refused; None: any
         self._slots: dict[str, int] = {}  # served: name -> slot, in the order loaded
         self._draining: dict[str, _Draining] = {}
         # Every name served in this engine's life: the prefix cache keys blocks by name, so
@@ -54,10 +55,11 @@ class LoadedLoraAdapters:
         self._ever_served: set[str] = set()
 
     @classmethod
-    def load(cls, lora_modules: Mapping[str, str], model: LlamaForCausalLM) -> LoadedLoraAdapters:
+    def load(cls, lora_modules: Mapping[str, str], model: LlamaForCausalLM,
+             max_rank: int | None = None) -> LoadedLoraAdapters:
         """Reads every adapter (name -> PEFT directory) and gives its weights to ``model``;
         ValueError names the adapter that cannot be served and why."""
-        adapters = cls()
+        adapters = cls(max_rank)
         for name, adapter_dir in lora_modules.items():
             adapters._place(name, adapter_dir, model)
         model.stack_lora_adapters(adapters._num_slots())
@@ -177,6 +179,9 @@ class LoadedLoraAdapters:
         if not name:
             raise ValueError(f"a LoRA adapter needs a name (the one at {str(adapter_dir)!r})")
         config = read_adapter_config(name, adapter_dir)
+        if self.max_rank is not None and config.max_rank > self.max_rank:
+            raise ValueError(f"LoRA adapter {name!r} has rank {config.max_rank}, above "
+                             f"--max-lora-rank {self.max_rank}")
         adapter = load_adapter_weights(config, adapter_dir, model.lora_projection_shapes(),
                                        model.arch.num_layers)
         used = self._used_slots()
