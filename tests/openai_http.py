@@ -23,7 +23,7 @@ import openai
 from google.protobuf import json_format
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_common.config import CacheConfig, EngineConfig
+from engine_common.config import CacheConfig, EngineConfig, ModelSettings
 from engine_common.llm import LLM
 from engine_common.sampling_params import SamplingParams
 from protos.tandem.v1 import generation_pb2
@@ -97,10 +97,12 @@ def running_stack(model_dir: Path, logs: Path) -> Iterator[Stack]:
         stop_all(processes, replicas)
 
 
-def offline_engine(model_dir: Path) -> LLM:
-    """The engine the cluster's replicas run, in process: greedy text to compare with."""
+def offline_engine(model_dir: Path, lora_modules: dict[str, str] | None = None) -> LLM:
+    """The engine the cluster's replicas run, in process: greedy text to compare with;
+    ``lora_modules`` (name -> adapter directory) served from the start."""
     return LLM(EngineConfig(model=str(model_dir), dtype="float32",
-                            cache=CacheConfig(num_gpu_blocks_override=512)))
+                            cache=CacheConfig(num_gpu_blocks_override=512),
+                            model_settings=ModelSettings(lora_modules=lora_modules or {})))
 
 
 CITY_SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]},

@@ -30,7 +30,6 @@ from typing import Any
 import grpc
 import pytest
 
-from engine_common.config import CacheConfig, EngineConfig, ModelSettings
 from engine_common.llm import LLM
 from engine_common.sampling_params import SamplingParams
 from gateway.lora_rollout import ClusterLoraUpdates, ReplicaRefusal
@@ -40,6 +39,7 @@ from services.replica.served_model import ServedModel
 from tandem import Client, InvalidRequestError, TandemError
 from tandem.lora_sync import render_config
 from tests.model_factory import write_serving_adapters
+from tests.openai_http import offline_engine
 from tests.replica_process import (
     ReplicaProcess,
     envoy_answers,
@@ -92,9 +92,7 @@ def adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.fixture(scope="module")
 def offline(tiny_llama_dir: Path, adapters: dict[str, str]) -> LLM:
-    return LLM(EngineConfig(model=str(tiny_llama_dir), dtype="float32",
-                            cache=CacheConfig(num_gpu_blocks_override=256),
-                            model_settings=ModelSettings(lora_modules=adapters)))
+    return offline_engine(tiny_llama_dir, adapters)
 
 
 def greedy(offline: LLM, lora_name: str | None, max_tokens: int = MAX_TOKENS) -> str:

@@ -24,7 +24,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine_common.config import CacheConfig, EngineConfig, ModelSettings
 from engine_common.llm import LLM
 from engine_common.request import Request
 from engine_common.sampling_params import SamplingParams
@@ -32,6 +31,7 @@ from gateway.snapshot import prompt_block_hashes
 from protos.tandem.v1 import engine_pb2, engine_pb2_grpc
 from tandem import Client, InvalidRequestError
 from tests.model_factory import write_serving_adapters
+from tests.openai_http import offline_engine
 from tests.replica_process import (
     ReplicaProcess,
     free_port,
@@ -60,9 +60,7 @@ def adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.fixture(scope="module")
 def offline(tiny_llama_dir: Path, adapters: dict[str, str]) -> LLM:
-    return LLM(EngineConfig(model=str(tiny_llama_dir), dtype="float32",
-                            cache=CacheConfig(num_gpu_blocks_override=256),
-                            model_settings=ModelSettings(lora_modules=adapters)))
+    return offline_engine(tiny_llama_dir, adapters)
 
 
 @pytest.fixture(scope="module")

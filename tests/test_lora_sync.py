@@ -19,12 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from engine_common.config import CacheConfig, EngineConfig, ModelSettings
-from engine_common.llm import LLM
 from engine_common.sampling_params import SamplingParams
 from tandem import Client
 from tandem.lora_sync import WantedAdapters, parse_wanted_adapters, render_config
 from tests.model_factory import write_serving_adapters
+from tests.openai_http import offline_engine
 from tests.replica_process import (
     REPO_ROOT,
     ReplicaProcess,
@@ -100,9 +99,7 @@ def adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.fixture(scope="module")
 def expected(tiny_llama_dir: Path, adapters: dict[str, str]) -> dict[str, str]:
     """Each adapter's greedy text from the offline engine that serves it from the start."""
-    offline = LLM(EngineConfig(model=str(tiny_llama_dir), dtype="float32",
-                               cache=CacheConfig(num_gpu_blocks_override=64),
-                               model_settings=ModelSettings(lora_modules=adapters)))
+    offline = offline_engine(tiny_llama_dir, adapters)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     texts = {name: offline.generate([PROMPT], params, lora_name=name)[0].text
              for name in adapters}

@@ -24,11 +24,9 @@ import grpc
 
 from protos.tandem.v1 import generation_pb2 as pb
 from services.replica.errors import FailedPrecondition, status_of
-from services.replica.response_store import ResponseStore, StoredResponse
+from services.replica.response_store import RUNNING_STATUSES, ResponseStore, StoredResponse
 
 KEPT_FINISHED_RUNS = 64
-# The states from which a response can still change.
-_RUNNING = frozenset({"queued", "in_progress"})
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +112,7 @@ class BackgroundResponses:
                 run.publish(None)
                 self._forget_finished()
         stored = self.store.get(response_id)
-        if stored.response.status in _RUNNING:  # it never began
+        if stored.response.status in RUNNING_STATUSES:  # it never began
             self._put(stored, _with_status(stored.response, "cancelled"))
         return self.store.get(response_id).response
 
@@ -152,7 +150,7 @@ def _first_after(events: list[pb.ResponseStreamEvent], sequence_number: int) -> 
 def _with_status(response: pb.Response, status: str) -> pb.Response:
     changed = pb.Response()
     changed.CopyFrom(response)
-    if changed.status in _RUNNING:
+    if changed.status in RUNNING_STATUSES:
         changed.status = status
     return changed
 

@@ -25,6 +25,8 @@ from services.replica.response_input_items import output_items
 from services.replica.responses_api import output_as_input
 
 DEFAULT_MAX_STORED_RESPONSES = 1024
+# The statuses of a background response that may still change.
+RUNNING_STATUSES = frozenset({"queued", "in_progress"})
 STORE_HELP = ("Responses API responses kept in memory (the latest N) for previous_response_id "
               "and GET /v1/responses/{id}, unless a request says store false; 0 keeps none "
               "(default: %(default)s)")
@@ -96,7 +98,7 @@ class ResponseStore:
         chain = []
         while response_id:  # a response only continues an earlier one: no cycles
             stored = self.get(response_id)
-            if stored.response.status in ("queued", "in_progress"):  # a background one
+            if stored.response.status in RUNNING_STATUSES:  # a background one
                 raise InvalidArgument(f"response {response_id!r} is still "
                                       f"{stored.response.status}: continue it once it has "
                                       "finished (GET /v1/responses/{id} shows its status)")
