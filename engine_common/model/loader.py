@@ -39,8 +39,8 @@ logger = logging.getLogger(__name__)
 def resolve_dtype(name: str, arch: ModelArchConfig,
                   device: torch.device | str = "cpu") -> torch.dtype:
     """"auto" is the checkpoint's dtype (float32 when config.json names none), except a bf16
-    checkpoint on a CPU without a bf16 matmul (AVX2-only machines), where bf16 runs ~3x
-    slower than float32 (SmolLM2-135M decode, 2 cores): float32 there."""
+    checkpoint on a CPU without a bf16 matmul (AVX2-only machines), where bf16 runs 3.2x
+    slower than float32 (``make bench-cpu-dtype``): float32 there."""
     if name == "auto":
         dtype = arch.dtype or torch.float32
         if (dtype == torch.bfloat16 and torch.device(device).type == "cpu"

@@ -11,8 +11,8 @@ a CPU with AVX512 (BW, VL, DQ) or AVX-NE-CONVERT.
 A packed float32 matmul differs from ``F.linear``'s in the last bits, so float32 weights are
 packed only where float32 stands in for a bf16 checkpoint (``--dtype auto`` on a CPU without
 a bf16 matmul, ``loader.resolve_dtype``): there the checkpoint's own precision is bf16's, far
-coarser than that difference, and packing makes decoding ~1.35x faster (SmolLM2-135M, 16
-prompts x 64 tokens, 2 AVX2 cores: ~210 against ~155 tokens/s, the same greedy text). A
+coarser than that difference, and packing makes decoding 1.31x faster (``make
+bench-cpu-dtype``: SmolLM2-135M on 2 AVX2 cores, the same greedy tokens). A
 float32 checkpoint, or ``--dtype float32``, keeps plain weights: that is the dtype the
 token-for-token tests against Hugging Face run in.
 
