@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedConfig
 
 
 def load_tokenizer(model_dir: str | Path, chat_template: str | None = None) -> Any:
@@ -27,10 +27,40 @@ def load_tokenizer(model_dir: str | Path, chat_template: str | None = None) -> A
             f"model directory {str(model_dir)!r} does not exist; expected a local Hugging Face "
             "model directory with tokenizer files"
         )
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(model_dir), local_files_only=True, **_declared_model_config(model_dir))
     if chat_template is not None:
         tokenizer.chat_template = read_chat_template(chat_template)
     return tokenizer
+
+
+def _declared_model_config(model_dir: Path) -> dict[str, Any]:
+    """``AutoTokenizer``'s ``config`` argument, when the directory lets us skip its own.
+
+    Without one, ``AutoTokenizer`` imports the model's configuration class only to read its
+    ``model_type``, and for some architectures (Llama: the default model) that import pulls in
+    transformers' modeling stack, 1.5 s of every replica's, engine core's and gateway's start.
+    When ``tokenizer_config.json`` names the tokenizer class, the class is all it looks up by
+    the config's type, so a plain config carrying the same ``model_type`` and path picks the
+    same tokenizer (tests/test_detokenizer.py checks it per architecture). Otherwise nothing
+    is passed and ``AutoTokenizer`` decides as usual.
+    """
+    try:
+        with open(model_dir / "tokenizer_config.json", encoding="utf-8") as f:
+            declares_class = bool(json.load(f).get("tokenizer_class"))
+        with open(model_dir / "config.json", encoding="utf-8") as f:
+            model_config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    model_type = model_config.get("model_type")
+    if not declares_class or not isinstance(model_type, str):
+        return {}
+    config = PreTrainedConfig()
+    # Set as AutoConfig would set them on the model's own config (model_type is a class
+    # attribute there, and the typed constructor takes none of these).
+    vars(config).update(model_type=model_type, _name_or_path=str(model_dir),
+                        tokenizer_class=model_config.get("tokenizer_class"))
+    return {"config": config}
 
 
 def read_chat_template(template: str) -> str:

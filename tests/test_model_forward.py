@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine_common.config import CacheConfig, EngineConfig
 from engine_common.default_model import ensure_default_model
@@ -30,7 +30,7 @@ from engine_common.model.attention.torch_backend import TorchAttentionBackend
 from engine_common.model.llama import LlamaForCausalLM
 from engine_common.model.loader import load_model, resolve_dtype
 from engine_common.model.packed_linear import bf16_packing_supported
-from engine_common.tokenizer import eos_token_ids, load_tokenizer
+from engine_common.tokenizer import _declared_model_config, eos_token_ids, load_tokenizer
 from tests.model_factory import build_tiny_model
 
 BLOCK_SIZE = 4
@@ -497,6 +497,33 @@ def test_tokenizer_and_eos_ids(tiny_llama_dir, tmp_path):
     assert eos_token_ids(model_dir, tokenizer) == frozenset({0, eos})
     with pytest.raises(FileNotFoundError):
         load_tokenizer(tmp_path / "missing")
+
+
+def test_tokenizer_equals_auto_tokenizers_choice_without_its_config_import(
+        tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_mistral_dir, smollm2_dir, tmp_path):
+    """``load_tokenizer`` hands AutoTokenizer a plain config (so it skips importing the
+    model's configuration class); the tokenizer must be the one AutoTokenizer picks alone."""
+    undeclared = tmp_path / "undeclared"
+    shutil.copytree(tiny_qwen2_dir, undeclared)
+    settings = json.loads((undeclared / "tokenizer_config.json").read_text())
+    del settings["tokenizer_class"]
+    (undeclared / "tokenizer_config.json").write_text(json.dumps(settings))
+    assert _declared_model_config(undeclared) == {}  # AutoTokenizer decides alone
+    text = "Hello, world! Naïve café — 你好 🎉 <|im_start|>user\n\tx  y<|im_end|>"
+    chat = [{"role": "user", "content": "What is 2+2?"}]
+    for model_dir in (tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_mistral_dir,
+                      smollm2_dir, undeclared):
+        ours = load_tokenizer(model_dir)
+        reference = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        if model_dir != undeclared:  # the quick path is the one taken
+            model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
+            assert _declared_model_config(model_dir)["config"].model_type == model_type
+        assert type(ours) is type(reference), model_dir
+        assert ours.encode(text) == reference.encode(text)
+        assert ours.decode(ours.encode(text)) == reference.decode(reference.encode(text))
+        assert ours.special_tokens_map == reference.special_tokens_map
+        assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+            reference.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
 
 
 @pytest.fixture(scope="session")
