@@ -40,8 +40,13 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import machine as report_machine  # noqa: E402
-from kv_transfer import KvHandle, KvLayout, UcxKvConsumer, UcxKvProducer  # noqa: E402
-from kv_transfer.ucx_connector import DEFAULT_CHUNK_BYTES  # noqa: E402
+from kv_transfer.connector import KvHandle  # noqa: E402
+from kv_transfer.layout import KvLayout  # noqa: E402
+from kv_transfer.ucx_connector import (  # noqa: E402
+    DEFAULT_CHUNK_BYTES,  # noqa: E402
+    UcxKvConsumer,
+    UcxKvProducer,
+)
 from kv_transfer.ucx_runtime import UcxRuntime  # noqa: E402
 
 LAYOUT = KvLayout(

@@ -14,6 +14,7 @@ frees its blocks.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import deque
@@ -26,6 +27,7 @@ from engine_common.core_process import (
     LORA_INVALID,
     LORA_NOT_FOUND,
     EngineCoreClient,
+    EngineDeadError,
     KvCacheSnapshotReply,
     LoraAdapterReply,
 )
@@ -56,10 +58,6 @@ from kv_transfer.connector import KvHandle
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine core process is gone; no request can be served."""
-
-
 # What a ``LoraAdapterReply``'s error kind is raised as; another kind: RuntimeError.
 _LORA_ERRORS: dict[str, type[Exception]] = {
     LORA_EXISTS: LoraAdapterExists, LORA_NOT_FOUND: LoraAdapterNotFound, LORA_INVALID: ValueError}
@@ -67,18 +65,26 @@ _LORA_ERRORS: dict[str, type[Exception]] = {
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop,
-                 kv_event_capacity: int = 65536, kv_snapshot_chunk_blocks: int = 4096):
+                 kv_event_capacity: int = 65536, kv_snapshot_chunk_blocks: int = 4096,
+                 core: EngineCoreClient | None = None):
+        """Blocks until the engine core has started (seconds): ``core``, one already
+        starting, or one spawned here."""
+        if kv_snapshot_chunk_blocks <= 0:
+            raise ValueError(
+                f"kv_snapshot_chunk_blocks must be positive, got {kv_snapshot_chunk_blocks}")
         self.config = config
-        self.tokenizer = load_tokenizer(config.model, config.model_settings.chat_template)
-        self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
+        core = core or EngineCoreClient(config)
+        try:  # while the core loads the model
+            self.tokenizer = load_tokenizer(config.model, config.model_settings.chat_template)
+            self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
+        except BaseException:
+            core.shutdown()
+            raise
         self._loop = loop
         self._streams: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
         self.dead_reason: str | None = None
         self.stats = SchedulerStats()
         self.kv_events = KVEventBuffer(kv_event_capacity)
-        if kv_snapshot_chunk_blocks <= 0:
-            raise ValueError(
-                f"kv_snapshot_chunk_blocks must be positive, got {kv_snapshot_chunk_blocks}")
         # Bounds each snapshot piece on the wire (32-byte hashes: 4096 is ~140 KB).
         self.kv_snapshot_chunk_blocks = kv_snapshot_chunk_blocks
         self._kv_event_waiters: set[asyncio.Event] = set()
@@ -93,8 +99,8 @@ class AsyncLLM:
         self._lora_names = sorted(config.model_settings.lora_modules)
         # Every callback hops onto the loop from the client's one receiver thread, so they
         # run in the order the core sent their messages.
-        self.core = EngineCoreClient(
-            config,
+        self.core = core
+        self.info = core.connect(
             on_outputs=lambda outs: self._loop.call_soon_threadsafe(self._on_outputs, outs),
             on_dead=lambda why: self._loop.call_soon_threadsafe(self._on_dead, why),
             on_kv_snapshot=lambda snap: self._loop.call_soon_threadsafe(
@@ -102,7 +108,6 @@ class AsyncLLM:
             on_lora_reply=lambda reply: self._loop.call_soon_threadsafe(
                 self._on_lora_reply, reply),
         )
-        self.info = self.core.info
         self.stats.num_total_blocks = self.stats.num_free_blocks = self.info.num_blocks
         settings = config.model_settings
         self.inputs = InputProcessor(
@@ -122,10 +127,13 @@ class AsyncLLM:
         self.num_preemptions = 0
 
     @classmethod
-    async def create(cls, config: EngineConfig) -> AsyncLLM:
-        """Start the engine core (seconds: the model loads) off the event loop."""
+    async def create(cls, config: EngineConfig, fork: bool = False) -> AsyncLLM:
+        """Start the engine core (seconds: the model loads) off the event loop. ``fork``:
+        fork the core from this thread (see ``fork_is_safe``) rather than spawn it."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, cls, config, loop)
+        core = EngineCoreClient(config, "fork" if fork else "spawn")
+        return await loop.run_in_executor(
+            None, functools.partial(cls, config, loop, core=core))
 
     # ----------------------------------------------------------------- requests
     @property

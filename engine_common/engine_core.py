@@ -16,7 +16,6 @@ import logging
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass
 
 from engine_common.block_hash import BlockHash
 from engine_common.config import EngineConfig
@@ -24,7 +23,12 @@ from engine_common.kv_cache_manager import KVCacheManager
 from engine_common.kv_events import KVEvent
 from engine_common.model.arch_config import ModelArchConfig
 from engine_common.model_runner import ModelRunner
-from engine_common.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from engine_common.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInfo,
+)
 from engine_common.remote_kv import RemoteKv
 from engine_common.request import Request, RequestStatus, tokens_sampled_elsewhere
 from engine_common.sampling_params import SamplingParams
@@ -34,24 +38,6 @@ from engine_common.tokenizer import eos_token_ids, load_tokenizer
 from kv_transfer.layout import KvLayout
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineInfo:
-    """What the frontend needs to know about the core it talks to."""
-
-    engine_id: str
-    model: str
-    max_model_len: int
-    block_size: int
-    num_blocks: int
-    dtype: str
-    vocab_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_size: int
-    kv_layout: KvLayout  # what P/D peers must agree on to exchange blocks
-    kv_address: tuple[str, int] | None = None  # UCX listener of a prefill (producer) engine
 
 
 def context_length(requested: int | None, arch: ModelArchConfig) -> int:

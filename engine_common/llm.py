@@ -20,8 +20,7 @@ from engine_common.engine_core import EngineCore
 from engine_common.input_processor import InputProcessor
 from engine_common.metrics import EngineMetrics
 from engine_common.output_processor import OutputProcessor, RequestOutput
-from engine_common.outputs import EngineCoreOutputs, EngineCoreRequest
-from engine_common.sampler import TokenLogprobs
+from engine_common.outputs import EngineCoreOutputs, EngineCoreRequest, TokenLogprobs
 from engine_common.sampling_params import SamplingParams
 from engine_common.tokenizer import load_tokenizer
 

@@ -65,7 +65,7 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         # "auto" gives float32 for a bf16 checkpoint only on a CPU without a bf16 matmul:
         # float32 stands in for bf16 there, and its weights may be packed too.
-        stands_in_for_bf16 = (config.dtype == "auto" and arch.dtype == torch.bfloat16
+        stands_in_for_bf16 = (config.dtype == "auto" and arch.dtype == "bfloat16"
                               and self.dtype == torch.float32)
         self.model = load_model(config.model, self.dtype, self.device, config.attention_backend,
                                 pack_float32=stands_in_for_bf16)

@@ -13,8 +13,7 @@ from dataclasses import dataclass, replace
 
 from engine_common.detokenizer import IncrementalDetokenizer
 from engine_common.metrics import EngineMetrics, FinishedRequestStats
-from engine_common.outputs import EngineCoreOutputs, KvTransferReport
-from engine_common.sampler import TokenLogprobs
+from engine_common.outputs import EngineCoreOutputs, KvTransferReport, TokenLogprobs
 from engine_common.sampling_params import SamplingParams
 from kv_transfer.connector import KvHandle
 

@@ -12,8 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine_common.kv_events import KVEvent
-from engine_common.sampler import TokenLogprobs
 from kv_transfer.connector import KvHandle
+from kv_transfer.layout import KvLayout
+
+
+@dataclass
+class TokenLogprobs:
+    """The logprob of the sampled token, its rank (1 = most likely) and the top-n."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -125,3 +135,21 @@ class EngineCoreOutputs:
     stats: SchedulerStats | None = None
     kv_events: list[KVEvent] = field(default_factory=list)
     timestamp: float = 0.0
+
+
+@dataclass
+class EngineInfo:
+    """What the frontend needs to know about the core it talks to."""
+
+    engine_id: str
+    model: str
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    dtype: str
+    vocab_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    kv_layout: KvLayout  # what P/D peers must agree on to exchange blocks
+    kv_address: tuple[str, int] | None = None  # UCX listener of a prefill (producer) engine

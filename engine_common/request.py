@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine_common.block_hash import BlockHash, hash_block_tokens, request_extra_keys
-from engine_common.outputs import RemotePrefill
-from engine_common.sampler import TokenLogprobs
+from engine_common.outputs import RemotePrefill, TokenLogprobs
 from engine_common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_common.outputs import TokenLogprobs
 from engine_common.sampling_params import SamplingParams
 
 # Temperatures below this are treated as greedy: dividing by them overflows nothing, but the
@@ -60,16 +61,6 @@ class SamplingRow:
     generator: torch.Generator | None = None
     # EOS / stop token ids, masked while fewer than ``params.min_tokens`` tokens are out.
     suppress_token_ids: frozenset[int] = frozenset()
-
-
-@dataclass
-class TokenLogprobs:
-    """The logprob of the sampled token, its rank (1 = most likely) and the top-n."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]
 
 
 @dataclass

@@ -16,10 +16,15 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where tensors are: a gateway reads layouts without it
+    import torch
 
 _FINGERPRINT_VERSION = 1
+
+# The KV-cache dtypes an engine allocates, by ``KvLayout.dtype``, and their sizes in bytes.
+ITEM_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -37,8 +42,9 @@ class KvLayout:
     block_size: int
 
     def __post_init__(self) -> None:
-        if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
-            raise ValueError(f"unknown torch dtype name {self.dtype!r}")
+        if self.dtype not in ITEM_SIZES:
+            raise ValueError(f"unsupported KV-cache dtype {self.dtype!r} (one of "
+                             f"{', '.join(ITEM_SIZES)})")
         for name in ("num_layers", "num_kv_heads", "head_size", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -62,16 +68,10 @@ class KvLayout:
         )
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        dtype = getattr(torch, self.dtype)
-        assert isinstance(dtype, torch.dtype)
-        return dtype
-
-    @property
     def bytes_per_block(self) -> int:
         """Bytes of one block across all layers, K and V."""
         elements = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size
-        return elements * self.torch_dtype.itemsize
+        return elements * ITEM_SIZES[self.dtype]
 
     def fingerprint(self) -> str:
         """A stable hex digest of every field: equal iff the layouts are equal.

@@ -94,7 +94,9 @@ class ReplicaProcess:
             return int(stub.Check(request, timeout=timeout).status)
 
     def engine_core_pid(self) -> int:
-        """The pid of this replica's engine-core child process."""
+        """The pid of this replica's engine-core child process, which it forked (a forked
+        child keeps its parent's command line; a spawned one would not be found)."""
+        replica_cmdline = Path(f"/proc/{self.process.pid}/cmdline").read_bytes()
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
@@ -105,8 +107,7 @@ class ReplicaProcess:
             # Fields after the parenthesised command name: state, ppid, ...
             ppid = int(stat.rsplit(")", 1)[1].split()[1])
             cmdline = (entry / "cmdline").read_bytes()
-            if ppid == self.process.pid and b"multiprocessing.spawn" in cmdline \
-                    and b"resource_tracker" not in cmdline:
+            if ppid == self.process.pid and cmdline == replica_cmdline:
                 return int(entry.name)
         raise LookupError(f"no engine-core child of pid {self.process.pid}")
 

@@ -31,9 +31,10 @@ def _finished(outputs: queue.Queue[EngineCoreOutputs], request_id: str) -> Engin
 def test_a_refused_request_ends_with_the_reason_and_the_core_serves_on(tiny_llama_dir) -> None:
     outputs: queue.Queue[EngineCoreOutputs] = queue.Queue()
     client = EngineCoreClient(
-        EngineConfig(model=str(tiny_llama_dir), cache=CacheConfig(num_gpu_blocks_override=32)),
-        on_outputs=outputs.put, on_dead=lambda reason: outputs.put(EngineCoreOutputs(outputs=[])))
+        EngineConfig(model=str(tiny_llama_dir), cache=CacheConfig(num_gpu_blocks_override=32)))
     try:
+        client.connect(on_outputs=outputs.put,
+                       on_dead=lambda reason: outputs.put(EngineCoreOutputs(outputs=[])))
         params = SamplingParams(max_tokens=3, temperature=0.0)
         # hold_kv asks for a KV producer (a prefill replica); this core is not one.
         client.add_request(EngineCoreRequest("refused", [1, 2, 3], params, time.monotonic(),

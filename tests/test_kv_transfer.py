@@ -23,14 +23,10 @@ from typing import Any
 import pytest
 import torch
 
-from kv_transfer import (
-    KvHandle,
-    KvLayout,
-    KvTransferError,
-    UcxKvConsumer,
-    UcxKvProducer,
-)
 from kv_transfer.block_copy import BlockCopier, StagingBuffer
+from kv_transfer.connector import KvHandle, KvTransferError
+from kv_transfer.layout import ITEM_SIZES, KvLayout
+from kv_transfer.ucx_connector import UcxKvConsumer, UcxKvProducer
 
 MODEL = "test-model"
 PRODUCER_BLOCKS = 48
@@ -59,11 +55,11 @@ def kv_pattern(layout: KvLayout, num_blocks: int, seed: int) -> torch.Tensor:
     x = (torch.arange(math.prod(shape), dtype=torch.int64) * 40_503 + seed * 7_919) % prime
     x = (x * x + seed) % prime
     bits: torch.Tensor
-    if layout.torch_dtype.itemsize == 2:
+    if ITEM_SIZES[layout.dtype] == 2:
         bits = (x % 65_536 - 32_768).to(torch.int16)
     else:
         bits = (x - 2**30).to(torch.int32)
-    return bits.view(layout.torch_dtype).view(shape).clone()
+    return bits.view(getattr(torch, layout.dtype)).view(shape).clone()
 
 
 def as_bits(t: torch.Tensor) -> torch.Tensor:

@@ -24,8 +24,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from engine_common.async_llm import AsyncLLM, EngineDeadError
+from engine_common.async_llm import AsyncLLM
 from engine_common.config import CacheConfig, EngineConfig, ModelSettings
+from engine_common.core_process import EngineDeadError
 from engine_common.kv_events import BlockRemoved
 from engine_common.llm import LLM
 from engine_common.lora.errors import LoraAdapterExists, LoraAdapterNotFound

@@ -214,7 +214,7 @@ def test_greedy_generation_is_token_identical_to_hf(tiny_qwen2_dir):
 def test_bf16_checkpoint_loads_and_tracks_hf(tmp_path):
     model_dir = build_tiny_model(tmp_path / "bf16", "llama", dtype=torch.bfloat16)
     arch = ModelArchConfig.from_model_dir(model_dir)
-    assert arch.dtype == torch.bfloat16
+    assert arch.dtype == "bfloat16"
     # "auto": the checkpoint's bf16, but float32 on a CPU without a bf16 matmul.
     assert resolve_dtype("auto", arch, "cuda") == torch.bfloat16
     assert resolve_dtype("auto", arch, "cpu") == (
@@ -329,7 +329,7 @@ def test_legacy_rope_fields_are_read():
     )
     arch = ModelArchConfig.from_hf_config(base)
     assert arch.rope_theta == 500000.0 and arch.rope_type == "llama3"
-    assert arch.num_kv_heads == 2 and arch.head_size == 4 and arch.dtype == torch.bfloat16
+    assert arch.num_kv_heads == 2 and arch.head_size == 4 and arch.dtype == "bfloat16"
     with pytest.raises(ValueError, match="unsupported rope type 'yarn'"):
         ModelArchConfig.from_hf_config({**base, "rope_scaling": {"type": "yarn", "factor": 2.0}})
 
@@ -541,7 +541,7 @@ def test_default_model_conversion(smollm2_dir):
         9,
         3,
     )
-    assert arch.vocab_size == 49152 and arch.dtype == torch.bfloat16
+    assert arch.vocab_size == 49152 and arch.dtype == "bfloat16"
     assert ensure_default_model(smollm2_dir) == smollm2_dir  # idempotent
     tokenizer = load_tokenizer(smollm2_dir)
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") in eos_token_ids(smollm2_dir, tokenizer)

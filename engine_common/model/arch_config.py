@@ -12,18 +12,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
+# config.json's dtype spellings -> the name ``ModelArchConfig.dtype`` keeps (torch's, which
+# the loader maps to a torch dtype; this module stays free of torch for the gateway).
 _DTYPES_BY_NAME = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
 }
 
 
@@ -51,8 +51,9 @@ class ModelArchConfig:
     rope_type: str = "default"
     # The scaling parameters of ``rope_type`` (factor, low/high_freq_factor, ...).
     rope_scaling: dict[str, float] = field(default_factory=dict)
-    # The checkpoint's dtype as config.json states it; None when it does not say.
-    dtype: torch.dtype | None = None
+    # The checkpoint's dtype as config.json states it ("float32", "bfloat16" or "float16");
+    # None when it does not say.
+    dtype: str | None = None
     # Sliding-window attention's window (Mistral v0.1, Qwen with use_sliding_window); None
     # when attention spans the whole context.
     sliding_window: int | None = None
@@ -165,7 +166,7 @@ def _read_rope(hf: dict[str, Any]) -> tuple[float, str, dict[str, float]]:
     return float(rope_theta), rope_type, scaling
 
 
-def _read_dtype(hf: dict[str, Any]) -> torch.dtype | None:
+def _read_dtype(hf: dict[str, Any]) -> str | None:
     name = hf.get("dtype") or hf.get("torch_dtype")
     if name is None:
         return None

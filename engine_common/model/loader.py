@@ -42,7 +42,7 @@ def resolve_dtype(name: str, arch: ModelArchConfig,
     checkpoint on a CPU without a bf16 matmul (AVX2-only machines), where bf16 runs 3.2x
     slower than float32 (``make bench-cpu-dtype``): float32 there."""
     if name == "auto":
-        dtype = arch.dtype or torch.float32
+        dtype = _DTYPE_NAMES[arch.dtype or "float32"]
         if (dtype == torch.bfloat16 and torch.device(device).type == "cpu"
                 and not bf16_packing_supported()):
             logger.info("this CPU has no bf16 matmul (AVX512 or AVX-NE-CONVERT): running the "

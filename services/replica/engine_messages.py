@@ -14,8 +14,7 @@ from dataclasses import fields
 from typing import Any
 
 from engine_common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from engine_common.outputs import KvTransferReport
-from engine_common.sampler import TokenLogprobs
+from engine_common.outputs import KvTransferReport, TokenLogprobs
 from engine_common.sampling_params import SamplingParams
 from engine_common.structured_output.spec import StructuredOutputSpec
 from kv_transfer.connector import KvHandle

@@ -21,7 +21,7 @@ from typing import TypeVar
 import grpc
 import grpc.aio
 
-from engine_common.async_llm import EngineDeadError
+from engine_common.core_process import EngineDeadError
 from engine_common.input_processor import InvalidRequestError
 from engine_common.sampling_params import SamplingParamsError
 from engine_common.structured_output.spec import StructuredOutputError

@@ -17,10 +17,10 @@ from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from typing import cast
 
-from engine_common.async_llm import AsyncLLM, EngineDeadError
+from engine_common.async_llm import AsyncLLM
+from engine_common.core_process import EngineDeadError
 from engine_common.output_processor import RequestOutput
-from engine_common.outputs import KvTransferReport, RemotePrefill
-from engine_common.sampler import TokenLogprobs
+from engine_common.outputs import KvTransferReport, RemotePrefill, TokenLogprobs
 from services.replica.admission import Admission
 from services.replica.errors import Unavailable
 from services.replica.openai_api import (

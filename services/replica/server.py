@@ -25,6 +25,7 @@ from prometheus_client import start_http_server
 
 from engine_common.async_llm import AsyncLLM
 from engine_common.config import EngineConfig
+from engine_common.core_process import fork_is_safe
 from protos.tandem.v1 import engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
 from services.replica.admission import Admission
 from services.replica.engine_servicer import EngineServicer
@@ -69,8 +70,9 @@ class ReplicaOptions:
 
 
 async def start_engine(config: EngineConfig) -> AsyncLLM:
-    """Start the engine core off the event loop (seconds: the model loads)."""
-    return await AsyncLLM.create(config)
+    """Start the engine core off the event loop (seconds: the model loads); forked when this
+    process is a fresh replica (see ``fork_is_safe``), as it is under ``main``."""
+    return await AsyncLLM.create(config, fork=fork_is_safe())
 
 
 class ReplicaServer:
