@@ -298,7 +298,7 @@ def test_config_reading(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_mis
     assert llama.rope_type == "llama3" and llama.rope_scaling["factor"] == 8.0
     assert not llama.tie_word_embeddings
     assert llama.qkv_bias and llama.o_proj_bias and llama.mlp_bias
-    assert llama.dtype == torch.float32
+    assert llama.dtype == "float32"
     qwen2 = ModelArchConfig.from_model_dir(tiny_qwen2_dir)
     assert qwen2.qkv_bias and not qwen2.o_proj_bias and qwen2.tie_word_embeddings
     assert not qwen2.qk_norm and not llama.qk_norm
