@@ -108,8 +108,10 @@ function envoy_on_request(handle)
   local headers = handle:headers()
   local path = headers:get(":path")
   local bare = string.match(path, "^[^?]*")  -- a query does not change the route
-  -- GET and DELETE /v1/responses/{id}, its input_items, its cancel: a stored response.
-  if not OPENAI_PATHS[bare] and not string.find(path, "^/v1/responses/[^/:?]+") then
+  -- GET and DELETE /v1/responses/{id}, its input_items, its cancel: a stored response;
+  -- GET /v1/models/{id}: one model.
+  if not OPENAI_PATHS[bare] and not string.find(path, "^/v1/responses/[^/:?]+")
+      and not string.find(path, "^/v1/models/[^?]") then
     return
   end
   handle:streamInfo():dynamicMetadata():set(NAMESPACE, "http", true)
@@ -291,8 +293,9 @@ def _routes(cluster: str) -> list[dict[str, Any]]:
         {"match": {"path": path}, "route": forward} for path in OPENAI_PATHS]
     routes += [{"match": {"prefix": f"/v1/{name}:stream"}, "route": forward}
                for name in ("completions", "chat/completions", "responses")]
-    # Stored responses: /v1/responses/{id}, its input_items, cancel and :stream.
-    routes.append({"match": {"prefix": "/v1/responses/"}, "route": forward})
+    # Stored responses: /v1/responses/{id}, its input_items, cancel and :stream; one model.
+    routes += [{"match": {"prefix": prefix}, "route": forward}
+               for prefix in ("/v1/responses/", "/v1/models/")]
     routes += [{"match": {"prefix": f"/{service}/"}, "route": forward}
                for service in GRPC_SERVICES]
     for route in routes:
@@ -303,7 +306,8 @@ def _routes(cluster: str) -> list[dict[str, Any]]:
                 "disabled": True}}
     not_found = ('{"error":{"message":"no such endpoint; Tandem serves /v1/completions, '
                  '/v1/chat/completions, /v1/responses (and /v1/responses/{id}, '
-                 '/v1/responses/{id}/input_items, /v1/responses/{id}/cancel), /v1/models, '
+                 '/v1/responses/{id}/input_items, /v1/responses/{id}/cancel), /v1/models (and '
+                 '/v1/models/{id}), '
                  '/tokenize, /detokenize, '
                  '/v1/load_lora_adapter and /v1/unload_lora_adapter",'
                  '"type":"not_found_error","param":null,"code":null}}')
@@ -332,6 +336,9 @@ def _transcoder(descriptor: Path | bytes) -> dict[str, Any]:
             # A query parameter no field takes is a 400 that names it (by default the
             # request would pass through untranscoded and fail upstream as a 503).
             "request_validation_options": {"reject_unknown_query_parameters": True},
+            # The openai SDK escapes a path parameter's slashes: GET /v1/models/org%2Fname
+            # asks for the model "org/name".
+            "url_unescape_spec": "ALL_CHARACTERS",
             "max_request_body_size": MAX_REQUEST_BYTES,
         },
     }

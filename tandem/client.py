@@ -255,6 +255,11 @@ class Client:
         response = self._unary(self._stub.ListModels, pb.ListModelsRequest())
         return [model_from_pb(m) for m in response.data]
 
+    def model(self, model_id: str) -> ModelInfo:
+        """One served model (the base model or a LoRA adapter); InvalidRequestError (NOT_FOUND)
+        for another."""
+        return model_from_pb(self._unary(self._stub.GetModel, pb.GetModelRequest(model=model_id)))
+
     def tokenize(
         self, text: str, *, model: str | None = None, add_special_tokens: bool | None = None
     ) -> list[int]:
@@ -453,6 +458,12 @@ class AsyncClient:
     async def models(self) -> list[ModelInfo]:
         response = await self._unary(self._stub.ListModels, pb.ListModelsRequest())
         return [model_from_pb(m) for m in response.data]
+
+    async def model(self, model_id: str) -> ModelInfo:
+        """One served model (the base model or a LoRA adapter); InvalidRequestError (NOT_FOUND)
+        for another."""
+        return model_from_pb(
+            await self._unary(self._stub.GetModel, pb.GetModelRequest(model=model_id)))
 
     async def tokenize(
         self, text: str, *, model: str | None = None, add_special_tokens: bool | None = None

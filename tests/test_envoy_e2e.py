@@ -543,7 +543,17 @@ def test_curl_gets_server_sent_events(stack: Stack, offline: LLM) -> None:
 
 
 def test_models_tokenize_and_detokenize(stack: Stack, offline: LLM) -> None:
-    assert [m.id for m in stack.client().models.list()] == ["tiny"]
+    client = stack.client()
+    listed = client.models.list().data
+    assert [m.id for m in listed] == ["tiny"]
+    assert client.models.retrieve("tiny") == listed[0]
+    # The SDK escapes a slash in the id (org%2Fname); curl sends it as it is.
+    for missing in ("nope", "org/nope"):
+        with pytest.raises(openai.NotFoundError, match=f"The model '{missing}' does not exist"):
+            client.models.retrieve(missing)
+    status, _, body = get_raw(stack, "/v1/models/org/nope")
+    assert status == 404 and body["error"]["message"] == "The model 'org/nope' does not exist"
+    assert body["error"]["code"] == "not_found"
 
     def post(path: str, payload: dict[str, Any]) -> dict[str, Any]:
         request = urllib.request.Request(
@@ -556,6 +566,15 @@ def test_models_tokenize_and_detokenize(stack: Stack, offline: LLM) -> None:
     assert tokens["tokens"] == offline.inputs.tokenize(PROMPTS[0])
     assert tokens["count"] == len(tokens["tokens"])
     assert post("/detokenize", {"tokens": tokens["tokens"]})["prompt"].strip() == PROMPTS[0]
+
+
+def get_raw(stack: Stack, path: str) -> tuple[int, dict[str, str], Any]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{stack.http_port}{path}",
+                                    timeout=30) as response:
+            return response.status, dict(response.headers), json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), json.loads(error.read())
 
 
 def post_raw(stack: Stack, path: str, body: bytes) -> tuple[int, dict[str, str], Any]:

@@ -130,8 +130,12 @@ def test_the_cli_generates_with_an_adapter(suite: Suite, offline: LLM) -> None:
 def test_models_lists_the_adapters_and_unknown_names_are_refused(suite: Suite) -> None:
     for target in (suite.gateway, suite.replicas["decode"].target):
         with Client(target, timeout=30) as client:
-            assert [(m.id, m.parent) for m in client.models()] == [
+            listed = client.models()
+            assert [(m.id, m.parent) for m in listed] == [
                 ("tiny", None), ("poet", "tiny"), ("sql", "tiny")]
+            assert [client.model(m.id) for m in listed] == listed
+            with pytest.raises(InvalidRequestError, match="The model 'sq1' does not exist"):
+                client.model("sq1")
             with pytest.raises(InvalidRequestError, match="'sq1' is not served here.*"
                                                           "LoRA adapter: 'poet', 'sql'"):
                 client.complete("hi", model="sq1", max_tokens=2)

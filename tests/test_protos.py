@@ -94,6 +94,7 @@ def test_descriptor_set_carries_the_openai_http_routes() -> None:
         "DeleteResponse": ("delete", "/v1/responses/{response_id}", ""),
         "ListResponseInputItems": ("get", "/v1/responses/{response_id}/input_items", ""),
         "ListModels": ("get", "/v1/models", ""),
+        "GetModel": ("get", "/v1/models/{model=**}", ""),
         "Tokenize": ("post", "/tokenize", "*"),
         "Detokenize": ("post", "/detokenize", "*"),
         "LoadLoraAdapter": ("post", "/v1/load_lora_adapter", "*"),

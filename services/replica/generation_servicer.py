@@ -297,6 +297,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return api.models_response(self.model)
 
     @rpc_handler
+    async def GetModel(self, request: pb.GetModelRequest,  # noqa: N802
+                       context: grpc.aio.ServicerContext) -> pb.Model:
+        return api.model_card(self.model, request.model)
+
+    @rpc_handler
     async def Tokenize(self, request: pb.TokenizeRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         self.model.resolve(request.model)

@@ -43,7 +43,7 @@ from engine_common.input_processor import InputProcessor, InvalidRequestError
 from engine_common.outputs import KvTransferReport
 from engine_common.sampling_params import MAX_CHOICES, SamplingParams
 from protos.tandem.v1 import generation_pb2 as pb
-from services.replica.errors import InvalidArgument
+from services.replica.errors import InvalidArgument, NotFound
 from services.replica.reasoning import (
     THINK_CLOSE,
     THINK_OPEN,
@@ -857,6 +857,16 @@ def models_response(model: ServedModel) -> pb.ListModelsResponse:
                          owned_by=model.owned_by, max_model_len=model.max_model_len,
                          parent=model.name) for name in sorted(model.lora_names)]
     return pb.ListModelsResponse(object="list", data=[base, *adapters])
+
+
+def model_card(model: ServedModel, requested: str) -> pb.Model:
+    """The card ``models_response`` lists for ``requested`` (an alias names the base
+    model's); NotFound, in OpenAI's words, for a model not served here."""
+    base = model.name if requested in model.aliases else requested
+    for card in models_response(model).data:
+        if card.id == base:
+            return card
+    raise NotFound(f"The model {requested!r} does not exist")
 
 
 def tokenize_response(request: pb.TokenizeRequest, inputs: InputProcessor) -> pb.TokenizeResponse:

@@ -789,6 +789,12 @@ class ListModelsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class GetModelRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
 class Model(_message.Message):
     __slots__ = ("id", "object", "created", "owned_by", "max_model_len", "parent")
     ID_FIELD_NUMBER: _ClassVar[int]

@@ -117,6 +117,11 @@ class GenerationStub:
                 request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.GetModel = channel.unary_unary(
+                '/tandem.v1.Generation/GetModel',
+                request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.GetModelRequest.SerializeToString,
+                response_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.Model.FromString,
+                _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/tandem.v1.Generation/Tokenize',
                 request_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
@@ -272,6 +277,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModel(self, request, context):
+        """One served model by its id: the base model (or an alias), or a LoRA adapter. NOT_FOUND
+        for any other. Ids with slashes ("org/name") are whole paths.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Tokenize(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -384,6 +397,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ListModelsRequest.FromString,
                     response_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'GetModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModel,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_generation__pb2.GetModelRequest.FromString,
+                    response_serializer=protos_dot_tandem_dot_v1_dot_generation__pb2.Model.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
@@ -840,6 +858,33 @@ class Generation:
             '/tandem.v1.Generation/ListModels',
             protos_dot_tandem_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
             protos_dot_tandem_dot_v1_dot_generation__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Generation/GetModel',
+            protos_dot_tandem_dot_v1_dot_generation__pb2.GetModelRequest.SerializeToString,
+            protos_dot_tandem_dot_v1_dot_generation__pb2.Model.FromString,
             options,
             channel_credentials,
             insecure,
