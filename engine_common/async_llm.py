@@ -167,7 +167,7 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.inputs.validate_prompt(prompt_token_ids, params.max_tokens)
-        self.inputs.check_logit_bias(params.logit_bias)
+        self.inputs.check_sampling_token_ids(params)
         if params.structured_output is not None:
             # The output tokens the core's matcher starts after (it must not refuse them:
             # a request the core refuses is never answered).

@@ -3,9 +3,9 @@
 Owns the rules a request must pass before it reaches an engine (non-empty prompt, fits the
 context, token ids in the vocabulary) and the one way prompts and chat messages become token
 ids, so that the gateway (which hashes prompts to route them) and the replicas tokenize
-identically; it carries the serving choices that shape requests the same way in both
-(sampling defaults, the tool-call syntax). It does not own sampling-parameter ranges
-(``SamplingParams.validate``).
+identically (vLLM's ``bad_words`` too, which the engine bans as token ids); it carries the
+serving choices that shape requests the same way in both (sampling defaults, the tool-call
+syntax). It does not own sampling-parameter ranges (``SamplingParams.validate``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jinja2 import TemplateError
+
+from engine_common.sampling_params import SamplingParams
 
 
 class InvalidRequestError(ValueError):
@@ -126,6 +128,48 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"logit_bias token ids must be in [0, {self.vocab_size}) (the vocabulary "
                 f"size is {self.vocab_size}); got {bad[:5]}")
+
+    def check_allowed_token_ids(self, allowed_token_ids: Sequence[int] | None) -> None:
+        """Every allowed token id must be in the vocabulary: the sampler keeps the logits at
+        them (None: no restriction)."""
+        bad = sorted({t for t in allowed_token_ids or () if not 0 <= t < self.vocab_size})
+        if bad:
+            raise InvalidRequestError(
+                f"allowed_token_ids must be in [0, {self.vocab_size}) (the vocabulary size is "
+                f"{self.vocab_size}); got {bad[:5]}")
+
+    def check_sampling_token_ids(self, params: SamplingParams) -> None:
+        """The token ids a request's sampling parameters name (``logit_bias``,
+        ``allowed_token_ids``, ``bad_words_token_ids``) are all in the vocabulary."""
+        self.check_logit_bias(params.logit_bias)
+        self.check_allowed_token_ids(params.allowed_token_ids)
+        bad = sorted({t for ids in params.bad_words_token_ids for t in ids
+                      if not 0 <= t < self.vocab_size})
+        if bad:
+            raise InvalidRequestError(
+                f"bad_words_token_ids must be in [0, {self.vocab_size}) (the vocabulary size "
+                f"is {self.vocab_size}); got {bad[:5]}")
+
+    def bad_words_token_ids(self, bad_words: Sequence[str]) -> list[list[int]]:
+        """vLLM's ``bad_words`` as the token-id sequences the sampler bans: each word
+        tokenized (no special tokens) as written without leading whitespace and with one
+        leading space, so that it is banned at the start of the text and after a space
+        (byte-level BPE vocabularies spell the two differently); each distinct sequence once."""
+        sequences: list[list[int]] = []
+        for i, word in enumerate(bad_words):
+            if not word:
+                raise InvalidRequestError(f"bad_words must be non-empty strings; bad_words[{i}] "
+                                          "is empty")
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = [int(t) for t in self.tokenizer(text, add_special_tokens=False).input_ids]
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        bad = sorted({t for ids in sequences for t in ids if not 0 <= t < self.vocab_size})
+        if bad:  # a tokenizer with added tokens past the model's vocabulary
+            raise InvalidRequestError(
+                f"bad_words encode to token ids outside the vocabulary of {self.vocab_size}: "
+                f"{bad[:5]}")
+        return sequences
 
     def validate_prompt(self, prompt_token_ids: Sequence[int], max_tokens: int | None) -> None:
         n = len(prompt_token_ids)

@@ -60,7 +60,7 @@ class LLM:
         model; an adapter the engine did not load raises ValueError)."""
         token_ids = self.inputs.tokenize(prompt)
         self.inputs.validate_prompt(token_ids, params.max_tokens)
-        self.inputs.check_logit_bias(params.logit_bias)
+        self.inputs.check_sampling_token_ids(params)
         request_id = request_id or f"offline-{next(self._ids)}"
         arrival = time.monotonic()
         self.core.add_request(EngineCoreRequest(request_id, token_ids, params, arrival, priority,

@@ -1,12 +1,12 @@
 """Turning one step's logits into one token per request, with optional logprobs.
 
 Owns the per-step sampling batch (the tensors built from each request's ``SamplingParams``)
-and the pipeline applied to the logits: logit bias, min-tokens suppression, repetition /
-frequency / presence penalties, greedy argmax, temperature, min-p, top-k, top-p, and the
-random draw, plus the logprobs a request asked for. It does not own the model (which
-produces the logits), stop checks (``request`` and ``detokenizer``) or the per-request
-generators (the caller creates them from the seed and keeps them with the request, so that
-a seeded request's stream continues across steps).
+and the pipeline applied to the logits: logit bias, vLLM's allowed token ids and bad words,
+min-tokens suppression, repetition / frequency / presence penalties, greedy argmax,
+temperature, min-p, top-k, top-p, and the random draw, plus the logprobs a request asked
+for. It does not own the model (which produces the logits), stop checks (``request`` and
+``detokenizer``) or the per-request generators (the caller creates them from the seed and
+keeps them with the request, so that a seeded request's stream continues across steps).
 
 The random draw is the exponential race used by vLLM V1: with ``q ~ Exp(1)`` per token,
 ``argmax(probs / q)`` is distributed as ``probs``, with no sort and no cumulative sum. A row
@@ -37,8 +37,9 @@ def is_greedy(params: SamplingParams) -> bool:
 
 def is_plain_greedy(params: SamplingParams) -> bool:
     """Greedy with nothing that changes the logits or reads them but ``min_tokens``: no
-    logit bias, no penalties, no logprobs."""
-    return (is_greedy(params) and not params.logit_bias and not params.needs_penalties
+    logit bias, no allowed token ids, no bad words, no penalties, no logprobs."""
+    return (is_greedy(params) and not params.logit_bias and params.allowed_token_ids is None
+            and not params.bad_words_token_ids and not params.needs_penalties
             and params.logprobs is None)
 
 
@@ -101,6 +102,12 @@ class SamplingBatch:
     # (rows, tokens, values) of every row's logit_bias, added in one indexed add; None when
     # no row has one.
     logit_bias_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    # (restricted rows, rows, tokens): the rows with allowed_token_ids, and each of their
+    # (row, allowed token) pairs; every other logit of those rows is set to -inf. None when
+    # no row has allowed ids.
+    allowed_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    # (row, token) pairs that a bad word bans this step; None when there are none.
+    bad_words_index: tuple[torch.Tensor, torch.Tensor] | None
     generators: list[torch.Generator | None]
     seeded_rows: list[int]
     # Rows that want logprobs, and how many top entries each wants.
@@ -115,6 +122,8 @@ class SamplingBatch:
             and self.no_penalties
             and self.suppress_index is None
             and self.logit_bias_index is None
+            and self.allowed_index is None
+            and self.bad_words_index is None
             and self.max_num_logprobs is None
         )
 
@@ -163,6 +172,8 @@ class SamplingBatch:
 
         suppress_index = _suppress_index(rows, vocab_size, device)
         logit_bias_index = _logit_bias_index(rows, vocab_size, device)
+        allowed_index = _allowed_index(rows, vocab_size, device)
+        bad_words_index = _bad_words_index(rows, vocab_size, device)
 
         logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         num_logprobs = [rows[i].params.logprobs or 0 for i in logprob_rows]
@@ -188,6 +199,8 @@ class SamplingBatch:
             seen_token_mask=seen_mask,
             suppress_index=suppress_index,
             logit_bias_index=logit_bias_index,
+            allowed_index=allowed_index,
+            bad_words_index=bad_words_index,
             generators=generators,
             seeded_rows=[
                 i
@@ -280,19 +293,74 @@ def _logit_bias_index(
     )
 
 
+def _allowed_index(
+    rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    restricted = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+    if not restricted:
+        return None
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    for i in restricted:
+        # As for the bias, the filter only keeps an unchecked caller in bounds.
+        allowed = [t for t in rows[i].params.allowed_token_ids or () if 0 <= t < vocab_size]
+        row_ids.extend([i] * len(allowed))
+        token_ids.extend(allowed)
+    return (
+        torch.tensor(restricted, dtype=torch.long).to(device, non_blocking=True),
+        torch.tensor(row_ids, dtype=torch.long).to(device, non_blocking=True),
+        torch.tensor(token_ids, dtype=torch.long).to(device, non_blocking=True),
+    )
+
+
+def bad_word_bans(sequences: Sequence[Sequence[int]], output_token_ids: Sequence[int]) -> set[int]:
+    """The tokens ``sequences`` (bad words as token ids) ban after ``output_token_ids``: the
+    last token of each sequence whose other tokens end the output (a one-token sequence's
+    always). Only output tokens count, as in vLLM: a prompt ending with a word's first
+    tokens does not ban its last."""
+    banned: set[int] = set()
+    num_output = len(output_token_ids)
+    for sequence in sequences:
+        *prefix, last = sequence
+        if len(prefix) > num_output:
+            continue
+        if all(output_token_ids[num_output - len(prefix) + j] == t for j, t in enumerate(prefix)):
+            banned.add(last)
+    return banned
+
+
+def _bad_words_index(
+    rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    for i, r in enumerate(rows):
+        if r.params.bad_words_token_ids:
+            banned = [t for t in bad_word_bans(r.params.bad_words_token_ids, r.output_token_ids)
+                      if 0 <= t < vocab_size]
+            row_ids.extend([i] * len(banned))
+            token_ids.extend(banned)
+    if not row_ids:
+        return None
+    return (torch.tensor(row_ids, dtype=torch.long).to(device, non_blocking=True),
+            torch.tensor(token_ids, dtype=torch.long).to(device, non_blocking=True))
+
+
 class Sampler:
     """Samples one token per row of ``logits`` under ``batch``'s parameters.
 
-    Order: logit bias -> min-tokens suppression -> penalties (repetition, then frequency,
-    then presence) -> greedy rows take the argmax -> temperature -> min-p -> top-k -> top-p
-    -> draw. The bias comes first, as vLLM V1 applies its logits processors before the
-    penalties, so a repetition penalty sees the biased logit.
+    Order: logit bias -> allowed token ids -> bad words -> min-tokens suppression ->
+    penalties (repetition, then frequency, then presence) -> greedy rows take the argmax ->
+    temperature -> min-p -> top-k -> top-p -> draw. The bias comes first, as vLLM V1 applies
+    its logits processors before the penalties, so a repetition penalty sees the biased
+    logit. Allowed ids and bad words only set logits to -inf, which nothing after brings
+    back.
 
-    Logprobs are the log-softmax of the logits after bias, suppression and penalties but
-    before temperature, min-p, top-k and top-p: the model's distribution as the request
-    shaped it, not the truncated one it was drawn from. (vLLM's default ``raw_logprobs`` is
-    taken even before bias and penalties; ours sees them, so a biased or penalized token's
-    logprob shows the change.)
+    Logprobs are the log-softmax of the logits after bias, allowed ids, bad words,
+    suppression and penalties but before temperature, min-p, top-k and top-p: the model's
+    distribution as the request shaped it, not the truncated one it was drawn from. (vLLM's
+    default ``raw_logprobs`` is taken even before bias and penalties; ours sees them, so a
+    biased or penalized token's logprob shows the change, and a banned one's is -inf.)
     The input logits are never modified.
     """
 
@@ -302,11 +370,19 @@ class Sampler:
         if batch.fast_greedy:
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * batch.num_rows)
 
-        if batch.logit_bias_index is not None or batch.suppress_index is not None:
+        if (batch.logit_bias_index is not None or batch.suppress_index is not None
+                or batch.allowed_index is not None or batch.bad_words_index is not None):
             logits = logits.clone()  # the caller's logits stay untouched
         if batch.logit_bias_index is not None:
             rows, tokens, values = batch.logit_bias_index
             logits.index_put_((rows, tokens), values, accumulate=True)
+        if batch.allowed_index is not None:
+            restricted, rows, tokens = batch.allowed_index
+            kept = logits[rows, tokens]
+            logits[restricted] = float("-inf")
+            logits[rows, tokens] = kept
+        if batch.bad_words_index is not None:
+            logits[batch.bad_words_index] = float("-inf")
         if batch.suppress_index is not None:
             logits[batch.suppress_index] = float("-inf")
         if not batch.no_penalties:

@@ -50,6 +50,13 @@ class SamplingParams:
     # Token id -> value added to its logit before anything else (OpenAI's logit_bias). Ids
     # are checked against the vocabulary where it is known (``InputProcessor``).
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # vLLM's allowed_token_ids: only these ids may be sampled (every other logit is -inf,
+    # right after the bias); None: every token. Checked against the vocabulary as logit_bias.
+    allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words, tokenized (``InputProcessor.bad_words_token_ids``: the engine has no
+    # tokenizer): a one-token sequence bans its token at every step, a longer one bans its
+    # last token where the output so far ends with the tokens before it.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # The grammar the output must follow (JSON schema, regex, ...); None: free text.
     structured_output: StructuredOutputSpec | None = None
 
@@ -59,6 +66,11 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self.logit_bias = dict(self.logit_bias)  # a plain dict, whatever mapping came in
+        # Plain lists, whatever sequences came in (a tuple would break equality with a round
+        # trip through the engine messages).
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        self.bad_words_token_ids = [list(ids) for ids in self.bad_words_token_ids]
         self.validate()
 
     @property
@@ -115,3 +127,14 @@ class SamplingParams:
                       if not (math.isfinite(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS)]
         if bad_values:
             fail(f"logit_bias values must be in [-100, 100], got {dict(bad_values[:5])}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                fail("allowed_token_ids must not be empty (leave it unset to allow every token)")
+            negative = sorted({t for t in self.allowed_token_ids if t < 0})
+            if negative:
+                fail(f"allowed_token_ids must be non-negative, got {negative[:5]}")
+        if any(not ids for ids in self.bad_words_token_ids):
+            fail("bad_words_token_ids must hold non-empty token id sequences")
+        negative = sorted({t for ids in self.bad_words_token_ids for t in ids if t < 0})
+        if negative:
+            fail(f"bad_words_token_ids must be non-negative, got {negative[:5]}")

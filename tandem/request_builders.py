@@ -3,7 +3,8 @@
 Owns ``GenerationOptions`` (the sampling and stopping knobs every generation call takes) and
 their mapping onto ``CompletionRequest`` / ``ChatCompletionRequest``. A knob left out stays
 unset on the wire, so the server applies its own (OpenAI's) default. It does not validate
-ranges: the server does, and answers INVALID_ARGUMENT.
+ranges: the server does, and answers INVALID_ARGUMENT (but for an empty
+``allowed_token_ids``, which the wire cannot tell from an unset one).
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
+import grpc
 from google.protobuf import json_format, struct_pb2
 
 from protos.tandem.v1 import generation_pb2 as pb
+from tandem.errors import InvalidRequestError
 
 
 class GenerationOptions(TypedDict, total=False):
@@ -27,6 +30,10 @@ class GenerationOptions(TypedDict, total=False):
     stop: str | Sequence[str]
     stop_token_ids: Sequence[int]
     logit_bias: Mapping[int, float]  # token id -> bias in [-100, 100], added to its logit
+    # vLLM's: only these token ids may be sampled (not empty: leave it out to allow all).
+    allowed_token_ids: Sequence[int]
+    # vLLM's: words the output must not contain (each banned as written and after a space).
+    bad_words: Sequence[str]
     # OpenAI's {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name": ...,
     # "schema": {...}}}: the output is JSON (following the schema).
     response_format: Mapping[str, object]
@@ -117,6 +124,18 @@ def _apply_options(
             request.stop.CopyFrom(_value(value))  # type: ignore[arg-type]
         elif name == "stop_token_ids":
             request.stop_token_ids.extend(value)  # type: ignore[arg-type]
+        elif name == "allowed_token_ids":
+            if not value:
+                # On the wire an empty list reads as unset (every token allowed): refused
+                # here as the server refuses an empty list.
+                raise InvalidRequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "allowed_token_ids must not be empty (leave it unset to allow every token)")
+            request.allowed_token_ids.extend(value)  # type: ignore[arg-type]
+        elif name == "bad_words":
+            if isinstance(value, str):  # one word, not its characters
+                raise TypeError("bad_words takes a list of strings, not a string")
+            request.bad_words.extend(value)  # type: ignore[arg-type]
         elif name == "logit_bias":
             request.logit_bias.update(value)  # type: ignore[call-overload]
         elif name in ("response_format", "structured_outputs", "tool_choice",

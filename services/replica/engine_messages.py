@@ -27,13 +27,18 @@ _REPEATED = ("stop", "stop_token_ids")
 
 def sampling_params_from_pb(message: epb.SamplingParams) -> SamplingParams:
     """Unset fields take ``SamplingParams``' defaults, except ``max_tokens``: unset means up
-    to the context length (the sender resolved any API default already)."""
+    to the context length (the sender resolved any API default already). No
+    ``allowed_token_ids`` means every token (an empty list is not a valid value)."""
     kwargs: dict[str, Any] = {"max_tokens": None}
     for f in fields(SamplingParams):
         if f.name in _REPEATED:
             kwargs[f.name] = list(getattr(message, f.name))
         elif f.name == "logit_bias":
             kwargs[f.name] = dict(message.logit_bias)
+        elif f.name == "allowed_token_ids":
+            kwargs[f.name] = list(message.allowed_token_ids) or None
+        elif f.name == "bad_words_token_ids":
+            kwargs[f.name] = [list(sequence.ids) for sequence in message.bad_words_token_ids]
         elif f.name == "structured_output":
             if message.HasField(f.name):
                 wanted = message.structured_output
@@ -55,6 +60,10 @@ def sampling_params_to_pb(params: SamplingParams) -> epb.SamplingParams:
             getattr(message, f.name).extend(value)
         elif f.name == "logit_bias":
             message.logit_bias.update(value)
+        elif f.name == "allowed_token_ids":
+            message.allowed_token_ids.extend(value or ())
+        elif f.name == "bad_words_token_ids":
+            message.bad_words_token_ids.extend(epb.TokenIds(ids=ids) for ids in value)
         elif f.name == "structured_output":
             if value is not None:
                 message.structured_output.kind = value.kind

@@ -91,7 +91,7 @@ class EngineServicer(epb_grpc.EngineServicer):
                 prompt_logprobs=None)
             prompt += resumed
         self.llm.inputs.validate_prompt(prompt, params.max_tokens)
-        self.llm.inputs.check_logit_bias(params.logit_bias)
+        self.llm.inputs.check_sampling_token_ids(params)
         cache_salt = request.cache_salt or None
         # A resumed stream recomputes here: the prefill replica never saw its output tokens.
         peer = request.prefill_peer if request.HasField("prefill_peer") and not resumed else None
@@ -121,7 +121,7 @@ class EngineServicer(epb_grpc.EngineServicer):
         params = _one_choice(sampling_params_from_pb(request.sampling_params))
         prompt = list(request.prompt_token_ids)
         self.llm.inputs.validate_prompt(prompt, None)
-        self.llm.inputs.check_logit_bias(params.logit_bias)
+        self.llm.inputs.check_sampling_token_ids(params)
         await self.llm.check_structured_output(params)
         with self.engine.admission.admit(request.request_id):
             output, handle = await self.llm.prefill(

@@ -158,7 +158,9 @@ def _sampling_params(request: pb.CompletionRequest | pb.ChatCompletionRequest,
                      tools: ToolPlan | None = None) -> SamplingParams:
     """Unset optional fields take the model's sampling defaults (``inputs``), else
     SamplingParams' (OpenAI's, for these fields). The default max_tokens is not one of them:
-    ``_default_max_tokens`` applies it once the prompt's length is known."""
+    ``_default_max_tokens`` applies it once the prompt's length is known. ``bad_words`` are
+    tokenized here, where the tokenizer is; allowed ids are checked against the vocabulary
+    here too, so that the gateway refuses them as a replica does."""
     chosen = {**{name: value for name, value in inputs.sampling_defaults.items()
                  if name != "max_tokens"},
               **{name: getattr(request, name) for name in _SAMPLING_FIELDS
@@ -171,8 +173,12 @@ def _sampling_params(request: pb.CompletionRequest | pb.ChatCompletionRequest,
         max_tokens=max_tokens, logprobs=logprobs, stop=stop,
         stop_token_ids=list(request.stop_token_ids),
         logit_bias=dict(request.logit_bias),
+        # An empty repeated field is an unset one: no restriction.
+        allowed_token_ids=list(request.allowed_token_ids) or None,
+        bad_words_token_ids=inputs.bad_words_token_ids(request.bad_words),
         structured_output=structured_output,
         **chosen)
+    inputs.check_allowed_token_ids(params.allowed_token_ids)
     check_seed_for_choices(params.seed, params.n)
     return params
 
