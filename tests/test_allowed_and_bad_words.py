@@ -407,6 +407,15 @@ def test_greedy_with_bad_words_matches_hf(llm, tiny_llama_dir, prompts, plain) -
         expected[i] if i % 2 == 0 else plain[i] for i in range(len(prompts))]
 
 
+def test_the_offline_engine_refuses_ids_outside_the_vocabulary(llm, prompts) -> None:
+    """``LLM`` takes SamplingParams as they are: it checks the ids itself (so do AsyncLLM
+    and the Engine API), rather than letting the sampler drop them."""
+    for params in (SamplingParams(max_tokens=2, allowed_token_ids=[VOCAB]),
+                   SamplingParams(max_tokens=2, bad_words_token_ids=[[3, VOCAB + 1]])):
+        with pytest.raises(InvalidRequestError, match=f"must be in \\[0, {VOCAB}\\)"):
+            llm.generate(prompts[:1], params)
+
+
 # --------------------------------------------------------------------------- speculation
 
 SPEC = SpeculativeConfig(num_tokens=4, ngram_min=1, ngram_max=3, max_batch_size=8)
