@@ -73,7 +73,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.prefix_routing import WORDS  # noqa: E402
 from bench.report import machine  # noqa: E402
-from deploy.supervisor import SuiteConfig, Supervisor, plan_suite  # noqa: E402
+from deploy.suite_plan import SuiteConfig, plan_suite  # noqa: E402
+from deploy.supervisor import Supervisor  # noqa: E402
 from engine_common.default_model import ensure_default_model  # noqa: E402
 
 PEER_VLLM = ROOT / ".venv-peer" / "bin" / "vllm"

@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.report import write_report  # noqa: E402
-from deploy.supervisor import SuiteConfig, Supervisor, plan_suite  # noqa: E402
+from deploy.suite_plan import SuiteConfig, plan_suite  # noqa: E402
+from deploy.supervisor import Supervisor  # noqa: E402
 from engine_common.default_model import ensure_default_model  # noqa: E402
 from tandem.client import AsyncClient  # noqa: E402
 

@@ -31,6 +31,7 @@ from engine_common.core_process import (
     KvCacheSnapshotReply,
     LoraAdapterReply,
 )
+from engine_common.generation_request import GenerationRequest
 from engine_common.input_processor import InputProcessor
 from engine_common.kv_events import (
     KVCacheSnapshot,
@@ -143,15 +144,10 @@ class AsyncLLM:
     async def generate(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
+        request: GenerationRequest,
         *,
-        priority: int = 0,
-        cache_salt: str | None = None,
         hold_kv: bool = False,
         remote_prefill: RemotePrefill | None = None,
-        num_resumed_tokens: int = 0,
-        lora_name: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs; closing the iterator early aborts the request.
 
@@ -159,26 +155,28 @@ class AsyncLLM:
         stay pinned until released or the lease ends. ``remote_prefill`` (decode replica): the
         first token was sampled by a prefill replica; it is streamed at once, and an output
         with ``kv_transfer`` (no tokens) reports the pull when the prompt KV is in.
-        ``lora_name``: one of the engine's LoRA adapters (``lora_names``); one the core no
-        longer serves when the request reaches it ends the stream with finish_reason "abort".
+        ``request.lora_name``: one of the engine's LoRA adapters (``lora_names``); one the
+        core no longer serves when the request reaches it ends the stream with finish_reason
+        "abort".
         """
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.inputs.validate_prompt(prompt_token_ids, params.max_tokens)
+        prompt, params = request.prompt_token_ids, request.params
+        self.inputs.validate_prompt(prompt, params.max_tokens)
         self.inputs.check_sampling_token_ids(params)
         if params.structured_output is not None:
             # The output tokens the core's matcher starts after (it must not refuse them:
             # a request the core refuses is never answered).
             await self.check_structured_output(params, tokens_sampled_elsewhere(
-                prompt_token_ids, num_resumed_tokens, remote_prefill))
+                prompt, request.num_resumed_tokens, remote_prefill))
         stream: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         arrival = time.monotonic()
-        self.outputs.add_request(request_id, prompt_token_ids, params, arrival, num_resumed_tokens)
+        self.outputs.add_request(request_id, prompt, params, arrival, request.num_resumed_tokens)
         finished = False
         if remote_prefill is not None:
-            first = self._first_remote_token(request_id, prompt_token_ids, params, remote_prefill)
+            first = self._first_remote_token(request_id, prompt, params, remote_prefill)
             finished = first.finished
             yield first
             if finished:
@@ -187,9 +185,7 @@ class AsyncLLM:
         if remote_prefill is not None:  # streamed above; the core has no use for them
             remote_prefill = replace(remote_prefill, prompt_logprobs=None)
         self.core.add_request(EngineCoreRequest(
-            request_id, prompt_token_ids, params, arrival, priority, cache_salt,
-            hold_kv=hold_kv, remote_prefill=remote_prefill, num_resumed_tokens=num_resumed_tokens,
-            lora_name=lora_name))
+            request_id, request, arrival, hold_kv=hold_kv, remote_prefill=remote_prefill))
         try:
             while True:
                 item = await stream.get()
@@ -232,24 +228,15 @@ class AsyncLLM:
             stop_reason=probe.stop_reason)]))
         return results[0]
 
-    async def prefill(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        lora_name: str | None = None,
-    ) -> tuple[RequestOutput, KvHandle]:
+    async def prefill(self, request_id: str,
+                      request: GenerationRequest) -> tuple[RequestOutput, KvHandle]:
         """Prefill replica: compute the prompt, sample the first token, pin the blocks."""
-        one = SamplingParams(**{**params.__dict__, "max_tokens": 1,
-                                "min_tokens": min(params.min_tokens, 1)})
+        params = request.params
+        one = replace(request, params=SamplingParams(**{
+            **params.__dict__, "max_tokens": 1, "min_tokens": min(params.min_tokens, 1)}))
         last: RequestOutput | None = None
         try:
-            async for out in self.generate(request_id, prompt_token_ids, one,
-                                           priority=priority, cache_salt=cache_salt,
-                                           hold_kv=True, lora_name=lora_name):
+            async for out in self.generate(request_id, one, hold_kv=True):
                 last = out
         except asyncio.CancelledError:
             # The decode replica gave up (its client left). Leaving the loop aborts a prompt

@@ -31,7 +31,6 @@ from engine_common.outputs import (
 )
 from engine_common.remote_kv import RemoteKv
 from engine_common.request import Request, RequestStatus, tokens_sampled_elsewhere
-from engine_common.sampling_params import SamplingParams
 from engine_common.scheduler import Scheduler
 from engine_common.structured_output.grammar import GrammarCompiler
 from engine_common.tokenizer import eos_token_ids, load_tokenizer
@@ -98,9 +97,9 @@ class EngineCore:
             kv_address=self.remote_kv.address if self.remote_kv else None,
         )
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        params = request.sampling_params
-        assert isinstance(params, SamplingParams)
+    def add_request(self, core_request: EngineCoreRequest) -> None:
+        """Queue a request, refusing one that breaks the engine's invariants (ValueError)."""
+        request = core_request.request
         num_prompt = len(request.prompt_token_ids)
         if num_prompt == 0:
             raise ValueError("the prompt is empty")
@@ -112,34 +111,23 @@ class EngineCore:
         vocab = self.arch.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if request.hold_kv and (self.remote_kv is None or self.remote_kv.producer is None):
+        if core_request.hold_kv and (self.remote_kv is None or self.remote_kv.producer is None):
             raise ValueError("this engine is not a KV producer (prefill role)")
-        if request.remote_prefill is not None and (self.remote_kv is None or self.remote_kv.consumer is None):
+        if core_request.remote_prefill is not None and (
+                self.remote_kv is None or self.remote_kv.consumer is None):
             raise ValueError("this engine is not a KV consumer (decode role)")
         self.model_runner.lora_adapters.check(request.lora_name)
-        core_request = Request(
-            request_id=request.request_id,
-            prompt_token_ids=list(request.prompt_token_ids),
-            sampling_params=params,
-            eos_token_ids=self.eos_token_ids,
-            arrival_time=request.arrival_time,
-            priority=request.priority,
-            cache_salt=request.cache_salt,
-            lora_name=request.lora_name or None,
-            max_model_len=self.max_model_len,
-            block_size=self.config.cache.block_size,
-            hold_kv=request.hold_kv,
-            remote_prefill=request.remote_prefill,
-            num_resumed_tokens=request.num_resumed_tokens,
-        )
-        if params.structured_output is not None:
+        scheduled = Request.of(core_request, eos_token_ids=self.eos_token_ids,
+                               max_model_len=self.max_model_len,
+                               block_size=self.config.cache.block_size)
+        if request.params.structured_output is not None:
             # Compiled here, synchronously: milliseconds, and cached (see ``grammar``). The
             # matcher starts after the output tokens sampled elsewhere (P/D, resumed).
-            core_request.grammar = self.grammars.matcher(
-                params.structured_output,
-                tokens_sampled_elsewhere(core_request.prompt_token_ids,
-                                         request.num_resumed_tokens, request.remote_prefill))
-        self.scheduler.add_request(core_request)
+            scheduled.grammar = self.grammars.matcher(
+                request.params.structured_output,
+                tokens_sampled_elsewhere(scheduled.prompt_token_ids,
+                                         request.num_resumed_tokens, core_request.remote_prefill))
+        self.scheduler.add_request(scheduled)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         aborted = self.scheduler.abort_requests(request_ids)

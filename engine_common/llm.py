@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from engine_common.config import EngineConfig
 from engine_common.engine_core import EngineCore
+from engine_common.generation_request import GenerationRequest
 from engine_common.input_processor import InputProcessor
 from engine_common.metrics import EngineMetrics
 from engine_common.output_processor import OutputProcessor, RequestOutput
@@ -63,8 +64,8 @@ class LLM:
         self.inputs.check_sampling_token_ids(params)
         request_id = request_id or f"offline-{next(self._ids)}"
         arrival = time.monotonic()
-        self.core.add_request(EngineCoreRequest(request_id, token_ids, params, arrival, priority,
-                                                cache_salt, lora_name=lora_name))
+        self.core.add_request(EngineCoreRequest(request_id, GenerationRequest(
+            token_ids, params, priority, cache_salt, lora_name), arrival))
         self.outputs.add_request(request_id, token_ids, params, arrival)
         return request_id, token_ids
 

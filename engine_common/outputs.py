@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine_common.generation_request import GenerationRequest
 from engine_common.kv_events import KVEvent
 from kv_transfer.connector import KvHandle
 from kv_transfer.layout import KvLayout
@@ -55,18 +56,12 @@ class EngineCoreRequest:
     """A request as the frontend hands it to the engine core (already tokenized)."""
 
     request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: object  # SamplingParams; typed loosely to keep this module import-light
+    request: GenerationRequest
     arrival_time: float
-    priority: int = 0
-    cache_salt: str | None = None
+    # P/D: on a prefill replica, keep the blocks pinned for a decode replica after the
+    # first token; on a decode replica, the prompt's KV comes from ``remote_prefill``.
     hold_kv: bool = False
-    # The LoRA adapter to run with (one the engine serves: see LoadedLoraAdapters).
-    lora_name: str | None = None
     remote_prefill: RemotePrefill | None = None
-    # The prompt ends with this many output tokens another replica sampled (a stream resumed
-    # after that replica failed).
-    num_resumed_tokens: int = 0
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine_common.block_hash import BlockHash, hash_block_tokens, request_extra_keys
-from engine_common.outputs import RemotePrefill, TokenLogprobs
+from engine_common.outputs import EngineCoreRequest, RemotePrefill, TokenLogprobs
 from engine_common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -94,6 +94,27 @@ class Request:
     # (they go out with the first output token).
     next_prompt_logprob_position: int = 1
     pending_prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, core_request: EngineCoreRequest, *, eos_token_ids: frozenset[int],
+           max_model_len: int, block_size: int) -> Request:
+        """The engine's state for a request the frontend handed over."""
+        request = core_request.request
+        return cls(
+            request_id=core_request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            sampling_params=request.params,
+            eos_token_ids=eos_token_ids,
+            arrival_time=core_request.arrival_time,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+            lora_name=request.lora_name or None,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            hold_kv=core_request.hold_kv,
+            remote_prefill=core_request.remote_prefill,
+            num_resumed_tokens=request.num_resumed_tokens,
+        )
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -19,8 +19,8 @@ from gateway.proxy import RetryPolicy
 from gateway.registry import DnsTarget
 from gateway.server import GatewayOptions, serve
 from services.entrypoint import run_service
+from services.frontend.responses.store import STORE_HELP
 from services.model_settings import add_model_settings_args, model_settings_from_args
-from services.replica.response_store import STORE_HELP
 
 logger = logging.getLogger("gateway")
 

@@ -57,7 +57,9 @@ from protos.third_party.envoy.extensions.filters.http.ext_proc.v3 import process
 from protos.third_party.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from protos.third_party.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from protos.third_party.envoy.type.v3 import http_status_pb2
-from services.replica import openai_api, responses_api
+from services.frontend.chat.request import chat_to_engine_request
+from services.frontend.completions.request import completion_to_engine_request
+from services.frontend.responses import translate as responses_api
 
 logger = logging.getLogger(__name__)
 
@@ -171,18 +173,18 @@ def read_request(path: str, content_type: str, body: bytes, inputs: InputProcess
             completion = pb.CompletionRequest()
             _parse_body(body, content_type, completion)
             # A request of several prompts goes where its first prompt is best served.
-            request = openai_api.completion_to_engine_request(
-                completion, inputs, adapter(completion.model)).engines[0]
+            request = completion_to_engine_request(
+                completion, inputs, adapter(completion.model)).requests[0]
         elif path in _CHAT_PATHS:
             chat = pb.ChatCompletionRequest()
             _parse_body(body, content_type, chat)
-            request = openai_api.chat_to_engine_request(chat, inputs, adapter(chat.model)).engine
+            request = chat_to_engine_request(chat, inputs, adapter(chat.model)).request
         elif path in _RESPONSES_PATHS:
             response_request = pb.ResponseRequest()
             _parse_body(body, content_type, response_request)
-            request = openai_api.chat_to_engine_request(
+            request = chat_to_engine_request(
                 responses_api.chat_request(response_request), inputs,
-                adapter(response_request.model)).engine
+                adapter(response_request.model)).request
             responder = responses_api.responder_of(response_request.previous_response_id)
         else:
             return None

@@ -21,14 +21,14 @@ import grpc.aio
 
 from gateway.registry import Replica, ReplicaRegistry
 from protos.tandem.v1 import engine_pb2
-from services.replica.errors import (
+from services.frontend.errors import (
     AlreadyExists,
     NotFound,
     ServiceError,
     Unavailable,
 )
-from services.replica.lora_updates import check_load, check_unload
-from services.replica.served_model import ServedModel
+from services.frontend.lora_updates import check_load, check_unload
+from services.frontend.served_model import ServedModel
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class ReplicaRefusal(ServiceError):
 
 
 class ClusterLoraUpdates:
-    """``services.replica.lora_updates.LoraUpdates`` over every replica in rotation;
+    """``services.frontend.lora_updates.LoraUpdates`` over every replica in rotation;
     ``on_change`` is called after each change, once the replicas' adapter lists are
     updated."""
 

@@ -5,20 +5,20 @@ chosen decode (or ``both``) replica naming the chosen prefill peer, and streamin
 responses back. A replica that fails before the first token is replaced by another (a
 retry); one that fails after it is replaced by another that continues from the prompt plus
 the tokens already sent (``resume_output_token_ids``, a resumption), so the client sees every
-token once. The streams of one request share a ``RouteAffinity``: the first choice of each
-prompt is routed, the prompt's other choices follow it to the same replicas (one prompt, one
-prefix cache) unless those failed them; each prompt of a request is routed on its own. The client's cancellation and deadline travel upstream. It does not own the
-OpenAI-shaped messages (``services.replica.openai_api``) or the choice itself (``picker``).
+token once. The streams of one public call share its ``CallContext``: its deadline bounds
+every attempt, and its ``routes`` remember, per prompt, where the first stream went, so the
+prompt's other choices follow it to the same replicas (one prompt, one prefix cache) unless
+those failed them; each prompt of a request is routed on its own. It does not own the
+OpenAI-shaped messages (``services.frontend``), the seam (``remote_engine``) or the choice
+itself (``picker``).
 """
 
 from __future__ import annotations
 
-import contextvars
 import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator
-from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import grpc
@@ -32,9 +32,7 @@ from gateway.prefix_index import PrefixIndex
 from gateway.registry import ReplicaRegistry
 from gateway.snapshot import take_snapshot
 from protos.tandem.v1 import engine_pb2
-from services.replica.engine_messages import delta_from_response, sampling_params_to_pb
-from services.replica.errors import ServiceError
-from services.replica.openai_api import EngineRequest, GenerationDelta
+from services.frontend.engine_seam import CallContext
 
 logger = logging.getLogger(__name__)
 
@@ -83,15 +81,58 @@ class Route:
     # The prompt's block hashes, as the decision scored them.
     block_hashes: list[BlockHash]
 
+    @property
+    def addresses(self) -> list[str]:
+        decision = self.decision
+        prefill = [] if decision.prefill is None else [decision.prefill.address]
+        return [decision.decode.address, *prefill]
+
+
+# Streams that should land together: the choices of one prompt (and cache salt and adapter).
+AffinityKey = tuple[str, str, tuple[int, ...]]
+
 
 @dataclass
-class RouteAffinity:
-    """Streams that should land together (the choices of one prompt of a request): per
-    prompt (and cache salt), the first one's route, which the others take while its replicas
-    are still routable and have not failed them."""
+class _Stream:
+    """One request's progress across the replicas that serve it."""
 
-    # By (cache salt, LoRA adapter, prompt).
-    routes: dict[tuple[str, str, tuple[int, ...]], Route] = field(default_factory=dict)
+    request: engine_pb2.GenerateRequest
+    call: CallContext
+    started: float = field(default_factory=time.monotonic)
+    sent: list[int] = field(default_factory=list)  # output tokens streamed to the client
+    failed: set[str] = field(default_factory=set)
+    attempts: int = 0  # replicas that failed before the first token
+    resumptions: int = 0
+    first_token_seen: bool = False
+    last_code: grpc.StatusCode | None = None
+
+    @property
+    def prompt(self) -> list[int]:
+        return list(self.request.prompt_token_ids) + list(self.request.resume_output_token_ids)
+
+    @property
+    def affinity_key(self) -> AffinityKey:
+        return (self.request.cache_salt, self.request.lora_name, tuple(self.prompt))
+
+    @property
+    def tries(self) -> int:
+        return self.attempts + self.resumptions
+
+
+@dataclass
+class _Attempt:
+    """One upstream call and how it ended."""
+
+    route: Route
+    followed: bool  # the route a sibling stream took, not a fresh pick
+    sent_before: int = 0  # output tokens the client had when it began: > 0, a resumption
+    got_response: bool = False
+    finished: bool = False
+    error: grpc.aio.AioRpcError | None = None
+
+    @property
+    def decode(self) -> str:
+        return self.route.decision.decode.address
 
 
 class EngineProxy:
@@ -134,207 +175,180 @@ class EngineProxy:
         self.metrics.routing_latency.observe(time.perf_counter() - started)
         return Route(decision, snapshot.block_hashes)
 
-    def _follow(self, affinity: RouteAffinity | None, key: tuple[str, str, tuple[int, ...]],
-                failed: set[str]) -> Route | None:
-        """The route a sibling stream took, when its replicas can still take this one."""
-        route = None if affinity is None else affinity.routes.get(key)
-        if route is None:
-            return None
-        decision = route.decision
-        addresses = [decision.decode.address]
-        if decision.prefill is not None:
-            addresses.append(decision.prefill.address)
-        for address in addresses:
-            replica = self.registry.get(address)
-            if address in failed or replica is None or not replica.routable:
-                return None
-        self.metrics.picks.labels(decision.decode.address, "decode").inc()
-        if decision.prefill is not None:
-            self.metrics.picks.labels(decision.prefill.address, "prefill").inc()
-        return route
-
-    async def generate(
-        self, request: engine_pb2.GenerateRequest, timeout: float | None = None
-    ) -> AsyncGenerator[engine_pb2.GenerateResponse, None]:
-        """Stream ``request``'s responses from whichever replicas serve it.
+    async def generate(self, request: engine_pb2.GenerateRequest,
+                       call: CallContext) -> AsyncGenerator[engine_pb2.GenerateResponse, None]:
+        """Stream ``request``'s responses from whichever replicas serve it, within ``call``
+        (its deadline; its routes, shared with the call's other streams).
 
         ``request.output_options.return_token_ids`` decides whether responses carry token
         ids (the gateway always asks for them upstream: it needs them to resume). Raises
         ``ProxyError`` when the request cannot be completed.
         """
-        policy = self.retry_policy
-        affinity = route_affinity.get()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        started = time.monotonic()
-        client_wants_ids = request.output_options.return_token_ids
-        prompt = list(request.prompt_token_ids) + list(request.resume_output_token_ids)
-        affinity_key = (request.cache_salt, request.lora_name, tuple(prompt))
-        sent: list[int] = []  # output tokens already streamed to the client
-        failed: set[str] = set()
-        attempts = resumptions = 0
-        first_token_seen = False
-        last_code: grpc.StatusCode | None = None
+        stream = _Stream(request, call)
         while True:
-            # A retry or a resumption picks afresh: the shared replicas may be the trouble.
-            followed = (self._follow(affinity, affinity_key, failed)
-                        if attempts + resumptions == 0 else None)
-            try:
-                route = followed or self.route(prompt + sent, request.cache_salt,
-                                               frozenset(failed), request.lora_name)
-            except NoReplicaError as e:
-                self.metrics.no_replica.inc()
-                if not sent and last_code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    # Every replica that could serve it is full: that is overload (429 over
-                    # HTTP), not an outage.
-                    raise ProxyError(grpc.StatusCode.RESOURCE_EXHAUSTED, (
-                        f"every eligible replica is at capacity ({len(failed)} tried); "
-                        "retry later")) from e
-                if sent:
-                    self.metrics.resumptions.labels("no_replica").inc()
-                    raise ProxyError(grpc.StatusCode.UNAVAILABLE, (
-                        f"the replica serving this stream failed after {len(sent)} tokens and "
-                        f"no other replica can continue it: {e}")) from e
-                raise ProxyError(grpc.StatusCode.UNAVAILABLE, str(e)) from e
-            if affinity is not None:
-                affinity.routes.setdefault(affinity_key, route)
-            decision = route.decision
-            upstream = engine_pb2.GenerateRequest()
-            upstream.CopyFrom(request)
-            upstream.request_id = (
-                request.request_id if attempts + resumptions == 0
-                else f"{request.request_id}.{attempts + resumptions}")
-            upstream.output_options.return_token_ids = True
-            if decision.prefill is not None:
-                upstream.prefill_peer = decision.prefill.address
-            else:
-                upstream.ClearField("prefill_peer")
-            del upstream.resume_output_token_ids[:]
-            upstream.resume_output_token_ids.extend(list(request.resume_output_token_ids) + sent)
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise ProxyError(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed")
-            decode = decision.decode.address
-            replica = self.registry.get(decode)
-            if replica is None:  # removed between the snapshot and now
-                failed.add(decode)
+            attempt = self._choose(stream)
+            if self.registry.get(attempt.decode) is None:  # removed since the snapshot
+                stream.failed.add(attempt.decode)
                 continue
-            resuming = bool(sent)
-            sent_before = len(sent)
-            self.loads.stream_started(decode)
-            prefill = decision.prefill.address if decision.prefill is not None else None
-            if prefill is not None:
-                self.loads.stream_started(prefill)
-            call = replica.engine.Generate(upstream, timeout=remaining)
-            got_response = False
-            error: grpc.aio.AioRpcError | None = None
-            try:
-                async for response in call:
-                    if not got_response and prefill is not None:
-                        self.loads.stream_finished(prefill)
-                        prefill = None
-                    got_response = True
-                    tokens = list(response.new_token_ids)
-                    if tokens and not first_token_seen:
-                        first_token_seen = True
-                        self.metrics.time_to_first_token.observe(time.monotonic() - started)
-                    sent.extend(tokens)
-                    # Counts as the client sees them, whichever replicas produced the tokens.
-                    response.prompt_tokens = len(prompt)
-                    response.completion_tokens = len(sent)
-                    response.cached_tokens = min(response.cached_tokens, len(prompt))
-                    if not client_wants_ids:
-                        del response.new_token_ids[:]
-                    yield response
-                    if response.HasField("finish_reason"):
-                        return
-            except grpc.aio.AioRpcError as e:
-                error = e
-            finally:
-                call.cancel()
-                self.loads.stream_finished(decode)
-                if prefill is not None:
-                    self.loads.stream_finished(prefill)
-            failed.add(decode)
-            if affinity is not None and affinity.routes.get(affinity_key) is route:
-                del affinity.routes[affinity_key]  # the siblings still to start pick afresh
-            if not got_response and followed is None:  # the blocks the pick expected
-                self.index.retract(decode, route.block_hashes)
-            if error is not None:
-                code, details = error.code(), error.details() or ""
-            else:
-                code, details = grpc.StatusCode.UNAVAILABLE, "the stream ended without a finish"
-            last_code = code
-            if resuming and len(sent) == sent_before and code in REFUSAL_CODES:
-                # The replica refused the continuation itself (e.g. it does not support
-                # resume_output_token_ids): say so rather than pass on a confusing status.
-                self.metrics.resumptions.labels("refused").inc()
-                raise ProxyError(grpc.StatusCode.UNAVAILABLE, (
-                    f"the stream broke after {len(sent)} tokens and replica {decode} refused "
-                    f"to resume it: {code.name}: {details}"))
-            if code not in RETRIABLE_CODES:
-                raise ProxyError(code, details)
-            if not sent:
-                attempts += 1
-                if attempts >= policy.max_attempts:
-                    raise ProxyError(code, (
-                        f"{attempts} replicas failed this request; the last one, {decode}, "
-                        f"said: {details}"))
-                self.metrics.retries.labels(code.name).inc()
-                logger.info("request %s: %s failed before the first token (%s); retrying",
-                            request.request_id, decode, code.name)
-                continue
-            if resumptions >= policy.max_resumptions:
-                self.metrics.resumptions.labels("gave_up").inc()
-                raise ProxyError(grpc.StatusCode.UNAVAILABLE, (
-                    f"replica {decode} failed after {len(sent)} tokens of this stream "
-                    f"({code.name}: {details}); not resumed"))
-            resumptions += 1
-            self.metrics.resumptions.labels("resumed").inc()
-            logger.info("request %s: %s failed after %d tokens (%s); resuming elsewhere",
-                        request.request_id, decode, len(sent), code.name)
+            attempt.sent_before = len(stream.sent)
+            async for response in self._forward(stream, attempt):
+                yield response
+            if attempt.finished:
+                return
+            self._after_failure(stream, attempt)
 
+    def _choose(self, stream: _Stream) -> _Attempt:
+        """The route of the next attempt: a sibling's, on the first try, while its
+        replicas can take it; else a fresh pick (a retry or a resumption picks afresh: the
+        shared replicas may be the trouble)."""
+        key = stream.affinity_key
+        if stream.tries == 0:
+            followed = stream.call.routes.get(key)
+            if followed is not None and self._can_follow(followed, stream.failed):
+                return _Attempt(followed, followed=True)
+        try:
+            route = self.route(stream.prompt + stream.sent, stream.request.cache_salt,
+                               frozenset(stream.failed), stream.request.lora_name)
+        except NoReplicaError as error:
+            raise self._no_replica(stream, error) from error
+        stream.call.routes.setdefault(key, route)
+        return _Attempt(route, followed=False)
 
-class ProxiedServiceError(ServiceError):
-    """A ``ProxyError`` in the shape the public servicer turns into a status."""
+    def _can_follow(self, route: Route, failed: set[str]) -> bool:
+        for address in route.addresses:
+            replica = self.registry.get(address)
+            if address in failed or replica is None or not replica.routable:
+                return False
+        decision = route.decision
+        self.metrics.picks.labels(decision.decode.address, "decode").inc()
+        if decision.prefill is not None:
+            self.metrics.picks.labels(decision.prefill.address, "prefill").inc()
+        return True
 
-    def __init__(self, error: ProxyError) -> None:
-        super().__init__(error.message)
-        self.code = error.code
+    def _no_replica(self, stream: _Stream, error: NoReplicaError) -> ProxyError:
+        self.metrics.no_replica.inc()
+        if not stream.sent and stream.last_code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            # Every replica that could serve it is full: that is overload (429 over HTTP),
+            # not an outage.
+            return ProxyError(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                f"every eligible replica is at capacity ({len(stream.failed)} tried); "
+                "retry later"))
+        if stream.sent:
+            self.metrics.resumptions.labels("no_replica").inc()
+            return ProxyError(grpc.StatusCode.UNAVAILABLE, (
+                f"the replica serving this stream failed after {len(stream.sent)} tokens and "
+                f"no other replica can continue it: {error}"))
+        return ProxyError(grpc.StatusCode.UNAVAILABLE, str(error))
 
+    def _upstream(self, stream: _Stream, route: Route) -> engine_pb2.GenerateRequest:
+        """The request as the replica gets it: its own id per try, token ids always (to
+        resume), the chosen prefill peer, and every output token already sent."""
+        request = stream.request
+        upstream = engine_pb2.GenerateRequest()
+        upstream.CopyFrom(request)
+        if stream.tries:
+            upstream.request_id = f"{request.request_id}.{stream.tries}"
+        upstream.output_options.return_token_ids = True
+        if route.decision.prefill is not None:
+            upstream.prefill_peer = route.decision.prefill.address
+        else:
+            upstream.ClearField("prefill_peer")
+        upstream.resume_output_token_ids.extend(stream.sent)
+        return upstream
 
-# The public call's remaining time, set by the servicer for the request it is handling (each
-# RPC runs in its own task, so each sees its own value).
-call_timeout: contextvars.ContextVar[float | None] = contextvars.ContextVar(
-    "call_timeout", default=None)
-# The public call's affinity, set by the servicer likewise: the streams of its choices (tasks
-# that inherit the call's context) all see the same one.
-route_affinity: contextvars.ContextVar[RouteAffinity | None] = contextvars.ContextVar(
-    "route_affinity", default=None)
+    async def _forward(self, stream: _Stream,
+                       attempt: _Attempt) -> AsyncGenerator[engine_pb2.GenerateResponse, None]:
+        """One upstream call, its responses relayed; how it ended is left in ``attempt``."""
+        remaining = stream.call.time_remaining()
+        if remaining is not None and remaining <= 0:
+            raise ProxyError(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed")
+        decision = attempt.route.decision
+        replica = self.registry.get(attempt.decode)
+        assert replica is not None  # checked by the caller, on this event-loop turn
+        prefill = decision.prefill.address if decision.prefill is not None else None
+        for address in (attempt.decode, prefill):
+            if address is not None:
+                self.loads.stream_started(address)
+        call = replica.engine.Generate(self._upstream(stream, attempt.route), timeout=remaining)
+        try:
+            async for response in call:
+                if not attempt.got_response and prefill is not None:
+                    self.loads.stream_finished(prefill)  # its part ends with the first token
+                    prefill = None
+                attempt.got_response = True
+                yield self._relay(stream, response)
+                if response.HasField("finish_reason"):
+                    attempt.finished = True
+                    return
+        except grpc.aio.AioRpcError as error:
+            attempt.error = error
+        finally:
+            call.cancel()
+            for address in (attempt.decode, prefill):
+                if address is not None:
+                    self.loads.stream_finished(address)
 
+    def _relay(self, stream: _Stream,
+               response: engine_pb2.GenerateResponse) -> engine_pb2.GenerateResponse:
+        """The response as the client sees it: counts over every replica that served the
+        stream, token ids only where the client asked for them."""
+        tokens = list(response.new_token_ids)
+        if tokens and not stream.first_token_seen:
+            stream.first_token_seen = True
+            self.metrics.time_to_first_token.observe(time.monotonic() - stream.started)
+        stream.sent.extend(tokens)
+        response.prompt_tokens = len(stream.prompt)
+        response.completion_tokens = len(stream.sent)
+        response.cached_tokens = min(response.cached_tokens, len(stream.prompt))
+        if not stream.request.output_options.return_token_ids:
+            del response.new_token_ids[:]
+        return response
 
-class RemoteEngine:
-    """A ``GenerateFn`` (``services.replica.openai_api``) over the replicas: the public
-    ``tandem.v1.Generation`` servicer runs on it exactly as it runs on a local engine."""
+    def _after_failure(self, stream: _Stream, attempt: _Attempt) -> None:
+        """Account for a failed attempt; raises ``ProxyError`` unless another may follow."""
+        decode, route = attempt.decode, attempt.route
+        stream.failed.add(decode)
+        if stream.call.routes.get(stream.affinity_key) is route:
+            del stream.call.routes[stream.affinity_key]  # the siblings still to start pick afresh
+        if not attempt.got_response and not attempt.followed:  # the blocks the pick expected
+            self.index.retract(decode, route.block_hashes)
+        if attempt.error is not None:
+            code, details = attempt.error.code(), attempt.error.details() or ""
+        else:
+            code, details = grpc.StatusCode.UNAVAILABLE, "the stream ended without a finish"
+        stream.last_code = code
+        refused = attempt.sent_before and len(stream.sent) == attempt.sent_before
+        if refused and code in REFUSAL_CODES:
+            # The replica refused the continuation itself (e.g. it does not support
+            # resume_output_token_ids): say so rather than pass on a confusing status.
+            self.metrics.resumptions.labels("refused").inc()
+            raise ProxyError(grpc.StatusCode.UNAVAILABLE, (
+                f"the stream broke after {len(stream.sent)} tokens and replica {decode} "
+                f"refused to resume it: {code.name}: {details}"))
+        if code not in RETRIABLE_CODES:
+            raise ProxyError(code, details)
+        if not stream.sent:
+            self._retry(stream, decode, code, details)
+        else:
+            self._resume(stream, decode, code, details)
 
-    def __init__(self, proxy: EngineProxy) -> None:
-        self.proxy = proxy
+    def _retry(self, stream: _Stream, decode: str, code: grpc.StatusCode, details: str) -> None:
+        stream.attempts += 1
+        if stream.attempts >= self.retry_policy.max_attempts:
+            raise ProxyError(code, (
+                f"{stream.attempts} replicas failed this request; the last one, {decode}, "
+                f"said: {details}"))
+        self.metrics.retries.labels(code.name).inc()
+        logger.info("request %s: %s failed before the first token (%s); retrying",
+                    stream.request.request_id, decode, code.name)
 
-    async def generate(self, request_id: str,
-                       request: EngineRequest) -> AsyncGenerator[GenerationDelta, None]:
-        message = engine_pb2.GenerateRequest(
-            request_id=request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            sampling_params=sampling_params_to_pb(request.params),
-            cache_salt=request.cache_salt or "",
-            priority=request.priority,
-            lora_name=request.lora_name or "",
-            # The deltas carry token ids, as a local engine's do (return_token_ids needs them).
-            output_options=engine_pb2.OutputOptions(return_token_ids=True),
-        )
-        responses = self.proxy.generate(message, timeout=call_timeout.get())
-        async with aclosing(responses):
-            try:
-                async for response in responses:
-                    yield delta_from_response(response)
-            except ProxyError as error:
-                raise ProxiedServiceError(error) from error
+    def _resume(self, stream: _Stream, decode: str, code: grpc.StatusCode, details: str) -> None:
+        if stream.resumptions >= self.retry_policy.max_resumptions:
+            self.metrics.resumptions.labels("gave_up").inc()
+            raise ProxyError(grpc.StatusCode.UNAVAILABLE, (
+                f"replica {decode} failed after {len(stream.sent)} tokens of this stream "
+                f"({code.name}: {details}); not resumed"))
+        stream.resumptions += 1
+        self.metrics.resumptions.labels("resumed").inc()
+        logger.info("request %s: %s failed after %d tokens (%s); resuming elsewhere",
+                    stream.request.request_id, decode, len(stream.sent), code.name)

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Awaitable
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 from wsgiref.simple_server import WSGIServer
@@ -36,22 +34,17 @@ from gateway.cluster import ClusterView
 from gateway.lora_rollout import ClusterLoraUpdates
 from gateway.metrics import GatewayMetrics
 from gateway.picker import DECODE_ROLES, PickerConfig
-from gateway.proxy import (
-    EngineProxy,
-    RemoteEngine,
-    RetryPolicy,
-    RouteAffinity,
-    call_timeout,
-    route_affinity,
-)
+from gateway.proxy import EngineProxy, RetryPolicy
 from gateway.registry import DnsTarget
+from gateway.remote_engine import RemoteEngine
+from gateway.request_metrics import RequestMetricsInterceptor
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 from services.entrypoint import wait_for_stop_signal
-from services.replica.generation_servicer import GenerationServicer
-from services.replica.response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
-from services.replica.served_model import ServedModel
-from services.replica.validation import MAX_MESSAGE_BYTES
+from services.frontend.generation_servicer import GenerationServicer
+from services.frontend.responses.store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
+from services.frontend.served_model import ServedModel
+from services.frontend.validation import MAX_MESSAGE_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -86,79 +79,6 @@ class GatewayOptions:
             raise ValueError("give at least one replica (host:port) or DNS name (name:port)")
 
 
-class GatewayGenerationServicer(GenerationServicer):
-    """The replica's public servicer, plus what the proxy needs to know of the call (the
-    client's deadline; one route affinity, so that the ``n`` choices of a request go to the
-    same replicas) and the gateway's per-method request metrics."""
-
-    def __init__(self, model: ServedModel, inputs: InputProcessor, engine: RemoteEngine,
-                 metrics: GatewayMetrics, lora_updates: ClusterLoraUpdates | None = None,
-                 responses: ResponseStore | None = None) -> None:
-        super().__init__(model, inputs, engine.generate, lora_updates, responses)
-        self.metrics = metrics
-
-    async def _observed(self, method: str, context: grpc.aio.ServicerContext,
-                        call: Awaitable[R]) -> R:
-        call_timeout.set(context.time_remaining())
-        route_affinity.set(RouteAffinity())
-        started = time.monotonic()
-        code = "OK"
-        try:
-            return await call
-        except asyncio.CancelledError:
-            code = "CANCELLED"
-            raise
-        except BaseException:
-            status = context.code()
-            code = status.name if isinstance(status, grpc.StatusCode) else "UNKNOWN"
-            raise
-        finally:
-            self.metrics.requests.labels(method, code).inc()
-            self.metrics.request_latency.labels(method).observe(time.monotonic() - started)
-
-    async def Complete(self, request: pb.CompletionRequest,  # noqa: N802 (gRPC's names)
-                       context: grpc.aio.ServicerContext) -> pb.CompletionResponse:
-        return await self._observed("Complete", context, super().Complete(request, context))
-
-    async def CompleteStream(self, request: pb.CompletionRequest,  # noqa: N802
-                             context: grpc.aio.ServicerContext) -> None:
-        await self._observed("CompleteStream", context, super().CompleteStream(request, context))
-
-    async def CompleteEvents(self, request: pb.CompletionRequest,  # noqa: N802
-                             context: grpc.aio.ServicerContext) -> None:
-        await self._observed("CompleteEvents", context, super().CompleteEvents(request, context))
-
-    async def ChatComplete(self, request: pb.ChatCompletionRequest,  # noqa: N802
-                           context: grpc.aio.ServicerContext) -> pb.ChatCompletionResponse:
-        return await self._observed(
-            "ChatComplete", context, super().ChatComplete(request, context))
-
-    async def ChatCompleteStream(self, request: pb.ChatCompletionRequest,  # noqa: N802
-                                 context: grpc.aio.ServicerContext) -> None:
-        await self._observed(
-            "ChatCompleteStream", context, super().ChatCompleteStream(request, context))
-
-    async def ChatCompleteEvents(self, request: pb.ChatCompletionRequest,  # noqa: N802
-                                 context: grpc.aio.ServicerContext) -> None:
-        await self._observed(
-            "ChatCompleteEvents", context, super().ChatCompleteEvents(request, context))
-
-    async def CreateResponse(self, request: pb.ResponseRequest,  # noqa: N802
-                             context: grpc.aio.ServicerContext) -> pb.Response:
-        return await self._observed(
-            "CreateResponse", context, super().CreateResponse(request, context))
-
-    async def CreateResponseStream(self, request: pb.ResponseRequest,  # noqa: N802
-                                   context: grpc.aio.ServicerContext) -> None:
-        await self._observed(
-            "CreateResponseStream", context, super().CreateResponseStream(request, context))
-
-    async def CreateResponseEvents(self, request: pb.ResponseRequest,  # noqa: N802
-                                   context: grpc.aio.ServicerContext) -> None:
-        await self._observed(
-            "CreateResponseEvents", context, super().CreateResponseEvents(request, context))
-
-
 def load_inputs(model_dir: str, settings: ModelSettings | None = None) -> InputProcessor:
     """The replicas' tokenizer, limits and sampling defaults, from the model directory they
     serve and the settings they were given."""
@@ -190,14 +110,16 @@ class GatewayServer:
             ClusterLoraUpdates(self.cluster.registry, lambda: self.servicer.model,
                                self._refresh_model)
             if options.model_settings.allow_runtime_lora_updating else None)
-        self.servicer = GatewayGenerationServicer(
-            self.model, self.inputs, RemoteEngine(self.proxy), self.metrics, self.lora_updates,
+        self.servicer = GenerationServicer(
+            self.model, self.inputs, RemoteEngine(self.proxy).generate, self.lora_updates,
             ResponseStore.sized(options.max_stored_responses))
         self.health = health_aio.HealthServicer()
-        self.server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0),
-        ])
+        self.server = grpc.aio.server(
+            interceptors=[RequestMetricsInterceptor(self.metrics)],
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ])
         pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

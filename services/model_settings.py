@@ -17,7 +17,7 @@ import argparse
 import json
 
 from engine_common.config import ModelSettings
-from services.replica.tool_call_parsers import CALL_FORMATS
+from services.frontend.tools.parsers import CALL_FORMATS
 
 
 def _json_object(text: str) -> dict[str, float | int]:

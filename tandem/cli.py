@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 from deploy.envoy_config import read_api_keys
-from deploy.supervisor import SuiteConfig, Supervisor, plan_suite
+from deploy.suite_plan import SuiteConfig, plan_suite
+from deploy.supervisor import Supervisor
 from services.model_settings import add_model_settings_args, model_settings_from_args
 
 
@@ -187,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # Subcommands owned by other modules keep their own parsers.
     if argv and argv[0] == "serve":
+        from services.entrypoint import set_engine_process_settings
+
+        set_engine_process_settings()  # before the replica's imports load torch
         from services.replica.main import main as serve_main
 
         return serve_main(argv[1:]) or 0

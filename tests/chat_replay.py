@@ -11,9 +11,12 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from protos.tandem.v1 import generation_pb2 as pb
-from services.replica.openai_api import ChoiceDelta, GenerationDelta, chat_chunks, chat_response
-from services.replica.reasoning import ReasoningPlan
-from services.replica.tool_calls import ToolPlan
+from services.frontend.chat.response import chat_response
+from services.frontend.chat.stream import chat_chunks
+from services.frontend.choices import ChoiceDelta
+from services.frontend.engine_seam import GenerationDelta
+from services.frontend.reasoning.plan import ReasoningPlan
+from services.frontend.tools.plan import ToolPlan
 
 
 def chunks_and_response(text: str, piece: int, tools: ToolPlan | None = None,

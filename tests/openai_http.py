@@ -27,7 +27,7 @@ from engine_common.config import CacheConfig, EngineConfig, ModelSettings
 from engine_common.llm import LLM
 from engine_common.sampling_params import SamplingParams
 from protos.tandem.v1 import generation_pb2
-from services.replica.tool_calls import tool_plan
+from services.frontend.tools.plan import tool_plan
 from tests.replica_process import (
     ReplicaProcess,
     envoy_answers,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deploy.supervisor import SuiteConfig, plan_suite, replica_cpu_args, split_cpus
+from deploy.suite_plan import SuiteConfig, plan_suite, replica_cpu_args, split_cpus
 from services.replica.cpu_binding import (
     cgroup_cpu_limit,
     default_engine_cpus,

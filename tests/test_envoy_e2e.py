@@ -32,7 +32,7 @@ import tandem
 from engine_common.llm import LLM
 from engine_common.sampling_params import SamplingParams
 from protos.tandem.v1 import generation_pb2, generation_pb2_grpc
-from services.replica.openai_api import chat_to_engine_request
+from services.frontend.chat.request import chat_to_engine_request
 from tandem.client import Client
 from tandem.errors import AuthenticationError
 from tandem.request_builders import chat_message, chat_request
@@ -380,7 +380,7 @@ def test_a_thinking_model_reasons_before_its_constrained_answer(
     resolved = chat_to_engine_request(chat_request(
         messages, model=None, logprobs=False, top_logprobs=None, stream=False,
         include_usage=False, options=options), offline.inputs)
-    want = offline.generate([resolved.engine.prompt_token_ids], resolved.engine.params)[0]
+    want = offline.generate([resolved.request.prompt_token_ids], resolved.request.params)[0]
     reasoning, content = resolved.reasoning.split(want.text)
     assert reasoning and "</think>" not in reasoning and want.finish_reason == "stop"
     assert json.loads(content)["city"] in ("Oslo", "Lima")  # the grammar ended the answer

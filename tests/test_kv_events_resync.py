@@ -32,6 +32,7 @@ import pytest
 from engine_common.async_llm import AsyncLLM
 from engine_common.block_hash import BlockHash, hash_prompt_blocks
 from engine_common.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine_common.generation_request import GenerationRequest
 from engine_common.kv_events import AllBlocksCleared, KVCacheSnapshot, KVEventBuffer
 from engine_common.sampling_params import SamplingParams
 from gateway import registry
@@ -452,7 +453,8 @@ async def _call(fn: Callable[[], T]) -> T:
 
 async def prefill(llm: AsyncLLM, prompt: list[int]) -> None:
     """Compute ``prompt`` (one token out) on ``llm`` directly: its full blocks get cached."""
-    async for _ in llm.generate(uuid.uuid4().hex, prompt, SamplingParams(max_tokens=1)):
+    async for _ in llm.generate(uuid.uuid4().hex,
+                                GenerationRequest(prompt, SamplingParams(max_tokens=1))):
         pass
 
 

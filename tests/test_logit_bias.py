@@ -29,7 +29,7 @@ from engine_common.sampling_params import SamplingParams, SamplingParamsError
 from engine_common.tokenizer import load_tokenizer
 from protos.tandem.v1 import engine_pb2 as epb
 from protos.tandem.v1 import engine_pb2_grpc as epb_grpc
-from services.replica.engine_messages import sampling_params_from_pb, sampling_params_to_pb
+from services.engine_api.messages import sampling_params_from_pb, sampling_params_to_pb
 from tandem.client import Client
 from tandem.errors import TandemError
 from tests.hf_reference import hf_greedy, random_prompts

@@ -35,7 +35,7 @@ from engine_common.sampling_params import SamplingParams
 from gateway.lora_rollout import ClusterLoraUpdates, ReplicaRefusal
 from gateway.registry import ReplicaRegistry
 from protos.tandem.v1 import engine_pb2, engine_pb2_grpc
-from services.replica.served_model import ServedModel
+from services.frontend.served_model import ServedModel
 from tandem import Client, InvalidRequestError, TandemError
 from tandem.lora_sync import render_config
 from tests.model_factory import write_serving_adapters

@@ -22,6 +22,7 @@ from engine_common.config import (
     SpeculativeConfig,
 )
 from engine_common.engine_core import EngineCore
+from engine_common.generation_request import GenerationRequest
 from engine_common.lora.loaded_adapters import LoraAdapterExists
 from engine_common.outputs import EngineCoreRequest, RemotePrefill
 from engine_common.sampling_params import SamplingParams
@@ -58,7 +59,8 @@ def run_until(core: EngineCore, done, timeout: float = 30.0, stats: list | None 
 def prefill(core: EngineCore, request_id: str, prompt: list[int],
             params: SamplingParams = GREEDY):
     one = replace(params, max_tokens=1)
-    core.add_request(EngineCoreRequest(request_id, prompt, one, time.monotonic(), hold_kv=True))
+    core.add_request(EngineCoreRequest(request_id, GenerationRequest(prompt, one), time.monotonic(),
+                                       hold_kv=True))
     outs = run_until(core, lambda o: any(x.finished for x in o))
     final = [o for o in outs if o.finished][0]
     assert final.kv_handle is not None and final.new_token_ids
@@ -69,7 +71,7 @@ def decode(core: EngineCore, request_id: str, prompt: list[int], first: int, han
            params: SamplingParams = GREEDY, stats: list | None = None,
            ) -> tuple[list[int], object]:
     core.add_request(EngineCoreRequest(
-        request_id, prompt, params, time.monotonic(),
+        request_id, GenerationRequest(prompt, params), time.monotonic(),
         remote_prefill=RemotePrefill(handle=handle, first_token_id=first)))
     outs = run_until(core, lambda o: any(x.finished for x in o), stats=stats)
     report = next(o.kv_transfer for o in outs if o.kv_transfer is not None)
@@ -88,8 +90,9 @@ def cores(tiny_llama_dir):
 
 def reference(core: EngineCore, request_id: str, prompt: list[int],
               params: SamplingParams = GREEDY, num_resumed_tokens: int = 0) -> list[int]:
-    core.add_request(EngineCoreRequest(request_id, prompt, params, time.monotonic(),
-                                       num_resumed_tokens=num_resumed_tokens))
+    core.add_request(EngineCoreRequest(
+        request_id, GenerationRequest(prompt, params, num_resumed_tokens=num_resumed_tokens),
+        time.monotonic()))
     outs = run_until(core, lambda o: any(x.finished for x in o))
     return [t for o in outs for t in o.new_token_ids]
 
@@ -219,7 +222,8 @@ def test_layout_mismatch_is_detected_and_recomputed(tiny_llama_dir, cores):
     try:
         prompt = list(range(40, 60))
         first, handle = prefill(p, "m0", prompt)
-        other.add_request(EngineCoreRequest("m0", prompt, GREEDY, time.monotonic(),
+        other.add_request(EngineCoreRequest("m0", GenerationRequest(prompt, GREEDY),
+                                            time.monotonic(),
                                             remote_prefill=RemotePrefill(handle, first)))
         outs = run_until(other, lambda o: any(x.finished for x in o))
         report = next(o.kv_transfer for o in outs if o.kv_transfer is not None)
@@ -241,8 +245,9 @@ def test_an_adapters_blocks_held_for_a_decode_replica_keep_its_name_taken(
                                      target_modules=["q_proj", "v_proj"]))
     p.load_lora_adapter("a", adapter)
     one = replace(GREEDY, max_tokens=1)
-    p.add_request(EngineCoreRequest("held-lora", list(range(3, 40)), one, time.monotonic(),
-                                    hold_kv=True, lora_name="a"))
+    p.add_request(EngineCoreRequest(
+        "held-lora", GenerationRequest(list(range(3, 40)), one, lora_name="a"), time.monotonic(),
+        hold_kv=True))
     run_until(p, lambda o: any(x.finished for x in o))
     assert "held-lora" in p.scheduler.held
     p.unload_lora_adapter("a")

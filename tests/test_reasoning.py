@@ -14,16 +14,13 @@ import pytest
 from engine_common.input_processor import InputProcessor
 from engine_common.tokenizer import load_tokenizer
 from protos.tandem.v1 import generation_pb2 as pb
-from services.replica.openai_api import (
-    ChatRequest,
-    ChoiceDelta,
-    GenerationDelta,
-    chat_chunks,
-    chat_response,
-    chat_to_engine_request,
-)
-from services.replica.reasoning import ReasoningPlan, reasoning_plan
-from services.replica.tool_calls import ToolPlan
+from services.frontend.chat.request import ChatRequest, chat_to_engine_request
+from services.frontend.chat.response import chat_response
+from services.frontend.chat.stream import chat_chunks
+from services.frontend.choices import ChoiceDelta
+from services.frontend.engine_seam import GenerationDelta
+from services.frontend.reasoning.plan import ReasoningPlan, reasoning_plan
+from services.frontend.tools.plan import ToolPlan
 from tandem.request_builders import chat_message
 from tests.chat_replay import chunks_and_response
 from tests.model_factory import build_tokenizer
@@ -160,14 +157,14 @@ def test_a_constrained_chat_of_a_thinking_model_defers_its_grammar(tiny_llama_di
     # the model: its first token decides (<think> waits, anything else starts the grammar).
     for thinking, opened, waits_if_first in ((True, True, None), (None, False, think[0])):
         resolved = chat(inputs, thinking)
-        spec = resolved.engine.params.structured_output
+        spec = resolved.request.params.structured_output
         assert spec is not None
         assert (spec.starts_after, spec.waits_if_first) == ((think[1],), waits_if_first)
         assert resolved.reasoning == ReasoningPlan(enabled=True, opened=opened,
                                                    think_tokens=think)
     for resolved in (chat(inputs, False), chat(multi_token, True)):
-        assert resolved.engine.params.structured_output is not None
-        assert resolved.engine.params.structured_output.starts_after == ()
+        assert resolved.request.params.structured_output is not None
+        assert resolved.request.params.structured_output.starts_after == ()
         assert not resolved.reasoning.enabled
 
 

@@ -30,12 +30,12 @@ from engine_common.output_processor import RequestOutput
 from engine_common.sampling_params import SamplingParams
 from gateway.endpoint_picker import read_request
 from protos.tandem.v1 import generation_pb2, generation_pb2_grpc
-from services.replica.errors import InvalidArgument, NotFound
-from services.replica.generation_servicer import GenerationServicer
-from services.replica.response_input_items import identified
-from services.replica.response_store import ResponseStore, StoredResponse
-from services.replica.responses_api import chat_request, input_items
-from services.replica.served_model import ServedModel
+from services.frontend.errors import InvalidArgument, NotFound
+from services.frontend.generation_servicer import GenerationServicer
+from services.frontend.responses.input_items import identified
+from services.frontend.responses.store import ResponseStore, StoredResponse
+from services.frontend.responses.translate import chat_request, input_items
+from services.frontend.served_model import ServedModel
 from tandem import InvalidRequestError
 from tandem.client import AsyncClient, Client
 from tests.openai_http import (

@@ -26,9 +26,10 @@ from engine_common.sampling_params import SamplingParams
 from engine_common.tokenizer import load_tokenizer
 from gateway.server import load_inputs
 from protos.tandem.v1 import generation_pb2 as pb
-from services.replica import responses_api
+from services.frontend.chat.request import chat_to_engine_request
+from services.frontend.completions.request import completion_to_engine_request
+from services.frontend.responses import translate as responses_api
 from services.replica.main import build_parser as replica_parser
-from services.replica.openai_api import chat_to_engine_request, completion_to_engine_request
 from tandem.client import Client
 from tests.replica_process import gateway_before, start_replicas
 
@@ -56,14 +57,14 @@ def test_the_file_sets_the_defaults_a_request_leaves_unset(tiny_llama_dir, tmp_p
     inputs = InputProcessor(tokenizer, 512, len(tokenizer), defaults)
     chat = pb.ChatCompletionRequest(messages=[pb.ChatMessage(role="user")])
     chat.messages[0].content.string_value = "hi"
-    params = chat_to_engine_request(chat, inputs).engine.params
+    params = chat_to_engine_request(chat, inputs).request.params
     assert {name: getattr(params, name) for name in RECOMMENDED} == RECOMMENDED
     chat.temperature, chat.top_k = 0.0, 3  # set, even to zero: the request's own
-    params = chat_to_engine_request(chat, inputs).engine.params
+    params = chat_to_engine_request(chat, inputs).request.params
     assert (params.temperature, params.top_k, params.top_p) == (0.0, 3, 0.9)
     completion = pb.CompletionRequest(max_tokens=4)
     completion.prompt.string_value = "hello"
-    params = completion_to_engine_request(completion, inputs).engines[0].params
+    params = completion_to_engine_request(completion, inputs).requests[0].params
     assert params.temperature == 0.6 and params.repetition_penalty == 1.1
     # The gateway reads the same file (it resolves requests itself).
     assert load_inputs(str(model)).sampling_defaults == RECOMMENDED
@@ -86,21 +87,21 @@ def test_max_new_tokens_limits_chats_that_set_no_limit(tiny_llama_dir, tmp_path)
     assert defaults == {"max_tokens": 40}
     tokenizer = load_tokenizer(model)
     inputs = InputProcessor(tokenizer, 512, len(tokenizer), defaults)
-    assert chat_to_engine_request(chat("hi"), inputs).engine.params.max_tokens == 40
-    assert chat_to_engine_request(chat("hi", max_tokens=90), inputs).engine.params.max_tokens == 90
+    assert chat_to_engine_request(chat("hi"), inputs).request.params.max_tokens == 40
+    assert chat_to_engine_request(chat("hi", max_tokens=90), inputs).request.params.max_tokens == 90
     assert chat_to_engine_request(chat("hi", min_tokens=60), inputs  # never below min_tokens
-                                  ).engine.params.max_tokens == 60
-    long = chat_to_engine_request(chat("word " * 158), inputs).engine
+                                  ).request.params.max_tokens == 60
+    long = chat_to_engine_request(chat("word " * 158), inputs).request
     assert long.params.max_tokens == 512 - len(long.prompt_token_ids) < 40
     response = pb.ResponseRequest(input=struct_pb2.Value(string_value="hi"))
     assert chat_to_engine_request(responses_api.chat_request(response), inputs
-                                  ).engine.params.max_tokens == 40
+                                  ).request.params.max_tokens == 40
     completion = pb.CompletionRequest()
     completion.prompt.string_value = "hello"
-    assert completion_to_engine_request(completion, inputs).engines[0].params.max_tokens == 16
+    assert completion_to_engine_request(completion, inputs).requests[0].params.max_tokens == 16
     # Without the default, a chat runs up to the context.
     plain = InputProcessor(tokenizer, 512, len(tokenizer), {})
-    assert chat_to_engine_request(chat("hi"), plain).engine.params.max_tokens is None
+    assert chat_to_engine_request(chat("hi"), plain).request.params.max_tokens is None
 
 
 def test_a_folder_or_overrides_give_the_defaults_instead(tiny_llama_dir, tmp_path) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from deploy.supervisor import plan_suite
+from deploy.suite_plan import plan_suite
 from engine_common.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine_common.llm import LLM
 from engine_common.ngram_drafter import NgramDrafter

@@ -34,7 +34,7 @@ from engine_common.structured_output.spec import StructuredOutputError, Structur
 from engine_common.tokenizer import load_tokenizer
 from protos.tandem.v1 import engine_pb2 as epb
 from protos.tandem.v1 import engine_pb2_grpc as epb_grpc
-from services.replica.engine_messages import sampling_params_from_pb, sampling_params_to_pb
+from services.engine_api.messages import sampling_params_from_pb, sampling_params_to_pb
 from tandem.client import Client
 from tandem.errors import TandemError
 from tests.hf_reference import random_prompts

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from deploy.supervisor import plan_suite
+from deploy.suite_plan import plan_suite
 from engine_common.config import ModelSettings
 from gateway.__main__ import build_parser as gateway_parser
 from gateway.__main__ import options_from_args as gateway_options

@@ -16,11 +16,11 @@ from google.protobuf import json_format, struct_pb2
 from engine_common.input_processor import InputProcessor, InvalidRequestError
 from engine_common.tokenizer import load_tokenizer
 from protos.tandem.v1 import generation_pb2 as pb
-from services.replica.errors import InvalidArgument
-from services.replica.openai_api import chat_messages, chat_to_engine_request
-from services.replica.tool_call_parsers import chat_template_call_format
-from services.replica.tool_calls import tool_plan
-from services.replica.validation import struct_to_dict
+from services.frontend.chat.request import chat_messages, chat_to_engine_request
+from services.frontend.errors import InvalidArgument
+from services.frontend.tools.parsers import chat_template_call_format
+from services.frontend.tools.plan import tool_plan
+from services.frontend.validation import struct_to_dict
 from tandem.request_builders import chat_message
 from tests.chat_replay import chunks_and_response
 
@@ -272,18 +272,18 @@ def test_a_mistral_template_gets_its_tags_and_its_call_ids(tiny_llama_dir: Path)
                {"role": "tool", "tool_call_id": "call_0123456789abcdef", "content": "sunny"}]
     chat = chat_to_engine_request(chat_request(messages=history, tools=[WEATHER]), inputs)
     assert chat.tools.mode == "auto" and chat.tools.call_format == "mistral"
-    assert not chat.engine.params.skip_special_tokens
-    assert tokenizer.decode(chat.engine.prompt_token_ids).endswith(
+    assert not chat.request.params.skip_special_tokens
+    assert tokenizer.decode(chat.request.prompt_token_ids).endswith(
         "[TOOL_CALLS]get_weather:789abcdef  result 789abcdef")
     history[1]["tool_calls"][0]["id"] = history[2]["tool_call_id"] = "call_1"  # too short
     short = chat_to_engine_request(chat_request(messages=history, tools=[WEATHER]), inputs)
-    assert tokenizer.decode(short.engine.prompt_token_ids).endswith(
+    assert tokenizer.decode(short.request.prompt_token_ids).endswith(
         "[TOOL_CALLS]get_weather:0000call1  result 0000call1")
     asked = chat_to_engine_request(chat_request(messages=history, tools=[WEATHER],
                                                 skip_special_tokens=True), inputs)
-    assert asked.engine.params.skip_special_tokens  # the client's choice stands
+    assert asked.request.params.skip_special_tokens  # the client's choice stands
     plain = chat_to_engine_request(chat_request(messages=history), inputs)
-    assert plain.engine.params.skip_special_tokens  # no tools: nothing to parse
+    assert plain.request.params.skip_special_tokens  # no tools: nothing to parse
 
 
 def test_a_server_told_the_call_syntax_serves_auto_whatever_the_template(

@@ -2,6 +2,10 @@
 
 import sys
 
-from services.replica.main import main
+from services.entrypoint import set_engine_process_settings
+
+set_engine_process_settings()  # before the replica's imports load torch
+
+from services.replica.main import main  # noqa: E402
 
 sys.exit(main())

@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from services.replica.errors import AlreadyExists, Overloaded, Unavailable
+from services.frontend.errors import AlreadyExists, Overloaded, Unavailable
 
 
 class Admission:

@@ -30,22 +30,23 @@ from typing import cast
 
 import grpc.aio
 
+from engine_common.generation_request import GenerationRequest
 from engine_common.kv_events import KVCacheSnapshotChunk, KVEventBatch
 from engine_common.sampling_params import SamplingParams
 from protos.tandem.v1 import engine_pb2 as epb
 from protos.tandem.v1 import engine_pb2_grpc as epb_grpc
-from services.replica.engine_messages import (
+from services.engine_api.messages import (
     delta_to_response,
     kv_event_batch_to_pb,
     kv_handle_to_pb,
     position_to_pb,
     sampling_params_from_pb,
 )
-from services.replica.errors import FailedPrecondition, InvalidArgument, rpc_handler
+from services.frontend.engine_seam import CallContext
+from services.frontend.errors import FailedPrecondition, InvalidArgument, rpc_handler
+from services.frontend.lora_updates import LoraUpdates, runtime_updates_off
+from services.frontend.served_model import ServedModel
 from services.replica.local_engine import LocalEngine
-from services.replica.lora_updates import LoraUpdates, runtime_updates_off
-from services.replica.openai_api import EngineRequest
-from services.replica.served_model import ServedModel
 
 
 class EngineServicer(epb_grpc.EngineServicer):
@@ -61,18 +62,22 @@ class EngineServicer(epb_grpc.EngineServicer):
     async def Generate(self, request: epb.GenerateRequest,  # noqa: N802 (gRPC's names)
                        context: grpc.aio.ServicerContext) -> None:
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
-        engine_request, num_resumed = self._engine_request(request)
-        await self.llm.check_structured_output(engine_request.params)  # before admission
+        generation = self._generation_request(request)
+        await self.llm.check_structured_output(generation.params)  # before admission
+        resumed = generation.num_resumed_tokens
+        # A resumed stream recomputes here: the prefill replica never saw its output tokens.
+        peer = request.prefill_peer if request.HasField("prefill_peer") and not resumed else None
+        call = CallContext.within(context.time_remaining(), peer)
         return_token_ids = request.output_options.return_token_ids
-        async with aclosing(self.engine.generate(request_id, engine_request)) as deltas:
+        async with aclosing(self.engine.generate(request_id, generation, call)) as deltas:
             async for delta in deltas:
                 response = delta_to_response(delta, request_id, return_token_ids)
                 # Resumed tokens were sent by the replica that died: they count as output.
-                response.prompt_tokens -= num_resumed
-                response.completion_tokens += num_resumed
+                response.prompt_tokens -= resumed
+                response.completion_tokens += resumed
                 await context.write(response)
 
-    def _engine_request(self, request: epb.GenerateRequest) -> tuple[EngineRequest, int]:
+    def _generation_request(self, request: epb.GenerateRequest) -> GenerationRequest:
         params = _one_choice(sampling_params_from_pb(request.sampling_params))
         prompt = list(request.prompt_token_ids)
         resumed = list(request.resume_output_token_ids)
@@ -92,12 +97,9 @@ class EngineServicer(epb_grpc.EngineServicer):
             prompt += resumed
         self.llm.inputs.validate_prompt(prompt, params.max_tokens)
         self.llm.inputs.check_sampling_token_ids(params)
-        cache_salt = request.cache_salt or None
-        # A resumed stream recomputes here: the prefill replica never saw its output tokens.
-        peer = request.prefill_peer if request.HasField("prefill_peer") and not resumed else None
-        return EngineRequest(prompt, params, request.priority, cache_salt, peer,
-                             num_resumed_tokens=len(resumed),
-                             lora_name=self._lora_name(request.lora_name)), len(resumed)
+        return GenerationRequest(prompt, params, request.priority, request.cache_salt or None,
+                                 self._lora_name(request.lora_name),
+                                 num_resumed_tokens=len(resumed))
 
     def _lora_name(self, requested: str) -> str | None:
         """The LoRA adapter a request names (empty: none); raises InvalidArgument for one
@@ -124,10 +126,9 @@ class EngineServicer(epb_grpc.EngineServicer):
         self.llm.inputs.check_sampling_token_ids(params)
         await self.llm.check_structured_output(params)
         with self.engine.admission.admit(request.request_id):
-            output, handle = await self.llm.prefill(
-                request.request_id, prompt, params, priority=request.priority,
-                cache_salt=request.cache_salt or None,
-                lora_name=self._lora_name(request.lora_name))
+            output, handle = await self.llm.prefill(request.request_id, GenerationRequest(
+                prompt, params, request.priority, request.cache_salt or None,
+                self._lora_name(request.lora_name)))
         response = epb.PrefillResponse(
             request_id=request.request_id, first_token_id=output.new_token_ids[0],
             kv_handle=kv_handle_to_pb(handle, self.llm.info.kv_layout, output.num_cached_tokens))

@@ -19,16 +19,17 @@ from typing import cast
 
 from engine_common.async_llm import AsyncLLM
 from engine_common.core_process import EngineDeadError
+from engine_common.generation_request import GenerationRequest
 from engine_common.output_processor import RequestOutput
 from engine_common.outputs import KvTransferReport, RemotePrefill, TokenLogprobs
-from services.replica.admission import Admission
-from services.replica.errors import Unavailable
-from services.replica.openai_api import (
-    EngineRequest,
+from services.frontend.engine_seam import (
+    CallContext,
     GenerationDelta,
     PositionLogprobs,
     TokenChoice,
 )
+from services.frontend.errors import Unavailable
+from services.replica.admission import Admission
 from services.replica.prefill_peers import PrefillFailed, PrefillPeers
 
 
@@ -41,19 +42,19 @@ class LocalEngine:
         self.prefill_peers = prefill_peers
         self._token_text: dict[int, str] = {}  # bounded by the vocabulary
 
-    async def generate(self, request_id: str,
-                       request: EngineRequest) -> AsyncGenerator[GenerationDelta, None]:
-        """Stream the request's deltas; closing this iterator early aborts the request."""
+    async def generate(self, request_id: str, request: GenerationRequest,
+                       call: CallContext) -> AsyncGenerator[GenerationDelta, None]:
+        """Stream the request's deltas; closing this iterator early aborts the request.
+        With ``call.prefill_peer`` (a decode replica) the prompt's KV comes from there."""
+        peer = call.prefill_peer
         with self.admission.admit(request_id):
             if self.llm.dead_reason is not None:
                 raise Unavailable(f"the engine is not running: {self.llm.dead_reason}")
-            remote, report = await self._remote_prefill(request_id, request)
+            remote, report = await self._remote_prefill(request_id, request, peer)
             # An async generator, though annotated as an iterator: it must be closed (which
             # aborts the request) as soon as this one is.
             outputs = cast(AsyncGenerator[RequestOutput, None], self.llm.generate(
-                request_id, request.prompt_token_ids, request.params,
-                priority=request.priority, cache_salt=request.cache_salt, remote_prefill=remote,
-                num_resumed_tokens=request.num_resumed_tokens, lora_name=request.lora_name))
+                request_id, request, remote_prefill=remote))
             released = remote is None
             try:
                 async with aclosing(outputs):
@@ -62,20 +63,19 @@ class LocalEngine:
                         if report is not None:  # a fallback, reported on the first delta
                             delta.kv_transfer, report = report, None
                         if output.kv_transfer is not None and not released:
-                            self._release(request, remote, request_id)
+                            self._release(peer, remote, request_id)
                             released = True
                         yield delta
             except EngineDeadError as error:
                 raise Unavailable(f"the engine stopped mid-request: {error}") from error
             finally:
                 if not released:  # cancelled or finished before the pull: free P's blocks
-                    self._release(request, remote, request_id)
+                    self._release(peer, remote, request_id)
 
-    async def _remote_prefill(self, request_id: str, request: EngineRequest
+    async def _remote_prefill(self, request_id: str, request: GenerationRequest, peer: str | None,
                               ) -> tuple[RemotePrefill | None, KvTransferReport | None]:
-        """Ask the named prefill replica for the prompt's KV. Returns its answer, or (None,
+        """Ask the prefill replica ``peer`` for the prompt's KV. Returns its answer, or (None,
         a fallback report) when this replica computes the prefill itself."""
-        peer = request.prefill_peer
         if not peer:
             return None, None
         if self.prefill_peers is None:
@@ -92,9 +92,9 @@ class LocalEngine:
         self.llm.metrics.record_kv_transfer(report)
         return None, report
 
-    def _release(self, request: EngineRequest, remote: RemotePrefill | None, request_id: str) -> None:
-        if remote is not None and self.prefill_peers is not None and request.prefill_peer:
-            self.prefill_peers.release(request.prefill_peer, request_id, remote.handle.engine_id)
+    def _release(self, peer: str | None, remote: RemotePrefill | None, request_id: str) -> None:
+        if remote is not None and self.prefill_peers is not None and peer:
+            self.prefill_peers.release(peer, request_id, remote.handle.engine_id)
 
     def abort(self, request_ids: Sequence[str]) -> list[str]:
         """Abort the requests still running here; their streams end with "abort"."""

@@ -22,6 +22,7 @@ from engine_common.config import (
     SpeculativeConfig,
 )
 from services.entrypoint import run_service
+from services.frontend.responses.store import STORE_HELP
 from services.model_settings import add_model_settings_args, model_settings_from_args
 from services.replica.cpu_binding import (
     AUTO,
@@ -34,7 +35,6 @@ from services.replica.cpu_binding import (
     pin_to_cpus,
     split_engine_cpus,
 )
-from services.replica.response_store import STORE_HELP
 from services.replica.server import ROLES, ReplicaOptions, serve
 
 logger = logging.getLogger("services.replica")

@@ -15,15 +15,15 @@ import logging
 import grpc
 import grpc.aio
 
+from engine_common.generation_request import GenerationRequest
 from engine_common.outputs import RemotePrefill
 from protos.tandem.v1 import engine_pb2 as epb
 from protos.tandem.v1 import engine_pb2_grpc as epb_grpc
-from services.replica.engine_messages import (
+from services.engine_api.messages import (
     kv_handle_from_pb,
     sampling_params_to_pb,
     token_logprobs_from_pb,
 )
-from services.replica.openai_api import EngineRequest
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,8 @@ class PrefillPeers:
             channel = self._channels[peer] = grpc.aio.insecure_channel(peer)
         return epb_grpc.EngineStub(channel)
 
-    async def prefill(self, peer: str, request_id: str, request: EngineRequest) -> RemotePrefill:
+    async def prefill(self, peer: str, request_id: str,
+                      request: GenerationRequest) -> RemotePrefill:
         message = epb.PrefillRequest(
             request_id=request_id, prompt_token_ids=request.prompt_token_ids,
             sampling_params=sampling_params_to_pb(request.params),

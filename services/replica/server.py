@@ -27,15 +27,15 @@ from engine_common.async_llm import AsyncLLM
 from engine_common.config import EngineConfig
 from engine_common.core_process import fork_is_safe
 from protos.tandem.v1 import engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
+from services.frontend.generation_servicer import GenerationServicer
+from services.frontend.responses.store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
+from services.frontend.served_model import ServedModel
+from services.frontend.validation import MAX_MESSAGE_BYTES
 from services.replica.admission import Admission
 from services.replica.engine_servicer import EngineServicer
-from services.replica.generation_servicer import GenerationServicer
 from services.replica.local_engine import LocalEngine
 from services.replica.lora_updates import LocalLoraUpdates
 from services.replica.prefill_peers import PrefillPeers
-from services.replica.response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
-from services.replica.served_model import ServedModel
-from services.replica.validation import MAX_MESSAGE_BYTES
 
 logger = logging.getLogger(__name__)
 

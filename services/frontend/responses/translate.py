@@ -34,8 +34,8 @@ from google.protobuf import struct_pb2
 from google.protobuf.json_format import MessageToDict, ParseDict
 
 from protos.tandem.v1 import generation_pb2 as pb
-from services.replica.errors import InvalidArgument
-from services.replica.tool_call_parsers import new_tool_call_id
+from services.frontend.errors import InvalidArgument
+from services.frontend.tools.parsers import new_tool_call_id
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})

@@ -19,7 +19,7 @@ from google.protobuf import json_format, struct_pb2
 
 from engine_common.structured_output.spec import StructuredOutputError, StructuredOutputSpec
 from protos.tandem.v1 import generation_pb2 as pb
-from services.replica.errors import InvalidArgument
+from services.frontend.errors import InvalidArgument
 
 # gRPC's receive limit for one request message; a bigger one fails with RESOURCE_EXHAUSTED
 # before any handler runs.

@@ -36,7 +36,7 @@ import uuid
 from dataclasses import dataclass
 
 from protos.tandem.v1 import generation_pb2 as pb
-from services.replica.streamed_tags import partial_tag_length
+from services.frontend.streamed_tags import partial_tag_length
 
 HERMES_FORMAT = "hermes"
 MISTRAL_FORMAT = "mistral"

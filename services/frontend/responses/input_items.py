@@ -30,7 +30,7 @@ from google.protobuf import struct_pb2
 from google.protobuf.json_format import MessageToDict, ParseDict
 
 from protos.tandem.v1 import generation_pb2 as pb
-from services.replica.errors import InvalidArgument
+from services.frontend.errors import InvalidArgument
 
 DEFAULT_LIMIT = 20
 MAX_LIMIT = 100

@@ -20,7 +20,7 @@ from engine_common.structured_output.spec import StructuredOutputSpec
 from kv_transfer.connector import KvHandle
 from kv_transfer.layout import KvLayout
 from protos.tandem.v1 import engine_pb2 as epb
-from services.replica.openai_api import GenerationDelta, PositionLogprobs, TokenChoice
+from services.frontend.engine_seam import GenerationDelta, PositionLogprobs, TokenChoice
 
 _REPEATED = ("stop", "stop_token_ids")
 

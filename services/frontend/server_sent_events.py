@@ -26,7 +26,7 @@ from google.api import httpbody_pb2
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from services.replica.errors import status_of
+from services.frontend.errors import status_of
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The public ``tandem.v1.Generation`` service over any ``GenerateFn``.
 
 Owns the RPC handlers: check the model name, resolve the request (``openai_api``), run its
-``n`` choices through the ``GenerateFn`` (``openai_api.generate_choices``) and write
+``n`` choices through the ``GenerateFn`` (``choices.generate_choices``) and write
 OpenAI-shaped responses; every failure becomes a status (``errors.rpc_handler``). The
 Responses API runs as the chat request it translates to (``responses_api``), after the
 conversation of a stored response it continues; finished responses are stored
@@ -19,7 +19,7 @@ tokenizer (``InputProcessor``) and served model. It does not own tokenization ru
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 
 import grpc.aio
@@ -29,23 +29,49 @@ from google.protobuf.message import Message
 from engine_common.input_processor import InputProcessor
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
-from services.replica import openai_api as api
-from services.replica import response_input_items, responses_api
-from services.replica.background_responses import BackgroundResponses
-from services.replica.errors import InvalidArgument, NotFound, rpc_handler
-from services.replica.lora_updates import LoraUpdates, runtime_updates_off
-from services.replica.response_store import ResponseStore, StoredResponse
-from services.replica.served_model import ServedModel
-from services.replica.server_sent_events import write_events
+from services.frontend.chat.request import (
+    ChatRequest,
+    chat_to_engine_request,
+    new_chat_completion_id,
+)
+from services.frontend.chat.response import chat_response
+from services.frontend.chat.stream import chat_chunks
+from services.frontend.choices import generate_choices
+from services.frontend.completions.request import completion_to_engine_request, new_completion_id
+from services.frontend.completions.response import completion_chunks, completion_response
+from services.frontend.engine_seam import CallContext, GenerateFn
+from services.frontend.errors import InvalidArgument, NotFound, rpc_handler
+from services.frontend.lora_updates import LoraUpdates, runtime_updates_off
+from services.frontend.models import (
+    detokenize_response,
+    model_card,
+    models_response,
+    tokenize_response,
+)
+from services.frontend.responses import input_items as response_input_items
+from services.frontend.responses import translate as responses_api
+from services.frontend.responses.background import BackgroundResponses
+from services.frontend.responses.store import ResponseStore, StoredResponse
+from services.frontend.served_model import ServedModel
+from services.frontend.server_sent_events import write_events
+
+CallContextFn = Callable[[grpc.aio.ServicerContext], CallContext]
+
+
+def default_call_context(context: grpc.aio.ServicerContext) -> CallContext:
+    """The call's deadline; no routing hint."""
+    return CallContext.within(context.time_remaining())
+
 
 # As vLLM: the prompt's logprobs belong to a whole response, not to a stream of deltas.
 _NO_STREAMED_PROMPT_LOGPROBS = "prompt_logprobs is not available with stream=true"
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, model: ServedModel, inputs: InputProcessor, generate: api.GenerateFn,
+    def __init__(self, model: ServedModel, inputs: InputProcessor, generate: GenerateFn,
                  lora_updates: LoraUpdates | None = None,
-                 responses: ResponseStore | None = None, responder: str = ""):
+                 responses: ResponseStore | None = None, responder: str = "",
+                 call_context: CallContextFn | None = None):
         self.model = model
         self.inputs = inputs
         self.generate = generate
@@ -55,16 +81,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # Written into response ids (``responses_api.new_response_id``): the engine id of a
         # replica that serves clients itself, behind an endpoint picker.
         self.responder = responder
+        # How a call's context is read (deadline, and on a replica the P/D hint).
+        self.call_context = call_context or default_call_context
 
     @rpc_handler
     async def Complete(self, request: pb.CompletionRequest,  # noqa: N802 (gRPC's names)
                        context: grpc.aio.ServicerContext) -> pb.CompletionResponse:
-        plan = api.completion_to_engine_request(request, self.inputs,
+        plan = completion_to_engine_request(request, self.inputs,
                                                 self.model.resolve(request.model))
-        response_id = api.new_completion_id()
-        choices = api.generate_choices(self.generate, response_id, plan.engines)
+        response_id = new_completion_id()
+        choices = generate_choices(self.generate, response_id, plan.requests,
+                                   self.call_context(context))
         async with aclosing(choices):
-            return await api.completion_response(
+            return await completion_response(
                 choices, response_id=response_id,
                 model=self.model.response_name(plan.lora_name),
                 logprobs=plan.params.logprobs is not None, num_choices=plan.num_choices,
@@ -74,23 +103,23 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     @rpc_handler
     async def CompleteStream(self, request: pb.CompletionRequest,  # noqa: N802
                              context: grpc.aio.ServicerContext) -> None:
-        await _write_all(self._completion_chunks(request), context)
+        await _write_all(self._completion_chunks(request, self.call_context(context)), context)
 
     @rpc_handler
     async def CompleteEvents(self, request: pb.CompletionRequest,  # noqa: N802
                              context: grpc.aio.ServicerContext) -> None:
-        await write_events(self._completion_chunks(request), context)
+        await write_events(self._completion_chunks(request, self.call_context(context)), context)
 
-    async def _completion_chunks(
-            self, request: pb.CompletionRequest) -> AsyncGenerator[pb.CompletionResponse, None]:
-        plan = api.completion_to_engine_request(request, self.inputs,
+    async def _completion_chunks(self, request: pb.CompletionRequest, call: CallContext,
+                                 ) -> AsyncGenerator[pb.CompletionResponse, None]:
+        plan = completion_to_engine_request(request, self.inputs,
                                                 self.model.resolve(request.model))
         if plan.prompt_logprobs is not None:
             raise InvalidArgument(_NO_STREAMED_PROMPT_LOGPROBS + "; echo with logprobs "
                                   "streams the prompt's logprobs in the first chunk")
-        response_id = api.new_completion_id()
-        choices = api.generate_choices(self.generate, response_id, plan.engines)
-        chunks = api.completion_chunks(choices, response_id=response_id,
+        response_id = new_completion_id()
+        choices = generate_choices(self.generate, response_id, plan.requests, call)
+        chunks = completion_chunks(choices, response_id=response_id,
                                        model=self.model.response_name(plan.lora_name),
                                        include_usage=request.stream_options.include_usage,
                                        choices_per_prompt=plan.params.n, echoes=plan.echoes,
@@ -102,56 +131,57 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     @rpc_handler
     async def ChatComplete(self, request: pb.ChatCompletionRequest,  # noqa: N802
                            context: grpc.aio.ServicerContext) -> pb.ChatCompletionResponse:
-        chat = api.chat_to_engine_request(request, self.inputs,
+        chat = chat_to_engine_request(request, self.inputs,
                                           self.model.resolve(request.model))
-        response_id = api.new_chat_completion_id()
-        choices = api.generate_choices(self.generate, response_id, [chat.engine])
+        response_id = new_chat_completion_id()
+        choices = generate_choices(self.generate, response_id, [chat.request],
+                                   self.call_context(context))
         async with aclosing(choices):
-            return await api.chat_response(
+            return await chat_response(
                 choices, response_id=response_id,
-                model=self.model.response_name(chat.engine.lora_name),
-                logprobs=chat.engine.params.logprobs is not None,
-                num_choices=chat.engine.params.n, tools=chat.tools, reasoning=chat.reasoning,
-                prompt_logprobs=chat.engine.params.prompt_logprobs,
-                prompt_token_ids=chat.engine.prompt_token_ids if chat.return_token_ids else None)
+                model=self.model.response_name(chat.request.lora_name),
+                logprobs=chat.request.params.logprobs is not None,
+                num_choices=chat.request.params.n, tools=chat.tools, reasoning=chat.reasoning,
+                prompt_logprobs=chat.request.params.prompt_logprobs,
+                prompt_token_ids=chat.request.prompt_token_ids if chat.return_token_ids else None)
 
     @rpc_handler
     async def ChatCompleteStream(self, request: pb.ChatCompletionRequest,  # noqa: N802
                                  context: grpc.aio.ServicerContext) -> None:
-        await _write_all(self._chat_chunks(request), context)
+        await _write_all(self._chat_chunks(request, self.call_context(context)), context)
 
     @rpc_handler
     async def ChatCompleteEvents(self, request: pb.ChatCompletionRequest,  # noqa: N802
                                  context: grpc.aio.ServicerContext) -> None:
-        await write_events(self._chat_chunks(request), context)
+        await write_events(self._chat_chunks(request, self.call_context(context)), context)
 
     async def _chat_chunks(
-            self, request: pb.ChatCompletionRequest,
+            self, request: pb.ChatCompletionRequest, call: CallContext,
     ) -> AsyncGenerator[pb.ChatCompletionChunk, None]:
         chat = self._chat_stream_request(request)
-        chunks = self._chat_chunks_of(request, chat)
+        chunks = self._chat_chunks_of(request, chat, call)
         async with aclosing(chunks):
             async for chunk in chunks:
                 yield chunk
 
-    def _chat_stream_request(self, request: pb.ChatCompletionRequest) -> api.ChatRequest:
+    def _chat_stream_request(self, request: pb.ChatCompletionRequest) -> ChatRequest:
         """The chat request resolved for streaming; raises before anything streams."""
-        chat = api.chat_to_engine_request(request, self.inputs,
+        chat = chat_to_engine_request(request, self.inputs,
                                           self.model.resolve(request.model))
-        if chat.engine.params.prompt_logprobs is not None:
+        if chat.request.params.prompt_logprobs is not None:
             raise InvalidArgument(_NO_STREAMED_PROMPT_LOGPROBS)
         return chat
 
     async def _chat_chunks_of(
-            self, request: pb.ChatCompletionRequest, chat: api.ChatRequest,
+            self, request: pb.ChatCompletionRequest, chat: ChatRequest, call: CallContext,
     ) -> AsyncGenerator[pb.ChatCompletionChunk, None]:
-        response_id = api.new_chat_completion_id()
-        choices = api.generate_choices(self.generate, response_id, [chat.engine])
-        chunks = api.chat_chunks(choices, response_id=response_id,
-                                 model=self.model.response_name(chat.engine.lora_name),
+        response_id = new_chat_completion_id()
+        choices = generate_choices(self.generate, response_id, [chat.request], call)
+        chunks = chat_chunks(choices, response_id=response_id,
+                                 model=self.model.response_name(chat.request.lora_name),
                                  include_usage=request.stream_options.include_usage,
                                  tools=chat.tools, reasoning=chat.reasoning,
-                                 prompt_token_ids=(chat.engine.prompt_token_ids
+                                 prompt_token_ids=(chat.request.prompt_token_ids
                                                    if chat.return_token_ids else None))
         async with aclosing(choices), aclosing(chunks):
             async for chunk in chunks:
@@ -160,51 +190,57 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     @rpc_handler
     async def CreateResponse(self, request: pb.ResponseRequest,  # noqa: N802
                              context: grpc.aio.ServicerContext) -> pb.Response:
+        call = self.call_context(context)
         if request.background:
-            return self._start_background(request).response
-        events = self._response_events(request)
+            return self._start_background(request, call).response
+        events = self._response_events(request, call)
         async with aclosing(events):
             return await responses_api.final_response(events)
 
     @rpc_handler
     async def CreateResponseStream(self, request: pb.ResponseRequest,  # noqa: N802
                                    context: grpc.aio.ServicerContext) -> None:
-        await _write_all(self._response_stream(request), context)
+        await _write_all(self._response_stream(request, self.call_context(context)), context)
 
     @rpc_handler
     async def CreateResponseEvents(self, request: pb.ResponseRequest,  # noqa: N802
                                    context: grpc.aio.ServicerContext) -> None:
-        await write_events(self._response_stream(request), context,
+        await write_events(self._response_stream(request, self.call_context(context)), context,
                            name=lambda event: event.type)
 
-    def _response_stream(
-            self, request: pb.ResponseRequest) -> AsyncGenerator[pb.ResponseStreamEvent, None]:
+    def _response_stream(self, request: pb.ResponseRequest, call: CallContext,
+                         ) -> AsyncGenerator[pb.ResponseStreamEvent, None]:
         if request.background:  # the client reads along; it may leave and come back
-            return self._background_runs().follow(self._start_background(request).response.id)
-        return self._response_events(request)
+            started = self._start_background(request, call)
+            return self._background_runs().follow(started.response.id)
+        return self._response_events(request, call)
 
-    async def _response_events(
-            self, request: pb.ResponseRequest) -> AsyncGenerator[pb.ResponseStreamEvent, None]:
+    async def _response_events(self, request: pb.ResponseRequest, call: CallContext,
+                               ) -> AsyncGenerator[pb.ResponseStreamEvent, None]:
         store = self.responses if not request.HasField("store") or request.store else None
-        prepared, events = self._prepare_response(request, store is not None)
+        prepared, events = self._prepare_response(request, store is not None, call)
         async with aclosing(events):
             async for event in events:
                 if store is not None and event.type in responses_api.FINAL_EVENTS:
                     store.put(dataclasses.replace(prepared, response=event.response))
                 yield event
 
-    def _start_background(self, request: pb.ResponseRequest) -> StoredResponse:
+    def _start_background(self, request: pb.ResponseRequest,
+                          call: CallContext) -> StoredResponse:
         if request.HasField("store") and not request.store:
             raise InvalidArgument("background needs store: a background response is read "
                                   "back with GET /v1/responses/{id}; leave store out or "
                                   "set it true")
         runs = self._background_runs()
-        prepared, events = self._prepare_response(request, True)
+        # It runs on after the call: the client's deadline does not bound it.
+        prepared, events = self._prepare_response(
+            request, True, CallContext(prefill_peer=call.prefill_peer))
         prepared.response.status = "queued"
         runs.start(prepared, events)
         return prepared
 
-    def _prepare_response(self, request: pb.ResponseRequest, store: bool) -> tuple[
+    def _prepare_response(self, request: pb.ResponseRequest, store: bool,
+                          call: CallContext) -> tuple[
             StoredResponse, AsyncGenerator[pb.ResponseStreamEvent, None]]:
         """The response as it will be stored (before any output) and its events. Every
         check is made here, so that a bad request fails with its status before either."""
@@ -217,8 +253,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             responses_api.input_items(request), taken=map(response_input_items.item_id, earlier))
         shell = responses_api.response_shell(
             request, responses_api.new_response_id(self.responder),
-            self.model.response_name(chat.engine.lora_name), store)
-        events = responses_api.response_events(self._chat_chunks_of(chat_request, chat),
+            self.model.response_name(chat.request.lora_name), store)
+        events = responses_api.response_events(self._chat_chunks_of(chat_request, chat, call),
                                                request=request, shell=shell)
         return StoredResponse(shell, items, request.previous_response_id, earlier), events
 
@@ -294,24 +330,24 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     @rpc_handler
     async def ListModels(self, request: pb.ListModelsRequest,  # noqa: N802
                          context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
-        return api.models_response(self.model)
+        return models_response(self.model)
 
     @rpc_handler
     async def GetModel(self, request: pb.GetModelRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> pb.Model:
-        return api.model_card(self.model, request.model)
+        return model_card(self.model, request.model)
 
     @rpc_handler
     async def Tokenize(self, request: pb.TokenizeRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         self.model.resolve(request.model)
-        return api.tokenize_response(request, self.inputs)
+        return tokenize_response(request, self.inputs)
 
     @rpc_handler
     async def Detokenize(self, request: pb.DetokenizeRequest,  # noqa: N802
                          context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
         self.model.resolve(request.model)
-        return api.detokenize_response(request, self.inputs)
+        return detokenize_response(request, self.inputs)
 
     @rpc_handler
     async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest,  # noqa: N802

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from google.protobuf import struct_pb2
 
 from protos.tandem.v1 import generation_pb2 as pb
-from services.replica.errors import InvalidArgument, NotFound
-from services.replica.response_input_items import output_items
-from services.replica.responses_api import output_as_input
+from services.frontend.errors import InvalidArgument, NotFound
+from services.frontend.responses.input_items import output_items
+from services.frontend.responses.translate import output_as_input
 
 DEFAULT_MAX_STORED_RESPONSES = 1024
 # The statuses of a background response that may still change.

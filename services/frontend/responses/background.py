@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from protos.tandem.v1 import generation_pb2 as pb
-from services.replica.errors import FailedPrecondition, status_of
-from services.replica.response_store import RUNNING_STATUSES, ResponseStore, StoredResponse
+from services.frontend.errors import FailedPrecondition, status_of
+from services.frontend.responses.store import RUNNING_STATUSES, ResponseStore, StoredResponse
 
 KEPT_FINISHED_RUNS = 64
 

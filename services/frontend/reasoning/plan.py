@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.replica.streamed_tags import partial_tag_length
+from services.frontend.streamed_tags import partial_tag_length
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"

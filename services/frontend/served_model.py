@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.replica.errors import InvalidArgument
+from services.frontend.errors import InvalidArgument
 
 
 @dataclass(frozen=True)

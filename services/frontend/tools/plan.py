@@ -26,14 +26,14 @@ from google.protobuf import json_format
 
 from engine_common.structured_output.spec import StructuredOutputSpec
 from protos.tandem.v1 import generation_pb2 as pb
-from services.replica.errors import InvalidArgument
-from services.replica.tool_call_parsers import (
+from services.frontend.errors import InvalidArgument
+from services.frontend.tools.parsers import (
     HERMES_FORMAT,
     CallStream,
     call_stream,
     new_tool_call_id,
 )
-from services.replica.validation import struct_to_dict
+from services.frontend.validation import struct_to_dict
 
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # OpenAI: "omitting parameters defines a function with an empty parameter list". An empty

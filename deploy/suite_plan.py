@@ -1,0 +1,137 @@
+"""What `tandem up` starts: the suite's processes, their flags and ports.
+
+Owns the process plan (which replicas, gateway and Envoy to start, on which ports, with which
+flags and CPU shares) as ``ProcessSpec``s, and the endpoints to print. It does not start
+anything (``supervisor``) or own what the processes do: each is a normal `python -m ...`
+entry point.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine_common.config import ModelSettings
+from services.model_settings import model_settings_args
+from services.replica.cpu_binding import SHARED
+
+
+@dataclass
+class ProcessSpec:
+    name: str
+    argv: list[str]
+    grpc_target: str | None  # checked for health; None: a process without gRPC health
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class SuiteConfig:
+    model: str | None = None  # None: the default model
+    num_prefill: int = 1
+    num_decode: int = 1
+    num_both: int = 0
+    host: str = "127.0.0.1"
+    base_port: int = 50100  # replicas take base_port, base_port + 1, ...
+    gateway_port: int = 50051
+    metrics_base_port: int = 9100
+    kv_cache_memory: str = "512MiB"
+    gateway: bool = True
+    envoy: bool = False
+    envoy_http_port: int = 8080
+    # Envoy requires one of the API keys in this file (one per line) on every request.
+    envoy_api_key_file: Path | None = None
+    extra_replica_args: list[str] = field(default_factory=list)
+    # The replicas' and the gateway's chat template, tool-call syntax and sampling defaults.
+    model_settings: ModelSettings = field(default_factory=ModelSettings)
+    # Give each replica its own share of this machine's CPUs (``--cpus``), so that replicas
+    # compute side by side instead of time-slicing the same cores.
+    pin_cpus: bool = False
+
+
+def split_cpus(cpus: list[int], parts: int) -> list[list[int]]:
+    """``cpus`` cut into ``parts`` contiguous shares, as even as can be."""
+    if parts > len(cpus):
+        raise ValueError(f"pinning {parts} replicas needs at least {parts} CPUs; "
+                         f"this process may use {len(cpus)}")
+    size, extra = divmod(len(cpus), parts)
+    shares, start = [], 0
+    for i in range(parts):
+        end = start + size + (1 if i < extra else 0)
+        shares.append(cpus[start:end])
+        start = end
+    return shares
+
+
+def replica_cpu_args(roles: list[str], pin_cpus: bool) -> list[list[str]]:
+    """Each replica's CPU flags. Pinned, a replica gets its share (``--cpus``); within it a
+    decoding replica with two or more CPUs then keeps one for its frontend by itself
+    (``--engine-cpus auto``). Unpinned, several decoding replicas would each put their engine
+    core on the same CPUs (all but the first), so they share every CPU instead."""
+    if pin_cpus:
+        shares = split_cpus(sorted(os.sched_getaffinity(0)), len(roles))
+        return [["--cpus", ",".join(map(str, share))] for share in shares]
+    decoding = sum(role != "prefill" for role in roles)
+    return [["--engine-cpus", SHARED] if role != "prefill" and decoding > 1 else []
+            for role in roles]
+
+
+@dataclass
+class Suite:
+    specs: list[ProcessSpec]
+    endpoints: dict[str, str]
+
+
+def plan_suite(cfg: SuiteConfig) -> Suite:
+    py = sys.executable
+    specs: list[ProcessSpec] = []
+    endpoints: dict[str, str] = {}
+    replica_targets = []
+    roles = ["prefill"] * cfg.num_prefill + ["decode"] * cfg.num_decode + ["both"] * cfg.num_both
+    if not roles:
+        raise ValueError("the suite needs at least one replica")
+    # What the replicas and the gateway must agree on: the model, how chats render and tool
+    # calls parse, and the requests' sampling defaults.
+    model_args = [*(["--model", cfg.model] if cfg.model else []),
+                  *model_settings_args(cfg.model_settings)]
+    cpu_args = replica_cpu_args(roles, cfg.pin_cpus)
+    for i, role in enumerate(roles):
+        port = cfg.base_port + i
+        name = f"{role}-{i}"
+        target = f"{cfg.host}:{port}"
+        replica_targets.append(target)
+        specs.append(ProcessSpec(
+            name=name,
+            argv=[py, "-m", "services.replica", *model_args, "--role", role, "--host", cfg.host,
+                  "--port", str(port), "--metrics-port", str(cfg.metrics_base_port + i),
+                  "--engine-id", name, "--kv-cache-memory", cfg.kv_cache_memory,
+                  *cpu_args[i], *cfg.extra_replica_args],
+            grpc_target=target,
+        ))
+        endpoints[f"replica {name} (gRPC)"] = target
+        endpoints[f"replica {name} (metrics)"] = f"http://{cfg.host}:{cfg.metrics_base_port + i}/metrics"
+    if cfg.gateway:
+        gw_target = f"{cfg.host}:{cfg.gateway_port}"
+        replica_flags = [arg for t in replica_targets for arg in ("--replica", t)]
+        specs.append(ProcessSpec(
+            name="gateway",
+            argv=[py, "-m", "gateway", *model_args, "--host", cfg.host, "--port", str(cfg.gateway_port),
+                  "--metrics-port", str(cfg.metrics_base_port + len(roles)), *replica_flags],
+            grpc_target=gw_target,
+        ))
+        endpoints["gateway (gRPC, tandem.v1.Generation)"] = gw_target
+        endpoints["gateway (metrics)"] = (
+            f"http://{cfg.host}:{cfg.metrics_base_port + len(roles)}/metrics")
+    if cfg.envoy:
+        upstream = f"{cfg.host}:{cfg.gateway_port}" if cfg.gateway else replica_targets[0]
+        specs.append(ProcessSpec(
+            name="envoy",
+            argv=[py, "-m", "deploy.envoy_runner", "--http-port", str(cfg.envoy_http_port),
+                  "--upstream", upstream, "--listen-host", cfg.host,
+                  *(["--api-key-file", str(cfg.envoy_api_key_file)]
+                    if cfg.envoy_api_key_file else [])],
+            grpc_target=None,
+        ))
+        endpoints["envoy (HTTP, OpenAI-compatible)"] = f"http://{cfg.host}:{cfg.envoy_http_port}/v1"
+    return Suite(specs, endpoints)

@@ -1,0 +1,1 @@
+"""OpenAI's completions API: a request resolved (``request``) and its answer (``response``)."""
