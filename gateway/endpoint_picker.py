@@ -44,6 +44,7 @@ import grpc.aio
 from google.protobuf import json_format, struct_pb2
 from google.protobuf.message import Message
 
+from engine_common.block_hash import BlockHash
 from engine_common.input_processor import InputProcessor
 from gateway.load import LoadTracker
 from gateway.metrics import GatewayMetrics
@@ -60,11 +61,16 @@ from protos.third_party.envoy.type.v3 import http_status_pb2
 from services.frontend.chat.request import chat_to_engine_request
 from services.frontend.completions.request import completion_to_engine_request
 from services.frontend.responses import translate as responses_api
+from services.frontend.routing_headers import (
+    PREFILL_FALLBACK,
+    PREFILL_OUTCOME_HEADER,
+    PREFILL_PEER_HEADER,
+    PREFILL_REMOTE,
+)
 
 logger = logging.getLogger(__name__)
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
-PREFILL_HEADER = "x-prefiller-host-port"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
@@ -107,6 +113,8 @@ class Choice:
     status: int
     destination: str = ""
     prefill: str = ""
+    # The prompt's block hashes, as the pick expects them on its replicas.
+    block_hashes: tuple[BlockHash, ...] = ()
     message: str = ""
 
 
@@ -266,7 +274,8 @@ class EndpointChooser:
             prefill = decision.prefill.address
             self.metrics.picks.labels(prefill, "prefill").inc()
             self.index.expect(prefill, snapshot.block_hashes)
-        return Choice(200, decision.decode.address, prefill)
+        return Choice(200, decision.decode.address, prefill, block_hashes=tuple(
+            snapshot.block_hashes))
 
 
 def _header_map(headers: base_pb2.HeaderMap) -> dict[str, str]:
@@ -294,9 +303,9 @@ def _set_header(name: str, value: str) -> base_pb2.HeaderValueOption:
 def routing_mutation(choice: Choice) -> ep.HeaderMutation:
     mutation = ep.HeaderMutation(set_headers=[_set_header(DESTINATION_HEADER, choice.destination)])
     if choice.prefill:
-        mutation.set_headers.append(_set_header(PREFILL_HEADER, choice.prefill))
+        mutation.set_headers.append(_set_header(PREFILL_PEER_HEADER, choice.prefill))
     else:
-        mutation.remove_headers.append(PREFILL_HEADER)
+        mutation.remove_headers.append(PREFILL_PEER_HEADER)
     return mutation
 
 
@@ -373,6 +382,7 @@ class _Exchange:
                 headers_phase=self.duplex_request, body_end=False)
             return replies + [ep.ProcessingResponse(request_trailers=ep.TrailersResponse())]
         if kind == "response_headers":
+            self._prefill_outcome(_header_map(message.response_headers.headers))
             return [ep.ProcessingResponse(response_headers=ep.HeadersResponse())]
         if kind == "response_body":
             if self.duplex_response:
@@ -385,6 +395,20 @@ class _Exchange:
         if kind == "response_trailers":
             return [ep.ProcessingResponse(response_trailers=ep.TrailersResponse())]
         return []
+
+    def _prefill_outcome(self, headers: dict[str, str]) -> None:
+        """A P/D pick's decode replica says where the prompt's KV came from: unless the
+        prefill replica computed it, its blocks are not there, and the index must not count
+        them (``expect``)."""
+        choice = self.choice
+        outcome = headers.get(PREFILL_OUTCOME_HEADER)
+        if choice is None or not choice.prefill or outcome is None:
+            return
+        kind = outcome.partition(":")[0]
+        self.chooser.metrics.prefill_outcomes.labels(
+            outcome[:64] if kind == PREFILL_FALLBACK else PREFILL_REMOTE).inc()
+        if kind != PREFILL_REMOTE:
+            self.chooser.index.retract(choice.prefill, choice.block_hashes)
 
     def _route(self, headers_phase: bool, body_end: bool) -> list[ep.ProcessingResponse]:
         content_type = self.headers.get("content-type", "")

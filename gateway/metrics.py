@@ -59,6 +59,11 @@ class GatewayMetrics:
         self.replicas = Gauge(
             "tandem:gateway_replicas", "Known replicas by role and health.",
             ["role", "healthy"], registry=reg)
+        self.prefill_outcomes = Counter(
+            "tandem:gateway_prefill_outcomes",
+            "P/D picks by how the decode replica got the prompt's KV (remote, or the fallback "
+            "reason); the picker reads it from the decode replica's response headers.",
+            ["outcome"], registry=reg)
         self.no_replica = Counter(
             "tandem:gateway_no_replica", "Requests refused because no replica was usable.",
             registry=reg)

@@ -32,7 +32,7 @@ from engine_common.input_processor import InputProcessor
 from gateway.endpoint_picker import (
     DESTINATION_HEADER,
     LB_NAMESPACE,
-    PREFILL_HEADER,
+    PREFILL_PEER_HEADER,
     Choice,
     SheddingPolicy,
     is_saturated,
@@ -168,10 +168,10 @@ def test_answers_follow_the_endpoint_picker_protocol() -> None:
     aggregated = routing_mutation(Choice(200, "10.0.0.5:50051"))
     assert [(h.header.key, h.header.raw_value) for h in aggregated.set_headers] == [
         (DESTINATION_HEADER, b"10.0.0.5:50051")]
-    assert list(aggregated.remove_headers) == [PREFILL_HEADER]  # a client's copy goes
+    assert list(aggregated.remove_headers) == [PREFILL_PEER_HEADER]  # a client's copy goes
     disaggregated = routing_mutation(Choice(200, "10.0.0.5:50051", "10.0.0.9:50051"))
     assert (disaggregated.set_headers[1].header.key, disaggregated.set_headers[1].header.raw_value
-            ) == (PREFILL_HEADER, b"10.0.0.9:50051")
+            ) == (PREFILL_PEER_HEADER, b"10.0.0.9:50051")
     assert all(h.append_action == base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
                for h in disaggregated.set_headers)
     metadata = routing_metadata(Choice(200, "10.0.0.5:50051"))

@@ -215,3 +215,87 @@ def test_bad_prefill_requests_get_clear_errors(pd, message, code, words):
         stub(decode.target).Prefill(epb.PrefillRequest(request_id="y", prompt_token_ids=[5]), timeout=30)
     assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     wait_all_free(prefill.target)
+
+
+def complete(target: str, prompt: list[int], max_tokens: int,
+             metadata: tuple[tuple[str, str], ...] = ()):
+    """The public Complete API (as Envoy's transcoder calls it) with ``metadata``; the
+    response and its initial metadata."""
+    from google.protobuf import struct_pb2
+
+    from protos.tandem.v1 import generation_pb2 as pb
+    from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
+
+    request = pb.CompletionRequest(
+        prompt=struct_pb2.Value(list_value=struct_pb2.ListValue(
+            values=[struct_pb2.Value(number_value=t) for t in prompt])),
+        max_tokens=max_tokens, min_tokens=max_tokens, temperature=0,
+        return_token_ids=True)
+    with grpc.insecure_channel(target) as channel:
+        call = pb_grpc.GenerationStub(channel).Complete.with_call(
+            request, metadata=metadata, timeout=120)
+    response, rpc = call
+    return [int(t) for t in response.choices[0].token_ids], dict(rpc.initial_metadata())
+
+
+def test_the_endpoint_pickers_prefill_choice_is_honoured_on_the_public_api(pd, offline):
+    """Behind Envoy and the endpoint picker, a decode replica gets its prefill peer as the
+    ``x-prefiller-host-port`` header (llm-d's): it runs decode-first P/D with it, the prefill
+    replica really computes the prompt, and the answer's headers say so."""
+    prefill, decode = pd
+    rng = random.Random(21)
+    vocab = offline.core.arch.vocab_size
+    prompt = [rng.randrange(3, vocab) for _ in range(70)]
+    [want] = [r.token_ids for r in offline.generate([prompt], SamplingParams(
+        temperature=0, max_tokens=8, min_tokens=8))]
+    bytes_before = metric(decode.metrics_url, "tandem:kv_transfer_bytes_total")
+    prompts_before = metric(prefill.metrics_url, "vllm:prompt_tokens_total")
+    tokens, headers = complete(decode.target, prompt, 8,
+                               (("x-prefiller-host-port", prefill.target),))
+    assert tokens == want
+    assert headers.get("x-tandem-prefill") == "remote"
+    assert metric(decode.metrics_url, "tandem:kv_transfer_bytes_total") > bytes_before
+    assert metric(prefill.metrics_url, "vllm:prompt_tokens_total") >= prompts_before + len(prompt)
+    wait_all_free(prefill.target, decode.target)
+
+
+def test_the_prefill_header_falls_back_when_the_peer_is_dead(pd, offline):
+    prefill, decode = pd
+    prompt = list(range(5, 45))
+    [want] = [r.token_ids for r in offline.generate([prompt], SamplingParams(
+        temperature=0, max_tokens=5, min_tokens=5))]
+    before = metric(decode.metrics_url, "tandem:kv_transfer_fallbacks_total")
+    dead = f"127.0.0.1:{free_dead_port()}"
+    tokens, headers = complete(decode.target, prompt, 5, (("x-prefiller-host-port", dead),))
+    assert tokens == want
+    assert headers.get("x-tandem-prefill", "").startswith("fallback:")
+    assert metric(decode.metrics_url, "tandem:kv_transfer_fallbacks_total") == before + 1
+    wait_all_free(decode.target)
+
+
+def free_dead_port() -> int:
+    from tests.replica_process import free_port
+
+    return free_port()
+
+
+@pytest.mark.parametrize("value", ["prefill", "10.0.0.1:99999", "a b:80", "x" * 5000 + ":1"])
+def test_a_malformed_prefill_header_is_refused_clearly(pd, value):
+    _, decode = pd
+    with pytest.raises(grpc.RpcError) as error:
+        complete(decode.target, [5, 6, 7], 2, (("x-prefiller-host-port", value),))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "x-prefiller-host-port must be HOST:PORT" in error.value.details()
+    assert len(error.value.details()) < 300  # never the whole value back
+
+
+def test_the_prefill_header_is_ignored_by_a_prefill_replica(pd, offline):
+    prefill, decode = pd
+    before = metric(prefill.metrics_url, "tandem:kv_transfer_fallbacks_total")
+    tokens, headers = complete(prefill.target, [5, 6, 7, 8], 3,
+                               (("x-prefiller-host-port", decode.target),))
+    [want] = [r.token_ids for r in offline.generate([[5, 6, 7, 8]], SamplingParams(
+        temperature=0, max_tokens=3, min_tokens=3))]
+    assert tokens == want and "x-tandem-prefill" not in headers
+    assert metric(prefill.metrics_url, "tandem:kv_transfer_fallbacks_total") == before
+    wait_all_free(prefill.target)

@@ -29,11 +29,14 @@ class CallContext:
     ``x-prefiller-host-port``, or by the gateway). ``routes``: an engine that routes (the
     gateway) remembers here where the call's earlier streams went, so that the ``n`` choices
     of one prompt land on one replica's prefix cache; nothing else reads it.
+    ``response_headers``: what the engine has the public call answer in its response
+    headers, sent before the first response (``routing_headers``).
     """
 
     deadline: float | None = None
     prefill_peer: str | None = None
     routes: dict[Hashable, Any] = field(default_factory=dict)
+    response_headers: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def within(cls, seconds: float | None, prefill_peer: str | None = None) -> CallContext:

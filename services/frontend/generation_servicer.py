@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
+from typing import TypeVar
 
 import grpc.aio
 from google.protobuf import struct_pb2
@@ -55,6 +56,7 @@ from services.frontend.responses.store import ResponseStore, StoredResponse
 from services.frontend.served_model import ServedModel
 from services.frontend.server_sent_events import write_events
 
+M = TypeVar("M", bound=Message)
 CallContextFn = Callable[[grpc.aio.ServicerContext], CallContext]
 
 
@@ -90,25 +92,30 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         plan = completion_to_engine_request(request, self.inputs,
                                                 self.model.resolve(request.model))
         response_id = new_completion_id()
-        choices = generate_choices(self.generate, response_id, plan.requests,
-                                   self.call_context(context))
+        call = self.call_context(context)
+        choices = generate_choices(self.generate, response_id, plan.requests, call)
         async with aclosing(choices):
-            return await completion_response(
+            response = await completion_response(
                 choices, response_id=response_id,
                 model=self.model.response_name(plan.lora_name),
                 logprobs=plan.params.logprobs is not None, num_choices=plan.num_choices,
                 choices_per_prompt=plan.params.n, echoes=plan.echoes,
                 prompt_logprobs=plan.prompt_logprobs, prompt_token_ids=plan.prompt_token_ids)
+        await _send_headers(call, context)
+        return response
 
     @rpc_handler
     async def CompleteStream(self, request: pb.CompletionRequest,  # noqa: N802
                              context: grpc.aio.ServicerContext) -> None:
-        await _write_all(self._completion_chunks(request, self.call_context(context)), context)
+        call = self.call_context(context)
+        await _write_all(_headed(self._completion_chunks(request, call), call, context), context)
 
     @rpc_handler
     async def CompleteEvents(self, request: pb.CompletionRequest,  # noqa: N802
                              context: grpc.aio.ServicerContext) -> None:
-        await write_events(self._completion_chunks(request, self.call_context(context)), context)
+        call = self.call_context(context)
+        await write_events(_headed(self._completion_chunks(request, call), call, context),
+                           context)
 
     async def _completion_chunks(self, request: pb.CompletionRequest, call: CallContext,
                                  ) -> AsyncGenerator[pb.CompletionResponse, None]:
@@ -134,26 +141,30 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         chat = chat_to_engine_request(request, self.inputs,
                                           self.model.resolve(request.model))
         response_id = new_chat_completion_id()
-        choices = generate_choices(self.generate, response_id, [chat.request],
-                                   self.call_context(context))
+        call = self.call_context(context)
+        choices = generate_choices(self.generate, response_id, [chat.request], call)
         async with aclosing(choices):
-            return await chat_response(
+            response = await chat_response(
                 choices, response_id=response_id,
                 model=self.model.response_name(chat.request.lora_name),
                 logprobs=chat.request.params.logprobs is not None,
                 num_choices=chat.request.params.n, tools=chat.tools, reasoning=chat.reasoning,
                 prompt_logprobs=chat.request.params.prompt_logprobs,
                 prompt_token_ids=chat.request.prompt_token_ids if chat.return_token_ids else None)
+        await _send_headers(call, context)
+        return response
 
     @rpc_handler
     async def ChatCompleteStream(self, request: pb.ChatCompletionRequest,  # noqa: N802
                                  context: grpc.aio.ServicerContext) -> None:
-        await _write_all(self._chat_chunks(request, self.call_context(context)), context)
+        call = self.call_context(context)
+        await _write_all(_headed(self._chat_chunks(request, call), call, context), context)
 
     @rpc_handler
     async def ChatCompleteEvents(self, request: pb.ChatCompletionRequest,  # noqa: N802
                                  context: grpc.aio.ServicerContext) -> None:
-        await write_events(self._chat_chunks(request, self.call_context(context)), context)
+        call = self.call_context(context)
+        await write_events(_headed(self._chat_chunks(request, call), call, context), context)
 
     async def _chat_chunks(
             self, request: pb.ChatCompletionRequest, call: CallContext,
@@ -195,18 +206,22 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             return self._start_background(request, call).response
         events = self._response_events(request, call)
         async with aclosing(events):
-            return await responses_api.final_response(events)
+            response = await responses_api.final_response(events)
+        await _send_headers(call, context)
+        return response
 
     @rpc_handler
     async def CreateResponseStream(self, request: pb.ResponseRequest,  # noqa: N802
                                    context: grpc.aio.ServicerContext) -> None:
-        await _write_all(self._response_stream(request, self.call_context(context)), context)
+        call = self.call_context(context)
+        await _write_all(_headed(self._response_stream(request, call), call, context), context)
 
     @rpc_handler
     async def CreateResponseEvents(self, request: pb.ResponseRequest,  # noqa: N802
                                    context: grpc.aio.ServicerContext) -> None:
-        await write_events(self._response_stream(request, self.call_context(context)), context,
-                           name=lambda event: event.type)
+        call = self.call_context(context)
+        await write_events(_headed(self._response_stream(request, call), call, context),
+                           context, name=lambda event: event.type)
 
     def _response_stream(self, request: pb.ResponseRequest, call: CallContext,
                          ) -> AsyncGenerator[pb.ResponseStreamEvent, None]:
@@ -364,6 +379,27 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise runtime_updates_off()
         message, names = await self.lora_updates.unload(request.lora_name)
         return pb.LoraAdapterResponse(message=message, lora_adapters=names)
+
+
+async def _send_headers(call: CallContext, context: grpc.aio.ServicerContext) -> None:
+    """The response headers the engine set for the call (``CallContext.response_headers``),
+    sent as the call's initial metadata."""
+    if call.response_headers:
+        await context.send_initial_metadata(tuple(call.response_headers.items()))
+
+
+async def _headed(chunks: AsyncGenerator[M, None], call: CallContext,
+                  context: grpc.aio.ServicerContext) -> AsyncGenerator[M, None]:
+    """``chunks``, with the call's response headers sent just before the first (the engine
+    sets them by then: a decode replica knows how the prompt's KV got there before its
+    first token)."""
+    async with aclosing(chunks):
+        first = True
+        async for chunk in chunks:
+            if first:
+                await _send_headers(call, context)
+                first = False
+            yield chunk
 
 
 async def _write_all(chunks: AsyncGenerator[Message, None],

@@ -29,6 +29,7 @@ from services.frontend.engine_seam import (
     TokenChoice,
 )
 from services.frontend.errors import Unavailable
+from services.frontend.routing_headers import PREFILL_OUTCOME_HEADER, prefill_outcome
 from services.replica.admission import Admission
 from services.replica.prefill_peers import PrefillFailed, PrefillPeers
 
@@ -51,6 +52,9 @@ class LocalEngine:
             if self.llm.dead_reason is not None:
                 raise Unavailable(f"the engine is not running: {self.llm.dead_reason}")
             remote, report = await self._remote_prefill(request_id, request, peer)
+            if peer:  # the public call tells the endpoint picker where the prefill ran
+                call.response_headers[PREFILL_OUTCOME_HEADER] = prefill_outcome(
+                    None if report is None else report.fallback_reason)
             # An async generator, though annotated as an iterator: it must be closed (which
             # aborts the request) as soon as this one is.
             outputs = cast(AsyncGenerator[RequestOutput, None], self.llm.generate(

@@ -27,8 +27,10 @@ from engine_common.async_llm import AsyncLLM
 from engine_common.config import EngineConfig
 from engine_common.core_process import fork_is_safe
 from protos.tandem.v1 import engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
+from services.frontend.engine_seam import CallContext
 from services.frontend.generation_servicer import GenerationServicer
 from services.frontend.responses.store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
+from services.frontend.routing_headers import PREFILL_PEER_HEADER, prefill_peer_of
 from services.frontend.served_model import ServedModel
 from services.frontend.validation import MAX_MESSAGE_BYTES
 from services.replica.admission import Admission
@@ -97,7 +99,8 @@ class ReplicaServer:
             if options.engine.model_settings.allow_runtime_lora_updating else None)
         self.generation = GenerationServicer(
             self.model, llm.inputs, self.engine.generate, lora_updates,
-            ResponseStore.sized(options.max_stored_responses), responder=info.engine_id)
+            ResponseStore.sized(options.max_stored_responses), responder=info.engine_id,
+            call_context=self._call_context)
         self.engine_servicer = EngineServicer(self.engine, options.role, self.model,
                                               lora_updates)
         generation_pb2_grpc.add_GenerationServicer_to_server(self.generation, self.server)
@@ -110,6 +113,17 @@ class ReplicaServer:
         self._metrics_http: WSGIServer | None = None
         self._forced = asyncio.Event()
         self._watchdog: asyncio.Task[None] | None = None
+
+    def _call_context(self, context: grpc.aio.ServicerContext) -> CallContext:
+        """A public call's deadline, and on a decode replica the prefill replica the endpoint
+        picker chose for it (``x-prefiller-host-port``): decode-first P/D, exactly as the
+        gateway's ``prefill_peer`` asks. Another role computes the prompt itself; a malformed
+        value is INVALID_ARGUMENT on any role."""
+        peer = prefill_peer_of(context.invocation_metadata())
+        if peer is not None and self.options.role != "decode":
+            logger.debug("ignoring %s on a %s replica", PREFILL_PEER_HEADER, self.options.role)
+            peer = None
+        return CallContext.within(context.time_remaining(), peer)
 
     @classmethod
     async def start(cls, options: ReplicaOptions) -> ReplicaServer:
