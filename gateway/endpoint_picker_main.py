@@ -55,7 +55,7 @@ class PickerOptions:
     model: str
     replicas: list[str] = field(default_factory=list)
     dns: list[DnsTarget] = field(default_factory=list)
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # loopback unless told otherwise (a pod binds 0.0.0.0)
     port: int = 9002  # the inference extension's conventional endpoint-picker port
     metrics_port: int = 0
     picker: PickerConfig = field(default_factory=PickerConfig)

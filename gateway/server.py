@@ -60,7 +60,7 @@ class GatewayOptions:
     model: str
     replicas: list[str] = field(default_factory=list)
     dns: list[DnsTarget] = field(default_factory=list)
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # loopback unless told otherwise (a pod binds 0.0.0.0)
     port: int = 50050
     metrics_port: int = 9450  # 0: no /metrics endpoint
     served_model_name: str | None = None

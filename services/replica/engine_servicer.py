@@ -46,6 +46,7 @@ from services.frontend.engine_seam import CallContext
 from services.frontend.errors import FailedPrecondition, InvalidArgument, rpc_handler
 from services.frontend.lora_updates import LoraUpdates, runtime_updates_off
 from services.frontend.served_model import ServedModel
+from services.replica.kv_address import may_advertise
 from services.replica.local_engine import LocalEngine
 
 
@@ -120,6 +121,12 @@ class EngineServicer(epb_grpc.EngineServicer):
         if not request.request_id:
             raise InvalidArgument("request_id is required: the decode replica releases the "
                                   "blocks under it")
+        kv_host = self.llm.config.kv_transfer.host
+        if not may_advertise(kv_host, context.peer()):
+            raise FailedPrecondition(
+                f"this prefill replica's KV address is {kv_host} (loopback), which a decode "
+                "replica on another host cannot reach; start it with --kv-host set to an "
+                "address other hosts reach")
         params = _one_choice(sampling_params_from_pb(request.sampling_params))
         prompt = list(request.prompt_token_ids)
         self.llm.inputs.validate_prompt(prompt, None)

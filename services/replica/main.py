@@ -35,6 +35,7 @@ from services.replica.cpu_binding import (
     pin_to_cpus,
     split_engine_cpus,
 )
+from services.replica.kv_address import resolve_kv_host
 from services.replica.server import ROLES, ReplicaOptions, serve
 
 logger = logging.getLogger("services.replica")
@@ -146,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     kv = KvTransferConfig()
     p.add_argument("--kv-host", default=None,
                    help="P/D: the address decode replicas reach this prefill replica's UCX "
-                        "listener on (default: --host, or 127.0.0.1 when that is 0.0.0.0)")
+                        "listener on, which binds only it (default: --host; required when "
+                        "--host is a wildcard such as 0.0.0.0: in Kubernetes, the pod IP)")
     p.add_argument("--kv-port", type=int, default=kv.port,
                    help="P/D: UCX listener port of a prefill replica (default: a free one)")
     p.add_argument("--kv-lease-seconds", type=float, default=kv.lease_seconds,
@@ -208,7 +210,7 @@ def options_from_args(args: argparse.Namespace) -> ReplicaOptions:
             max_num_seqs=args.max_num_seqs, policy=args.scheduling_policy),
         kv_transfer=KvTransferConfig(
             role={"prefill": "producer", "decode": "consumer"}.get(args.role),
-            host=args.kv_host or (args.host if args.host not in ("0.0.0.0", "::") else "127.0.0.1"),
+            host=resolve_kv_host(args.kv_host, args.host, args.role),
             port=args.kv_port, lease_seconds=args.kv_lease_seconds,
             pull_timeout_seconds=args.kv_pull_timeout, fallback=args.kv_fallback),
         speculative=replace(SpeculativeConfig(), num_tokens=args.speculative_ngram,

@@ -56,7 +56,8 @@ _ENGINE_CHECK_INTERVAL_S = 0.5
 class ReplicaOptions:
     engine: EngineConfig
     role: str = "both"
-    host: str = "0.0.0.0"
+    # Bind what you advertise: loopback unless told otherwise (a pod binds 0.0.0.0).
+    host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int = 9400  # 0: no /metrics endpoint
     served_model_name: str | None = None
