@@ -21,6 +21,7 @@ from gateway.server import GatewayOptions, serve
 from services.entrypoint import run_service
 from services.frontend.responses.store import STORE_HELP
 from services.model_settings import add_model_settings_args, model_settings_from_args
+from services.suite_tls import add_tls_args, tls_from_args
 
 logger = logging.getLogger("gateway")
 
@@ -78,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dns-interval", type=float, default=options.dns_interval_s,
                    help="seconds between DNS resolutions (default: %(default)s)")
     add_model_settings_args(p)
+    add_tls_args(p)
     p.add_argument("--log-level", default="INFO",
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="(default: %(default)s)")
     return p
@@ -103,7 +105,7 @@ def options_from_args(args: argparse.Namespace) -> GatewayOptions:
         retry=RetryPolicy(max_attempts=args.max_attempts, max_resumptions=args.max_resumptions),
         load_interval_s=args.load_interval, dns_interval_s=args.dns_interval,
         model_settings=model_settings_from_args(args),
-        max_stored_responses=args.max_stored_responses)
+        max_stored_responses=args.max_stored_responses, tls=tls_from_args(args))
 
 
 def main(argv: list[str] | None = None) -> int:

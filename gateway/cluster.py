@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from gateway.load import LoadTracker
 from gateway.prefix_index import PrefixIndex
 from gateway.registry import DnsTarget, ReplicaRegistry
+from services.suite_tls import SuiteTls
 
 
 @dataclass
@@ -25,8 +26,9 @@ class ClusterView:
 
     @classmethod
     def create(cls, replicas: Sequence[str], dns: Sequence[DnsTarget], *,
-               dns_interval_s: float, load_interval_s: float) -> ClusterView:
-        registry = ReplicaRegistry(replicas, dns, dns_interval_s=dns_interval_s)
+               dns_interval_s: float, load_interval_s: float,
+               tls: SuiteTls | None = None) -> ClusterView:
+        registry = ReplicaRegistry(replicas, dns, dns_interval_s=dns_interval_s, tls=tls)
         view = cls(registry, LoadTracker(interval_s=load_interval_s), PrefixIndex())
         registry.add_listener(view.loads)
         registry.add_listener(view.index)

@@ -42,6 +42,7 @@ from gateway.server import load_inputs
 from protos.third_party.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from services.entrypoint import run_service, wait_for_stop_signal
 from services.model_settings import add_model_settings_args, model_settings_from_args
+from services.suite_tls import SuiteTls, add_tls_args, tls_from_args
 
 logger = logging.getLogger("gateway.endpoint_picker")
 
@@ -65,6 +66,8 @@ class PickerOptions:
     # The replicas' model settings: the picker renders chats with their chat template and
     # hashes a LoRA adapter's prompts as they do, to route them by prefix.
     model_settings: ModelSettings = field(default_factory=ModelSettings)
+    # Mutual TLS toward the replicas; None: plaintext. The picker's own port serves Envoy.
+    tls: SuiteTls | None = None
 
     def __post_init__(self) -> None:
         if not self.replicas and not self.dns:
@@ -100,7 +103,7 @@ class EndpointPickerServer:
         metrics = GatewayMetrics()
         cluster = ClusterView.create(
             options.replicas, options.dns, dns_interval_s=options.dns_interval_s,
-            load_interval_s=options.load_interval_s)
+            load_interval_s=options.load_interval_s, tls=options.tls)
         chooser = EndpointChooser(cluster.registry, cluster.loads, cluster.index, inputs,
                                   options.picker, options.shedding, metrics,
                                   frozenset(options.model_settings.lora_modules))
@@ -185,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     # The replicas' flags: chats are routed by the prompt the chat template renders, a LoRA
     # adapter's requests by its blocks (the others are read and left alone).
     add_model_settings_args(p)
+    add_tls_args(p)
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
 
@@ -200,7 +204,8 @@ def options_from_args(args: argparse.Namespace) -> PickerOptions:
         picker=replace(PickerConfig(), prefix_weight=args.prefix_weight,
                        kv_usage_weight=args.kv_usage_weight, queue_weight=args.queue_weight),
         shedding=SheddingPolicy(args.shed_queue_depth, args.shed_kv_cache_usage),
-        dns_interval_s=args.dns_interval, model_settings=model_settings_from_args(args))
+        dns_interval_s=args.dns_interval, model_settings=model_settings_from_args(args),
+        tls=tls_from_args(args))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,7 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.tandem.v1 import engine_pb2, engine_pb2_grpc
+from services.suite_tls import SuiteTls, aio_channel
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,9 @@ class ReplicaRegistry:
         dns_interval_s: float = 5.0,
         health_service: str = "",
         retry_interval_s: float = 0.2,
+        tls: SuiteTls | None = None,
     ) -> None:
+        self._tls = tls  # the suite's mutual TLS for every replica channel; None: plaintext
         self._static = list(dict.fromkeys(static_addresses))
         self._dns_targets = list(dns_targets)
         self._dns_interval_s = dns_interval_s
@@ -201,7 +204,7 @@ class ReplicaRegistry:
             await self._resolve_once()
 
     def _add(self, address: str) -> None:
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        channel = aio_channel(address, self._tls, CHANNEL_OPTIONS)
         replica = Replica(address, channel, engine_pb2_grpc.EngineStub(channel))
         self._replicas[address] = replica
         self._monitors[address] = asyncio.create_task(

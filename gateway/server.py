@@ -18,8 +18,6 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 from wsgiref.simple_server import WSGIServer
 
-import grpc
-import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
@@ -42,9 +40,10 @@ from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 from services.entrypoint import wait_for_stop_signal
 from services.frontend.generation_servicer import GenerationServicer
+from services.frontend.grpc_server import new_server
 from services.frontend.responses.store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from services.frontend.served_model import ServedModel
-from services.frontend.validation import MAX_MESSAGE_BYTES
+from services.suite_tls import SuiteTls
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +72,9 @@ class GatewayOptions:
     model_settings: ModelSettings = field(default_factory=ModelSettings)
     # Responses kept for previous_response_id and GET /v1/responses/{id}; 0: none.
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
+    # Mutual TLS toward the replicas (they accept suite members only); None: plaintext. The
+    # gateway's own port serves clients: their edge is Envoy (API keys) or this host.
+    tls: SuiteTls | None = None
 
     def __post_init__(self) -> None:
         if not self.replicas and not self.dns:
@@ -99,7 +101,7 @@ class GatewayServer:
         self.metrics = GatewayMetrics()
         self.cluster = ClusterView.create(
             options.replicas, options.dns, dns_interval_s=options.dns_interval_s,
-            load_interval_s=options.load_interval_s)
+            load_interval_s=options.load_interval_s, tls=options.tls)
         self.proxy = EngineProxy(self.cluster.registry, self.cluster.loads, self.cluster.index,
                                  self.metrics, options.picker, options.retry)
         self.inputs = inputs
@@ -114,12 +116,7 @@ class GatewayServer:
             self.model, self.inputs, RemoteEngine(self.proxy).generate, self.lora_updates,
             ResponseStore.sized(options.max_stored_responses))
         self.health = health_aio.HealthServicer()
-        self.server = grpc.aio.server(
-            interceptors=[RequestMetricsInterceptor(self.metrics)],
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.so_reuseport", 0),
-            ])
+        self.server = new_server([RequestMetricsInterceptor(self.metrics)])
         pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

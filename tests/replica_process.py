@@ -32,6 +32,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.suite_tls import SuiteTls
+from services.suite_tls import channel as suite_channel
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT_S = 240.0
 
@@ -73,6 +76,7 @@ class ReplicaProcess:
     port: int
     metrics_port: int
     log_path: Path
+    tls: SuiteTls | None = None  # the suite's mutual TLS, when started with --tls-dir
 
     @property
     def target(self) -> str:
@@ -88,7 +92,7 @@ class ReplicaProcess:
     def health(self, service: str = "", timeout: float = 2.0) -> int:
         """The health status (a ``HealthCheckResponse.ServingStatus``); raises grpc.RpcError
         when the server does not answer."""
-        with grpc.insecure_channel(self.target) as channel:
+        with suite_channel(self.target, self.tls) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             request = health_pb2.HealthCheckRequest(service=service)
             return int(stub.Check(request, timeout=timeout).status)
@@ -197,7 +201,8 @@ def _launch(model_dir: Path, log_dir: Path, name: str, args: list[str],
     with open(log_path, "ab") as log:
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    return ReplicaProcess(process, port, metrics_port, log_path)
+    tls = SuiteTls.load(Path(args[args.index("--tls-dir") + 1])) if "--tls-dir" in args else None
+    return ReplicaProcess(process, port, metrics_port, log_path, tls)
 
 
 def _wait_serving(replica: ReplicaProcess, deadline: float) -> None:

@@ -46,14 +46,18 @@ from services.frontend.engine_seam import CallContext
 from services.frontend.errors import FailedPrecondition, InvalidArgument, rpc_handler
 from services.frontend.lora_updates import LoraUpdates, runtime_updates_off
 from services.frontend.served_model import ServedModel
+from services.replica.callers import CallerScopes, caller_of
 from services.replica.kv_address import may_advertise
 from services.replica.local_engine import LocalEngine
 
 
 class EngineServicer(epb_grpc.EngineServicer):
     def __init__(self, engine: LocalEngine, role: str, model: ServedModel,
-                 lora_updates: LoraUpdates | None = None):
+                 lora_updates: LoraUpdates | None = None,
+                 callers: CallerScopes | None = None):
         self.engine = engine
+        # Whose work is whose (Abort, ReleaseKv) and how much one caller may pin.
+        self.callers = callers or CallerScopes(max_pinned_blocks=engine.llm.info.num_blocks)
         self.llm = engine.llm
         self.role = role
         self.model = model
@@ -70,13 +74,17 @@ class EngineServicer(epb_grpc.EngineServicer):
         peer = request.prefill_peer if request.HasField("prefill_peer") and not resumed else None
         call = CallContext.within(context.time_remaining(), peer)
         return_token_ids = request.output_options.return_token_ids
-        async with aclosing(self.engine.generate(request_id, generation, call)) as deltas:
-            async for delta in deltas:
-                response = delta_to_response(delta, request_id, return_token_ids)
-                # Resumed tokens were sent by the replica that died: they count as output.
-                response.prompt_tokens -= resumed
-                response.completion_tokens += resumed
-                await context.write(response)
+        self.callers.started(request_id, caller_of(context.peer()))
+        try:
+            async with aclosing(self.engine.generate(request_id, generation, call)) as deltas:
+                async for delta in deltas:
+                    response = delta_to_response(delta, request_id, return_token_ids)
+                    # Resumed tokens were sent by the replica that died: they count as output.
+                    response.prompt_tokens -= resumed
+                    response.completion_tokens += resumed
+                    await context.write(response)
+        finally:
+            self.callers.finished(request_id)
 
     def _generation_request(self, request: epb.GenerateRequest) -> GenerationRequest:
         params = _one_choice(sampling_params_from_pb(request.sampling_params))
@@ -115,27 +123,19 @@ class EngineServicer(epb_grpc.EngineServicer):
     @rpc_handler
     async def Prefill(self, request: epb.PrefillRequest,  # noqa: N802
                       context: grpc.aio.ServicerContext) -> epb.PrefillResponse:
-        if self.role != "prefill":
-            raise FailedPrecondition(
-                f"this replica's role is {self.role}; Prefill is served by prefill replicas")
-        if not request.request_id:
-            raise InvalidArgument("request_id is required: the decode replica releases the "
-                                  "blocks under it")
-        kv_host = self.llm.config.kv_transfer.host
-        if not may_advertise(kv_host, context.peer()):
-            raise FailedPrecondition(
-                f"this prefill replica's KV address is {kv_host} (loopback), which a decode "
-                "replica on another host cannot reach; start it with --kv-host set to an "
-                "address other hosts reach")
+        self._check_prefill_caller(request, context.peer())
         params = _one_choice(sampling_params_from_pb(request.sampling_params))
         prompt = list(request.prompt_token_ids)
         self.llm.inputs.validate_prompt(prompt, None)
         self.llm.inputs.check_sampling_token_ids(params)
         await self.llm.check_structured_output(params)
+        caller, blocks = caller_of(context.peer()), -(-len(prompt) // self.llm.info.block_size)
+        self.callers.check_pin(caller, blocks)
         with self.engine.admission.admit(request.request_id):
             output, handle = await self.llm.prefill(request.request_id, GenerationRequest(
                 prompt, params, request.priority, request.cache_salt or None,
                 self._lora_name(request.lora_name)))
+        self.callers.pin(request.request_id, caller, blocks, handle.lease_deadline)
         response = epb.PrefillResponse(
             request_id=request.request_id, first_token_id=output.new_token_ids[0],
             kv_handle=kv_handle_to_pb(handle, self.llm.info.kv_layout, output.num_cached_tokens))
@@ -145,6 +145,20 @@ class EngineServicer(epb_grpc.EngineServicer):
         response.prompt_logprobs.extend(position_to_pb(p) for p in delta.prompt_logprobs or ())
         return response
 
+    def _check_prefill_caller(self, request: epb.PrefillRequest, peer: str) -> None:
+        if self.role != "prefill":
+            raise FailedPrecondition(
+                f"this replica's role is {self.role}; Prefill is served by prefill replicas")
+        if not request.request_id:
+            raise InvalidArgument("request_id is required: the decode replica releases the "
+                                  "blocks under it")
+        kv_host = self.llm.config.kv_transfer.host
+        if not may_advertise(kv_host, peer):
+            raise FailedPrecondition(
+                f"this prefill replica's KV address is {kv_host} (loopback), which a decode "
+                "replica on another host cannot reach; start it with --kv-host set to an "
+                "address other hosts reach")
+
     @rpc_handler
     async def ReleaseKv(self, request: epb.ReleaseKvRequest,  # noqa: N802
                         context: grpc.aio.ServicerContext) -> epb.ReleaseKvResponse:
@@ -153,13 +167,17 @@ class EngineServicer(epb_grpc.EngineServicer):
         if request.engine_id and request.engine_id != self.llm.info.engine_id:
             # A handle of an earlier incarnation of this replica: nothing of it is held.
             return epb.ReleaseKvResponse(released=False)
+        self.callers.check_release(request.request_id, caller_of(context.peer()))
         self.llm.release_kv(request.request_id)
+        self.callers.released(request.request_id)
         return epb.ReleaseKvResponse(released=True)
 
     @rpc_handler
     async def Abort(self, request: epb.AbortRequest,  # noqa: N802
                     context: grpc.aio.ServicerContext) -> epb.AbortResponse:
-        return epb.AbortResponse(aborted_request_ids=self.engine.abort(request.request_ids))
+        # Only the caller's own Generate requests: another caller's ids are not its to stop.
+        own = self.callers.abortable(list(request.request_ids), caller_of(context.peer()))
+        return epb.AbortResponse(aborted_request_ids=self.engine.abort(own))
 
     @rpc_handler
     async def GetLoad(self, request: epb.GetLoadRequest,  # noqa: N802

@@ -37,6 +37,7 @@ from services.replica.cpu_binding import (
 )
 from services.replica.kv_address import resolve_kv_host
 from services.replica.server import ROLES, ReplicaOptions, serve
+from services.suite_tls import add_tls_args, tls_from_args
 
 logger = logging.getLogger("services.replica")
 
@@ -155,9 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="P/D: pinned blocks nobody pulls are freed after this (default: %(default)s)")
     p.add_argument("--kv-pull-timeout", type=float, default=kv.pull_timeout_seconds,
                    help="P/D: seconds a decode replica waits for a KV pull (default: %(default)s)")
+    p.add_argument("--kv-max-pinned-fraction", type=float, default=options.max_pinned_fraction,
+                   help="P/D: the share of a prefill replica's KV blocks one caller may keep "
+                        "pinned for pulls; more is RESOURCE_EXHAUSTED (default: %(default)s)")
     p.add_argument("--kv-fallback", default=kv.fallback, choices=("recompute", "fail"),
                    help="P/D: when the prefill replica or the transfer fails, recompute the "
                         "prefill here, or fail the request (default: %(default)s)")
+    add_tls_args(p)
     p.add_argument("--log-level", default="INFO",
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="(default: %(default)s)")
     return p
@@ -222,7 +227,8 @@ def options_from_args(args: argparse.Namespace) -> ReplicaOptions:
         engine=engine, role=args.role, host=args.host, port=args.port,
         metrics_port=args.metrics_port, served_model_name=args.served_model_name,
         max_waiting=args.max_waiting, shutdown_grace_s=args.shutdown_grace,
-        max_stored_responses=args.max_stored_responses)
+        max_stored_responses=args.max_stored_responses, tls=tls_from_args(args),
+        max_pinned_fraction=args.kv_max_pinned_fraction)
 
 
 def _ngram_range(text: str) -> tuple[int, int]:

@@ -24,6 +24,7 @@ from services.engine_api.messages import (
     sampling_params_to_pb,
     token_logprobs_from_pb,
 )
+from services.suite_tls import SuiteTls, aio_channel
 
 logger = logging.getLogger(__name__)
 
@@ -37,15 +38,18 @@ class PrefillFailed(Exception):
 
 
 class PrefillPeers:
-    def __init__(self, timeout_s: float = 120.0) -> None:
+    def __init__(self, timeout_s: float = 120.0, tls: SuiteTls | None = None) -> None:
         self.timeout_s = timeout_s
+        # With the suite's mutual TLS, only a suite member's certificate is accepted: a
+        # request naming any other address fails its Prefill and falls back.
+        self.tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._releases: set[asyncio.Task[None]] = set()
 
     def _stub(self, peer: str) -> epb_grpc.EngineStub:
         channel = self._channels.get(peer)
         if channel is None:
-            channel = self._channels[peer] = grpc.aio.insecure_channel(peer)
+            channel = self._channels[peer] = aio_channel(peer, self.tls)
         return epb_grpc.EngineStub(channel)
 
     async def prefill(self, peer: str, request_id: str,

@@ -29,15 +29,17 @@ from engine_common.core_process import fork_is_safe
 from protos.tandem.v1 import engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
 from services.frontend.engine_seam import CallContext
 from services.frontend.generation_servicer import GenerationServicer
+from services.frontend.grpc_server import new_server
 from services.frontend.responses.store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from services.frontend.routing_headers import PREFILL_PEER_HEADER, prefill_peer_of
 from services.frontend.served_model import ServedModel
-from services.frontend.validation import MAX_MESSAGE_BYTES
 from services.replica.admission import Admission
+from services.replica.callers import CallerScopes
 from services.replica.engine_servicer import EngineServicer
 from services.replica.local_engine import LocalEngine
 from services.replica.lora_updates import LocalLoraUpdates
 from services.replica.prefill_peers import PrefillPeers
+from services.suite_tls import SuiteTls, add_port
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +68,19 @@ class ReplicaOptions:
     # Responses kept for previous_response_id and GET /v1/responses/{id}; 0: none.
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
     shutdown_grace_s: float = 30.0
+    # Mutual TLS with the suite's other processes (every caller of this port, and the
+    # prefill replicas this one dials); None: plaintext.
+    tls: SuiteTls | None = None
+    # A prefill replica lets one caller (a decode replica) keep at most this fraction of its
+    # KV blocks pinned for pulls.
+    max_pinned_fraction: float = 0.75
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if not 0 < self.max_pinned_fraction <= 1:
+            raise ValueError("--kv-max-pinned-fraction must be in (0, 1], got "
+                             f"{self.max_pinned_fraction}")
 
 
 async def start_engine(config: EngineConfig) -> AsyncLLM:
@@ -87,14 +98,10 @@ class ReplicaServer:
             options.engine.model, info.max_model_len, options.served_model_name,
             options.engine.model_settings.lora_modules)
         self.admission = Admission(options.engine.scheduler.max_num_seqs, options.max_waiting)
-        self.prefill_peers = PrefillPeers() if options.role == "decode" else None
+        self.prefill_peers = PrefillPeers(tls=options.tls) if options.role == "decode" else None
         self.engine = LocalEngine(llm, self.admission, self.prefill_peers)
         self.health = health_aio.HealthServicer()
-        self.server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            # Fail loudly when the port is taken instead of sharing it with another process.
-            ("grpc.so_reuseport", 0),
-        ])
+        self.server = new_server()
         lora_updates = (
             LocalLoraUpdates(llm, lambda: self.model, self._serve_lora_adapters)
             if options.engine.model_settings.allow_runtime_lora_updating else None)
@@ -102,15 +109,16 @@ class ReplicaServer:
             self.model, llm.inputs, self.engine.generate, lora_updates,
             ResponseStore.sized(options.max_stored_responses), responder=info.engine_id,
             call_context=self._call_context)
-        self.engine_servicer = EngineServicer(self.engine, options.role, self.model,
-                                              lora_updates)
+        self.engine_servicer = EngineServicer(
+            self.engine, options.role, self.model, lora_updates,
+            CallerScopes(max(1, int(options.max_pinned_fraction * info.num_blocks))))
         generation_pb2_grpc.add_GenerationServicer_to_server(self.generation, self.server)
         engine_pb2_grpc.add_EngineServicer_to_server(self.engine_servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (GENERATION_SERVICE, ENGINE_SERVICE, health_pb2.DESCRIPTOR.services_by_name[
                 "Health"].full_name, reflection.SERVICE_NAME), self.server)
-        self.port = self.server.add_insecure_port(f"{options.host}:{options.port}")
+        self.port = add_port(self.server, f"{options.host}:{options.port}", options.tls)
         self._metrics_http: WSGIServer | None = None
         self._forced = asyncio.Event()
         self._watchdog: asyncio.Task[None] | None = None
