@@ -5,9 +5,12 @@ act on) and ``rpc_handler``, the decorator every RPC handler wears: it turns
 ``ServiceError``, the engine's own input errors (``SamplingParamsError``,
 ``StructuredOutputError``, ``InvalidRequestError``: INVALID_ARGUMENT) and a dead engine core
 (UNAVAILABLE) into the call's status, and anything else into INTERNAL (logged with its
-traceback). It does not own
-deciding when a request is wrong (``validation``, ``openai_api``) or overloaded
-(``admission``). Cancellation (client gone, deadline) is never caught here: it must reach the
+traceback). It also owns keeping what a client sent out of unbounded messages: ``quoted``
+shows at most a few dozen characters of a client's value, and every status message is cut to
+``MAX_STATUS_MESSAGE_BYTES`` (it travels in the call's trailers, and an HTTP/2 peer that gets
+a header block over its limit drops the connection, every other stream on it included). It
+does not own deciding when a request is wrong (``validation``, ``request_limits``) or
+overloaded (``admission``). Cancellation (client gone, deadline) is never caught here: it must reach the
 engine's stream so the request is aborted and its blocks freed.
 """
 
@@ -31,6 +34,13 @@ logger = logging.getLogger(__name__)
 S = TypeVar("S")
 Req = TypeVar("Req")
 R = TypeVar("R")
+
+# The grpc-message trailer is percent-encoded (up to 3 bytes per byte of UTF-8): 1 KiB of
+# message stays under 3 KiB on the wire, far below the 8 KiB gRPC clients and Envoy take
+# without complaint in a whole header block.
+MAX_STATUS_MESSAGE_BYTES = 1024
+# How many characters of a client's value an error message shows.
+QUOTED_CHARS = 64
 
 
 class ServiceError(Exception):
@@ -73,6 +83,26 @@ class FailedPrecondition(ServiceError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+def quoted(value: object, limit: int = QUOTED_CHARS) -> str:
+    """``value`` as an error message shows it: its repr, cut to ``limit`` characters (and then
+    saying how long it was), so that no client's value makes a message unbounded."""
+    if not isinstance(value, str):  # a number, None...: as Python shows it
+        text = repr(value)
+        return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value):,} characters)"
+
+
+def bounded_message(message: str, limit: int = MAX_STATUS_MESSAGE_BYTES) -> str:
+    """``message`` cut to ``limit`` bytes of UTF-8 (on a character boundary), saying so."""
+    data = message.encode("utf-8", "replace")
+    if len(data) <= limit:
+        return message
+    note = f"... (cut at {limit} bytes)"
+    return data[:limit - len(note)].decode("utf-8", "ignore") + note
+
+
 def status_of(error: Exception) -> tuple[grpc.StatusCode, str] | None:
     """The status a known failure maps to, or None for an unexpected one (a bug)."""
     if isinstance(error, ServiceError):
@@ -102,7 +132,7 @@ def rpc_handler(
                 logger.exception("unexpected error in %s", method.__name__)
                 status = (grpc.StatusCode.INTERNAL,
                           f"internal error: {type(error).__name__}: {error}")
-            await context.abort(*status)
+            await context.abort(status[0], bounded_message(status[1]))
             raise AssertionError("context.abort returned") from error  # it always raises
 
     return handler

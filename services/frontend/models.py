@@ -11,7 +11,7 @@ from __future__ import annotations
 from engine_common.input_processor import InputProcessor, InvalidRequestError
 from protos.tandem.v1 import generation_pb2 as pb
 from services.frontend.chat.request import call_format_of, chat_messages
-from services.frontend.errors import InvalidArgument, NotFound
+from services.frontend.errors import InvalidArgument, NotFound, quoted
 from services.frontend.request_params import optional_flag
 from services.frontend.served_model import ServedModel
 from services.frontend.validation import chat_template_kwargs, check_text_length
@@ -34,7 +34,7 @@ def model_card(model: ServedModel, requested: str) -> pb.Model:
     for card in models_response(model).data:
         if card.id == base:
             return card
-    raise NotFound(f"The model {requested!r} does not exist")
+    raise NotFound(f"The model {quoted(requested)} does not exist")
 
 
 def tokenize_response(request: pb.TokenizeRequest, inputs: InputProcessor) -> pb.TokenizeResponse:

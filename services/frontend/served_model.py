@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.frontend.errors import InvalidArgument
+from services.frontend.errors import InvalidArgument, quoted
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class ServedModel:
             adapters = (f", or a LoRA adapter: {', '.join(map(repr, sorted(self.lora_names)))}"
                         if self.lora_names else "")
             raise InvalidArgument(
-                f"model {requested!r} is not served here; use {self.name!r} "
+                f"model {quoted(requested)} is not served here; use {self.name!r} "
                 f"(or leave model empty for the default){adapters}")
         return None
 

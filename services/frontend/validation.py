@@ -12,6 +12,7 @@ token ids (``InputProcessor.validate_prompt``: empty, out of vocabulary, over th
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,7 +20,8 @@ from google.protobuf import json_format, struct_pb2
 
 from engine_common.structured_output.spec import StructuredOutputError, StructuredOutputSpec
 from protos.tandem.v1 import generation_pb2 as pb
-from services.frontend.errors import InvalidArgument
+from services.frontend.errors import InvalidArgument, quoted
+from services.frontend.request_limits import MAX_STOP_STRINGS, STOP_CHARS
 
 # gRPC's receive limit for one request message; a bigger one fails with RESOURCE_EXHAUSTED
 # before any handler runs.
@@ -78,27 +80,41 @@ def _token_ids(items: Iterable[struct_pb2.Value], field: str) -> list[int]:
     ids = []
     for i, item in enumerate(items):
         number = item.number_value
-        if number != int(number) or number < 0:
-            raise InvalidArgument(f"{field}[{i}] must be a non-negative integer token id, got {number}")
+        if not math.isfinite(number) or number != int(number) or number < 0:
+            raise InvalidArgument(f"{field}[{i}] must be a non-negative integer token id, "
+                                  f"got {quoted(number, 32)}")
         ids.append(int(number))
     return ids
 
 
 def stop_from_value(value: struct_pb2.Value | None) -> list[str]:
-    """``stop``: unset, null, a string or a list of strings."""
+    """``stop``: unset, null, a string or a list of strings (at most ``MAX_STOP_STRINGS`` of
+    at most ``STOP_CHARS`` characters: the detokenizer looks for each after every token)."""
     if value is None or value.WhichOneof("kind") in (None, "null_value"):
         return []
     kind = value.WhichOneof("kind")
     if kind == "string_value":
+        _check_stop(value.string_value, "stop")
         return [value.string_value] if value.string_value else []
     if kind == "list_value":
+        items = value.list_value.values
+        if len(items) > MAX_STOP_STRINGS:
+            raise InvalidArgument(f"stop holds {len(items):,} strings; at most "
+                                  f"{MAX_STOP_STRINGS} are allowed")
         stops = []
-        for i, item in enumerate(value.list_value.values):
+        for i, item in enumerate(items):
             if item.WhichOneof("kind") != "string_value" or not item.string_value:
                 raise InvalidArgument(f"stop[{i}] must be a non-empty string")
+            _check_stop(item.string_value, f"stop[{i}]")
             stops.append(item.string_value)
         return stops
     raise InvalidArgument(f"stop must be a string or a list of strings, got a {kind}")
+
+
+def _check_stop(text: str, field: str) -> None:
+    if len(text) > STOP_CHARS:
+        raise InvalidArgument(f"{field} is {len(text):,} characters long; a stop string may "
+                              f"have at most {STOP_CHARS:,}")
 
 
 def content_from_value(value: struct_pb2.Value, field: str) -> str:
@@ -120,7 +136,7 @@ def content_from_value(value: struct_pb2.Value, field: str) -> str:
                                   f'"text": "..."}}')
         part_type = part["type"].string_value
         if part_type != "text":
-            raise InvalidArgument(f"{field}[{i}] has type {part_type!r}; this model reads text "
+            raise InvalidArgument(f"{field}[{i}] has type {quoted(part_type)}; this model reads text "
                                   f'only, so every part must have type "text"')
         if "text" not in part or part["text"].WhichOneof("kind") != "string_value":
             raise InvalidArgument(f'{field}[{i}] needs a string "text"')
@@ -144,7 +160,7 @@ def structured_output_from_request(
         found.append(("json_schema", _schema_text(response_format.json_schema.schema)))
     elif kind not in ("", "text"):
         raise InvalidArgument(f"response_format.type must be text, json_object or json_schema; "
-                              f"got {kind!r}")
+                              f"got {quoted(kind)}")
     wanted = structured_outputs
     if wanted.HasField("json"):
         json_kind = wanted.json.WhichOneof("kind")

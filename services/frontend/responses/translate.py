@@ -7,7 +7,12 @@ Owns the translation both ways, and nothing else:
   function call items as an assistant turn's ``tool_calls``, their outputs as tool turns,
   the flat function tools and ``tool_choice`` in the chat shape, ``text.format`` as
   ``response_format``, ``max_output_tokens`` as ``max_completion_tokens``), rejecting what
-  cannot be served with a message that names the input field;
+  cannot be served with a message that names the input field. Without ``max_output_tokens``
+  a response gets the chat's default: the model's ``max_new_tokens`` (its
+  generation_config.json, or ``--override-generation-config``), cut to the room the context
+  leaves; a model that sets none runs to the context, as vLLM's chat does and as OpenAI's
+  Responses API does (its only cap is the model's). A response cut there is ``incomplete``
+  (``max_output_tokens``), as one cut by its own limit;
 - out: ``response_events`` folds the chat chunks of that request into the Responses stream
   (``response.created`` ... ``response.completed``), building the ``Response`` as it goes:
   reasoning as a ``reasoning`` item, the text as a ``message`` item, each tool call as a
@@ -34,7 +39,8 @@ from google.protobuf import struct_pb2
 from google.protobuf.json_format import MessageToDict, ParseDict
 
 from protos.tandem.v1 import generation_pb2 as pb
-from services.frontend.errors import InvalidArgument
+from services.frontend.errors import InvalidArgument, quoted
+from services.frontend.request_limits import MAX_MESSAGES
 from services.frontend.tools.parsers import new_tool_call_id
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -85,6 +91,10 @@ def chat_request(request: pb.ResponseRequest,
         raise InvalidArgument("input must be a string or a non-empty list of input items "
                               '(messages like {"role": "user", "content": "..."}, '
                               "function_call and function_call_output items)")
+    if kind == "list_value" and len(request.input.list_value.values) > MAX_MESSAGES:
+        raise InvalidArgument(f"input holds {len(request.input.list_value.values):,} items; "
+                              f"at most {MAX_MESSAGES:,} are allowed (continue a long "
+                              "conversation with previous_response_id)")
     for i, item in enumerate(history):
         _add_item(chat, item, f"the conversation of previous_response_id, item {i}")
     for i, item in enumerate(input_items(request)):
@@ -97,8 +107,8 @@ def chat_request(request: pb.ResponseRequest,
             setattr(chat, name, getattr(request, name))
     for i, tool in enumerate(request.tools):
         if tool.type != "function":
-            raise InvalidArgument(f"tools[{i}] has type {tool.type!r}; Tandem serves function "
-                                  'tools only ({"type": "function", "name": ..., '
+            raise InvalidArgument(f"tools[{i}] has type {quoted(tool.type)}; Tandem serves "
+                                  'function tools only ({"type": "function", "name": ..., '
                                   '"parameters": ...})')
         function = chat.tools.add(type="function").function
         function.name, function.description = tool.name, tool.description
@@ -170,7 +180,7 @@ def _add_item(chat: pb.ChatCompletionRequest, value: struct_pb2.Value, where: st
                                      else _text_of(output, f"{where}.output")))
     elif item_type != "reasoning":  # an earlier turn's reasoning: not rendered
         raise InvalidArgument(
-            f"{where} has type {item_type!r}; Tandem reads messages, function_call and "
+            f"{where} has type {quoted(item_type)}; Tandem reads messages, function_call and "
             "function_call_output items (continue a stored conversation with "
             "previous_response_id rather than item_reference)")
 
@@ -178,7 +188,8 @@ def _add_item(chat: pb.ChatCompletionRequest, value: struct_pb2.Value, where: st
 def _add_message(chat: pb.ChatCompletionRequest, item: dict[str, object], where: str) -> None:
     role = item.get("role")
     if role not in _ROLES:
-        raise InvalidArgument(f"{where}.role must be one of {', '.join(_ROLES)}; got {role!r}")
+        raise InvalidArgument(f"{where}.role must be one of {', '.join(_ROLES)}; "
+                              f"got {quoted(role)}")
     content = item.get("content")
     text = content if isinstance(content, str) else _text_of(content, f"{where}.content")
     chat.messages.add(role=_ROLES[str(role)], content=struct_pb2.Value(string_value=text))
@@ -192,8 +203,8 @@ def _text_of(parts: object, where: str) -> str:
     for j, part in enumerate(parts):
         part_type = part.get("type") if isinstance(part, dict) else None
         if part_type not in _TEXT_PARTS:
-            raise InvalidArgument(f"{where}[{j}] has type {part_type!r}; this model reads text "
-                                  'only: every part must be {"type": "input_text", "text": ...}')
+            raise InvalidArgument(f"{where}[{j}] has type {quoted(part_type)}; this model reads "
+                                  'text only: every part must be {"type": "input_text", "text": ...}')
         texts.append(_string(part, "text", f"{where}[{j}]"))
     return "\n".join(texts)
 
@@ -218,7 +229,7 @@ def _set_response_format(out: pb.ResponseFormat, text_format: pb.ResponseTextFor
         return
     if text_format.type not in ("json_object", "json_schema"):
         raise InvalidArgument('text.format.type must be "text", "json_object" or '
-                              f'"json_schema"; got {text_format.type!r}')
+                              f'"json_schema"; got {quoted(text_format.type)}')
     out.type = text_format.type
     if text_format.type == "json_schema":
         if not text_format.HasField("schema"):

@@ -1,0 +1,29 @@
+"""How every Tandem gRPC server (a replica, the gateway) is built.
+
+Owns the server's options, the same in each process (the largest request message it takes,
+a port that is not shared with another process), and its interceptors: the caller's, then
+``RequestGuard`` last, so that no handler ever sees a request that does not decode or breaks
+a limit. It does not own the services added to the server or its life.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc.aio
+
+from services.frontend.request_guard import RequestGuard
+from services.frontend.validation import MAX_MESSAGE_BYTES
+
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    # A bigger request fails with RESOURCE_EXHAUSTED before any handler runs.
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Fail loudly when the port is taken instead of sharing it with another process.
+    ("grpc.so_reuseport", 0),
+)
+
+
+def new_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
+    """A grpc.aio server with Tandem's options, ``interceptors`` and the request guard."""
+    return grpc.aio.server(interceptors=[*interceptors, RequestGuard()],
+                           options=list(SERVER_OPTIONS))
