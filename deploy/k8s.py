@@ -4,10 +4,16 @@ Owns what a cluster runs and how the pieces find each other:
 
 - replicas: one Deployment per role (``prefill``, ``decode``, and ``both`` when asked for),
   each behind a headless Service (the endpoint picker resolves its pod IPs), with gRPC health
-  probes, resources, the model volume and the engine id taken from the pod name;
+  probes, resources, the model volume and the engine id taken from the pod name; every
+  replica advertises its pod IP (downward API) as its KV address, and a prefill replica
+  listens for KV pulls on a fixed port (``REPLICA_KV_PORT``);
 - the endpoint picker (``tandem picker``): a Deployment and a Service, the
   ``ext_proc`` server that both the InferencePool and Tandem's own Envoy ask where a request
-  goes;
+  goes. Two replicas by default, active-active: each watches every replica's KV events and
+  load itself, so each holds the whole prefix index; what they do not share is the few
+  seconds of "just routed here" guesses (``PrefixIndex.expect``) and their own in-flight
+  counts, which costs at most some prefix hits while two pickers route the same new prefix
+  at once (docs/kubernetes.md);
 - Envoy, Tandem's OpenAI-compatible HTTP front: a ConfigMap holding the bootstrap
   (``envoy_config.render_picker_bootstrap``, descriptor inlined), a Deployment running the
   official Envoy image on it and a Service, with TLS on a second port when a Secret is named
@@ -16,11 +22,14 @@ Owns what a cluster runs and how the pieces find each other:
   replica pod (``tandem lora sync``) that loads and unloads them as the ConfigMap changes;
 - an ``InferencePool`` (``inference.networking.k8s.io/v1``) of the decode-capable replicas,
   their gRPC port over h2c and the endpoint picker as its ``endpointPickerRef``, and an
-  ``HTTPRoute`` (``gateway.networking.k8s.io/v1``) on an existing Gateway: gRPC calls of
-  ``tandem.v1.Generation`` go to the InferencePool, OpenAI HTTP paths to Envoy.
+  ``HTTPRoute`` (``gateway.networking.k8s.io/v1``) on an existing Gateway: OpenAI HTTP paths
+  go to Envoy; gRPC calls of ``tandem.v1.Generation`` go to the InferencePool, or to Envoy
+  as well when API keys are required (the Gateway's own path to the pool checks none);
+- a PodDisruptionBudget per Deployment; security contexts, scratch volumes, topology spread
+  and draining stops from ``k8s_pod_policy``.
 
-It does not own writing files (``render``) or the Gateway itself (a cluster's own, named by
-``gateway_name``).
+It does not own writing files (``render``), the pod policy's rules (``k8s_pod_policy``) or the
+Gateway itself (a cluster's own, named by ``gateway_name``).
 """
 
 from __future__ import annotations
@@ -29,28 +38,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deploy import k8s_pod_policy as policy
 from deploy.envoy_config import (
     DEFAULT_DESCRIPTOR,
     TlsFiles,
-    dump_bootstrap,
     render_picker_bootstrap,
 )
+from deploy.yaml_text import dump_yaml
 from engine_common.config import ModelSettings
 from services.model_settings import model_settings_args
 from tandem.lora_sync import render_config
 
+# What ``make image`` tags (the Makefile's IMAGE; tests/test_k8s_manifests.py checks).
+DEFAULT_IMAGE = "localhost/tandem:0.1.0"
+# The default model, converted to safetensors when the image was built (Containerfile).
+IMAGE_DEFAULT_MODEL = "/opt/tandem/cache/models/SmolLM2-135M-Instruct"
 REPLICA_PORT = 50051
 REPLICA_METRICS_PORT = 9400
+REPLICA_KV_PORT = 50052  # a prefill replica's UCX listener (KV pulls by decode replicas)
 PICKER_PORT = 9002
 PICKER_METRICS_PORT = 9090
 ENVOY_HTTP_PORT = 8080
 ENVOY_HTTPS_PORT = 8443
-ENVOY_ADMIN_PORT = 9901
+ENVOY_ADMIN_PORT = 9901  # on the pod's loopback only
 ENVOY_CONFIG_DIR = "/etc/envoy"
 ENVOY_TEMPLATE_DIR = "/etc/envoy-template"
 API_KEYS_DIR = "/etc/tandem-api-keys"
 API_KEYS_ENTRY = "api-keys"
 TLS_DIR = "/etc/tandem/tls"
+# Writable (an emptyDir): the CPU attention kernel each node builds for its own CPU, and the
+# default model's conversion when an image does not carry it.
 CACHE_DIR = "/var/cache/tandem"
 LORA_CONFIG_DIR = "/etc/tandem/lora"
 LORA_CONFIG_ENTRY = "configmap.yaml"  # the inference extension's LoRA syncer's file name
@@ -59,13 +76,15 @@ POOL_LABEL = "tandem.dev/inference-pool"
 INFERENCE_GROUP = "inference.networking.k8s.io"
 ROLES = ("prefill", "decode", "both")
 DECODE_CAPABLE = ("decode", "both")
+# Before SIGTERM, the kubelet waits this long for Services, EndpointSlices and the picker's
+# DNS view to drop the stopping pod, so that new requests go elsewhere.
+PRE_STOP_S = 5
 
 
 @dataclass(frozen=True)
 class K8sOptions:
-    image: str
-    # The model directory inside the containers; None: the bundled default model, converted
-    # at start into a per-pod cache.
+    image: str = DEFAULT_IMAGE
+    # The model directory inside the containers; None: the default model the image carries.
     model: str | None = None
     name: str = "tandem"
     namespace: str | None = None
@@ -90,7 +109,11 @@ class K8sOptions:
     kv_cache_memory: str = "2GiB"  # CPU KV cache; on GPU the engine sizes its own
     envoy_image: str = "envoyproxy/envoy:v1.40.0"
     envoy_replicas: int = 1
-    picker_replicas: int = 1
+    # Active-active, each with the whole prefix index (see the module docstring).
+    picker_replicas: int = 2
+    # Seconds a stopping replica gives its in-flight streams (``--shutdown-grace``), and
+    # Envoy its open ones, before the processes stop.
+    drain_seconds: int = 30
     # A kubernetes.io/tls Secret: Envoy also serves HTTPS on ENVOY_HTTPS_PORT.
     tls_secret: str | None = None
     # A Secret whose API_KEYS_ENTRY lists API keys; Envoy then requires one on every request.
@@ -106,6 +129,10 @@ class K8sOptions:
             raise ValueError("replica counts must not be negative")
         if self.decode + self.both == 0:
             raise ValueError("at least one decode or both replica is needed to serve requests")
+        if self.picker_replicas < 1 or self.envoy_replicas < 1:
+            raise ValueError("the endpoint picker and Envoy need at least one replica each")
+        if self.drain_seconds < 0:
+            raise ValueError("drain_seconds must not be negative")
         if self.exclusive_cpus and not (self.replica_cpu.isdigit() and int(self.replica_cpu) > 0):
             raise ValueError(f"exclusive CPUs need a whole number of CPUs per replica, got "
                              f"--replica-cpu {self.replica_cpu!r}")
@@ -120,7 +147,7 @@ def _labels(options: K8sOptions, component: str) -> dict[str, str]:
 
 
 def _metadata(options: K8sOptions, name: str, labels: dict[str, str]) -> dict[str, Any]:
-    metadata: dict[str, Any] = {"name": name, "labels": labels}
+    metadata: dict[str, Any] = {"name": name, "labels": dict(labels)}
     if options.namespace:
         metadata["namespace"] = options.namespace
     return metadata
@@ -129,19 +156,21 @@ def _metadata(options: K8sOptions, name: str, labels: dict[str, str]) -> dict[st
 def _model_args(options: K8sOptions) -> list[str]:
     """The model and its settings: the replicas and the picker (which renders chats and
     hashes an adapter's prompts as they do, to route them) must agree on them."""
-    return [*(["--model", options.model] if options.model else []),
+    return ["--model", options.model or IMAGE_DEFAULT_MODEL,
             *model_settings_args(options.model_settings)]
 
 
 def _model_volumes(options: K8sOptions) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Volumes and their mounts: the model (a PVC, read-only), a cache for the default model's
-    conversion and /dev/shm for the engine core's tensors."""
+    """Volumes and their mounts: the model (a PVC, read-only), the writable cache, /tmp and
+    /dev/shm (memory: the engine core's tensors)."""
     volumes: list[dict[str, Any]] = [
-        {"name": "cache", "emptyDir": {}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+        policy.scratch_volume("cache", "2Gi"),
+        policy.tmp_volume(),
+        policy.scratch_volume("dshm", "1Gi", medium="Memory"),
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "cache", "mountPath": CACHE_DIR},
+        policy.tmp_mount(),
         {"name": "dshm", "mountPath": "/dev/shm"},
     ]
     if options.model_pvc:
@@ -156,6 +185,7 @@ def _env() -> list[dict[str, Any]]:
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "TANDEM_CACHE_DIR", "value": CACHE_DIR},
+        *policy.tmp_env(),
         # Everything a pod needs is in the image or the model volume.
         {"name": "HF_HUB_OFFLINE", "value": "1"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
@@ -170,23 +200,95 @@ def _grpc_probe(port: int, service: str | None = None, **timing: int) -> dict[st
 
 
 def _deployment(options: K8sOptions, name: str, replicas: int, labels: dict[str, str],
-                container: dict[str, Any], volumes: list[dict[str, Any]],
-                init_containers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    pod: dict[str, Any] = {"containers": [container], "volumes": volumes}
-    if init_containers:
-        pod["initContainers"] = init_containers
+                pod: dict[str, Any], uid: int = policy.TANDEM_UID) -> dict[str, Any]:
+    """A Deployment of ``pod`` (a pod spec: containers, volumes, ...), secured and spread."""
+    pod = policy.secure_pod(pod, uid)
+    pod["topologySpreadConstraints"] = policy.topology_spread(labels)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": _metadata(options, name, labels),
         "spec": {
             "replicas": replicas,
-            "selector": {"matchLabels": labels},
+            "selector": {"matchLabels": dict(labels)},
             "template": {
-                "metadata": {"labels": labels},
+                "metadata": {"labels": dict(labels)},
                 "spec": pod,
             },
         },
+    }
+
+
+def _disruption_budget(options: K8sOptions, deployment: dict[str, Any]) -> dict[str, Any]:
+    labels = deployment["spec"]["selector"]["matchLabels"]
+    return policy.disruption_budget(
+        _metadata(options, deployment["metadata"]["name"], labels), labels)
+
+
+def _replica_args(options: K8sOptions, role: str) -> list[str]:
+    args = ["serve", *_model_args(options), "--role", role, "--host", "0.0.0.0",
+            "--port", str(REPLICA_PORT), "--metrics-port", str(REPLICA_METRICS_PORT),
+            # Kubernetes expands $(VAR) from the container's env in args.
+            "--engine-id", "$(POD_NAME)",
+            # The address other pods pull KV from: the pod's own, never loopback.
+            "--kv-host", "$(POD_IP)",
+            "--shutdown-grace", str(options.drain_seconds)]
+    if role == "prefill":  # the only role that serves KV pulls
+        args += ["--kv-port", str(REPLICA_KV_PORT)]
+    if options.served_model_name:
+        args += ["--served-model-name", options.served_model_name]
+    if options.gpus:
+        args += ["--device", "cuda"]
+    else:
+        args += ["--device", "cpu", "--kv-cache-memory", options.kv_cache_memory]
+    return args
+
+
+def _replica_resources(options: K8sOptions) -> dict[str, Any]:
+    resources: dict[str, Any] = {
+        "requests": {"cpu": options.replica_cpu, "memory": options.replica_memory},
+        "limits": {"memory": options.replica_memory},
+    }
+    if options.exclusive_cpus:
+        resources["limits"]["cpu"] = options.replica_cpu
+    if options.gpus:
+        resources["limits"]["nvidia.com/gpu"] = str(options.gpus)
+    return resources
+
+
+def _replica_ports(role: str) -> list[dict[str, Any]]:
+    ports = [{"name": "grpc", "containerPort": REPLICA_PORT, "protocol": "TCP"},
+             {"name": "metrics", "containerPort": REPLICA_METRICS_PORT, "protocol": "TCP"}]
+    if role == "prefill":
+        ports.append({"name": "kv", "containerPort": REPLICA_KV_PORT, "protocol": "TCP"})
+    return ports
+
+
+def _replica_container(options: K8sOptions, role: str,
+                       mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "name": "replica",
+        "image": options.image,
+        "imagePullPolicy": options.image_pull_policy,
+        "command": ["tandem"],
+        "args": _replica_args(options, role),
+        "env": [*_env(), {
+            # One OpenMP/torch thread per requested core: in a container torch would
+            # otherwise start one per core of the node and oversubscribe its share.
+            "name": "OMP_NUM_THREADS",
+            "valueFrom": {"resourceFieldRef": {"containerName": "replica",
+                                               "resource": "requests.cpu", "divisor": "1"}},
+        }],
+        "ports": _replica_ports(role),
+        # Loading the model takes a while; after that, health must answer within seconds.
+        "startupProbe": _grpc_probe(REPLICA_PORT, periodSeconds=5, failureThreshold=120),
+        "readinessProbe": _grpc_probe(REPLICA_PORT, periodSeconds=5, failureThreshold=2),
+        "livenessProbe": _grpc_probe(REPLICA_PORT, periodSeconds=10, failureThreshold=3),
+        # SIGTERM (after the preStop sleep) drains: NOT_SERVING, new requests refused,
+        # in-flight streams finish within --shutdown-grace.
+        "lifecycle": policy.pre_stop_sleep(PRE_STOP_S),
+        "resources": _replica_resources(options),
+        "volumeMounts": mounts,
     }
 
 
@@ -195,57 +297,15 @@ def replica_deployment(options: K8sOptions, role: str, replicas: int) -> dict[st
     if role in DECODE_CAPABLE:
         labels[POOL_LABEL] = options.name
     volumes, mounts = _model_volumes(options)
-    args = ["serve", *_model_args(options), "--role", role, "--host", "0.0.0.0",
-            "--port", str(REPLICA_PORT), "--metrics-port", str(REPLICA_METRICS_PORT),
-            # Kubernetes expands $(VAR) from the container's env in args.
-            "--engine-id", "$(POD_NAME)"]
-    if options.served_model_name:
-        args += ["--served-model-name", options.served_model_name]
-    resources: dict[str, Any] = {
-        "requests": {"cpu": options.replica_cpu, "memory": options.replica_memory},
-        "limits": {"memory": options.replica_memory},
-    }
-    if options.exclusive_cpus:
-        resources["limits"]["cpu"] = options.replica_cpu
-    if options.gpus:
-        args += ["--device", "cuda"]
-        resources["limits"]["nvidia.com/gpu"] = str(options.gpus)
-    else:
-        args += ["--device", "cpu", "--kv-cache-memory", options.kv_cache_memory]
-    container = {
-        "name": "replica",
-        "image": options.image,
-        "imagePullPolicy": options.image_pull_policy,
-        "command": ["tandem"],
-        "args": args,
-        "env": [*_env(), {
-            # One OpenMP/torch thread per requested core: in a container torch would
-            # otherwise start one per core of the node and oversubscribe its share.
-            "name": "OMP_NUM_THREADS",
-            "valueFrom": {"resourceFieldRef": {"containerName": "replica",
-                                               "resource": "requests.cpu", "divisor": "1"}},
-        }],
-        "ports": [
-            {"name": "grpc", "containerPort": REPLICA_PORT, "protocol": "TCP"},
-            {"name": "metrics", "containerPort": REPLICA_METRICS_PORT, "protocol": "TCP"},
-        ],
-        # Loading the model takes a while; after that, health must answer within seconds.
-        "startupProbe": _grpc_probe(REPLICA_PORT, periodSeconds=5, failureThreshold=120),
-        "readinessProbe": _grpc_probe(REPLICA_PORT, periodSeconds=5, failureThreshold=2),
-        "livenessProbe": _grpc_probe(REPLICA_PORT, periodSeconds=10, failureThreshold=3),
-        "resources": resources,
-        "volumeMounts": mounts,
-    }
-    sidecars = []
+    pod: dict[str, Any] = {"containers": [_replica_container(options, role, mounts)],
+                           "volumes": volumes}
     if options.lora_syncer:
         volumes.append({"name": "lora-adapters",
                         "configMap": {"name": lora_adapters_name(options)}})
-        sidecars.append(_lora_syncer(options))
-    deployment = _deployment(options, f"{options.name}-{role}", replicas, labels, container,
-                             volumes, sidecars)
-    # In-flight requests get the replica's own drain period (30 s) before SIGKILL.
-    deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 45
-    return deployment
+        pod["initContainers"] = [_lora_syncer(options)]
+    pod["terminationGracePeriodSeconds"] = policy.termination_grace_s(
+        PRE_STOP_S, options.drain_seconds)
+    return _deployment(options, f"{options.name}-{role}", replicas, labels, pod)
 
 
 def lora_adapters_name(options: K8sOptions) -> str:
@@ -276,11 +336,11 @@ def _lora_syncer(options: K8sOptions) -> dict[str, Any]:
         "command": ["tandem"],
         "args": ["lora", "sync", "--config", f"{LORA_CONFIG_DIR}/{LORA_CONFIG_ENTRY}",
                  "--target", f"127.0.0.1:{REPLICA_PORT}"],
-        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "env": [*policy.tmp_env(), {"name": "PYTHONUNBUFFERED", "value": "1"}],
         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"},
                       "limits": {"memory": "256Mi"}},
         "volumeMounts": [{"name": "lora-adapters", "mountPath": LORA_CONFIG_DIR,
-                          "readOnly": True}],
+                          "readOnly": True}, policy.tmp_mount()],
     }
 
 
@@ -331,11 +391,17 @@ def picker_deployment(options: K8sOptions) -> dict[str, Any]:
                                     failureThreshold=60),
         "livenessProbe": _grpc_probe(PICKER_PORT, "liveness", periodSeconds=10),
         "readinessProbe": _grpc_probe(PICKER_PORT, "readiness", periodSeconds=5),
+        # Envoy's connection to the picker's Service moves to another picker when this one
+        # leaves the endpoints; a pick in flight at SIGTERM fails (FailClose) and is retried
+        # by the client.
+        "lifecycle": policy.pre_stop_sleep(PRE_STOP_S),
         "resources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}},
         "volumeMounts": mounts,
     }
-    return _deployment(options, f"{options.name}-epp", options.picker_replicas, labels,
-                       container, volumes)
+    pod: dict[str, Any] = {
+        "containers": [container], "volumes": volumes,
+        "terminationGracePeriodSeconds": policy.termination_grace_s(PRE_STOP_S, 1)}
+    return _deployment(options, f"{options.name}-epp", options.picker_replicas, labels, pod)
 
 
 def picker_service(options: K8sOptions) -> dict[str, Any]:
@@ -372,36 +438,50 @@ def envoy_config_map(options: K8sOptions, bootstrap_yaml: str) -> dict[str, Any]
     }
 
 
-def envoy_deployment(options: K8sOptions) -> dict[str, Any]:
-    labels = _labels(options, "envoy")
+def _api_keys_init(options: K8sOptions) -> dict[str, Any]:
+    """The keys stay in their Secret: this init container (Tandem's image, run as Envoy's
+    user so that Envoy can read what it writes) adds them to the ConfigMap's bootstrap in a
+    pod-private volume, which Envoy then reads."""
+    return {
+        "name": "add-api-keys",
+        "image": options.image,
+        "imagePullPolicy": options.image_pull_policy,
+        "command": ["tandem", "render", "envoy",
+                    "--bootstrap", f"{ENVOY_TEMPLATE_DIR}/envoy.yaml",
+                    "--api-key-file", f"{API_KEYS_DIR}/{API_KEYS_ENTRY}",
+                    "-o", f"{ENVOY_CONFIG_DIR}/envoy.yaml"],
+        "env": policy.tmp_env(),
+        "volumeMounts": [
+            {"name": "config", "mountPath": ENVOY_TEMPLATE_DIR, "readOnly": True},
+            {"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True},
+            {"name": "keyed-config", "mountPath": ENVOY_CONFIG_DIR},
+            policy.tmp_mount()],
+    }
+
+
+def _envoy_volumes(options: K8sOptions) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [
-        {"name": "config", "configMap": {"name": f"{options.name}-envoy"}}]
-    mounts: list[dict[str, Any]] = [
-        {"name": "config", "mountPath": ENVOY_CONFIG_DIR, "readOnly": True}]
-    init_containers: list[dict[str, Any]] = []
+        {"name": "config", "configMap": {"name": f"{options.name}-envoy"}},
+        policy.tmp_volume()]
+    config_volume = "config"
     if options.api_key_secret:
-        # The keys stay in their Secret: an init container (Tandem's image) adds them to the
-        # ConfigMap's bootstrap in a pod-private volume, which Envoy then reads.
         volumes += [{"name": "api-keys", "secret": {"secretName": options.api_key_secret}},
-                    {"name": "keyed-config", "emptyDir": {"medium": "Memory"}}]
-        mounts = [{"name": "keyed-config", "mountPath": ENVOY_CONFIG_DIR, "readOnly": True}]
-        init_containers.append({
-            "name": "add-api-keys",
-            "image": options.image,
-            "imagePullPolicy": options.image_pull_policy,
-            "command": ["tandem", "render", "envoy",
-                        "--bootstrap", f"{ENVOY_TEMPLATE_DIR}/envoy.yaml",
-                        "--api-key-file", f"{API_KEYS_DIR}/{API_KEYS_ENTRY}",
-                        "-o", f"{ENVOY_CONFIG_DIR}/envoy.yaml"],
-            "volumeMounts": [
-                {"name": "config", "mountPath": ENVOY_TEMPLATE_DIR, "readOnly": True},
-                {"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True},
-                {"name": "keyed-config", "mountPath": ENVOY_CONFIG_DIR}],
-        })
-    ports = [{"name": "http", "containerPort": ENVOY_HTTP_PORT, "protocol": "TCP"}]
+                    policy.scratch_volume("keyed-config", "16Mi", medium="Memory")]
+        config_volume = "keyed-config"
+    mounts: list[dict[str, Any]] = [
+        {"name": config_volume, "mountPath": ENVOY_CONFIG_DIR, "readOnly": True},
+        policy.tmp_mount()]
     if options.tls_secret:
         volumes.append({"name": "tls", "secret": {"secretName": options.tls_secret}})
         mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
+    return volumes, mounts
+
+
+def envoy_deployment(options: K8sOptions) -> dict[str, Any]:
+    labels = _labels(options, "envoy")
+    volumes, mounts = _envoy_volumes(options)
+    ports = [{"name": "http", "containerPort": ENVOY_HTTP_PORT, "protocol": "TCP"}]
+    if options.tls_secret:
         ports.append({"name": "https", "containerPort": ENVOY_HTTPS_PORT, "protocol": "TCP"})
     container = {
         "name": "envoy",
@@ -413,18 +493,28 @@ def envoy_deployment(options: K8sOptions) -> dict[str, Any]:
         "ports": ports,
         "readinessProbe": {"tcpSocket": {"port": ENVOY_HTTP_PORT}, "periodSeconds": 5},
         "livenessProbe": {"tcpSocket": {"port": ENVOY_HTTP_PORT}, "periodSeconds": 10},
+        # Envoy stops at once on SIGTERM: it keeps serving its open streams for the drain
+        # period while the Service drops it, then stops.
+        "lifecycle": policy.pre_stop_sleep(options.drain_seconds),
         "resources": {"requests": {"cpu": "500m", "memory": "256Mi"},
                       "limits": {"memory": "1Gi"}},
         "volumeMounts": mounts,
     }
-    return _deployment(options, f"{options.name}-envoy", options.envoy_replicas, labels,
-                       container, volumes, init_containers)
+    pod: dict[str, Any] = {"containers": [container], "volumes": volumes,
+                           "terminationGracePeriodSeconds": policy.termination_grace_s(
+                               options.drain_seconds, 0)}
+    if options.api_key_secret:
+        pod["initContainers"] = [_api_keys_init(options)]
+    return _deployment(options, f"{options.name}-envoy", options.envoy_replicas, labels, pod,
+                       uid=policy.ENVOY_UID)
 
 
 def envoy_service(options: K8sOptions) -> dict[str, Any]:
     labels = _labels(options, "envoy")
+    # h2c: Envoy's listener takes HTTP/1.1 and HTTP/2 alike, and gRPC calls come this way
+    # when API keys are required.
     ports = [{"name": "http", "port": ENVOY_HTTP_PORT, "targetPort": "http",
-              "appProtocol": "http"}]
+              "appProtocol": "kubernetes.io/h2c"}]
     if options.tls_secret:
         ports.append({"name": "https", "port": ENVOY_HTTPS_PORT, "targetPort": "https",
                       "appProtocol": "https"})
@@ -460,6 +550,8 @@ def http_route(options: K8sOptions) -> dict[str, Any]:
     openai_paths = [{"path": {"type": "PathPrefix", "value": "/v1/"}},
                     {"path": {"type": "Exact", "value": "/tokenize"}},
                     {"path": {"type": "Exact", "value": "/detokenize"}}]
+    envoy = {"name": f"{options.name}-openai", "port": ENVOY_HTTP_PORT}
+    pool = {"group": INFERENCE_GROUP, "kind": "InferencePool", "name": options.name}
     return {
         "apiVersion": "gateway.networking.k8s.io/v1",
         "kind": "HTTPRoute",
@@ -468,16 +560,15 @@ def http_route(options: K8sOptions) -> dict[str, Any]:
             "parentRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway",
                             "name": options.gateway_name}],
             "rules": [
-                {   # gRPC clients (the SDK): straight to the replica the picker names
+                {   # gRPC clients (the SDK): straight to the replica the picker names, or
+                    # through Envoy's API-key check when keys are required
                     "matches": [{"path": {"type": "PathPrefix",
                                           "value": "/tandem.v1.Generation/"}}],
-                    "backendRefs": [{"group": INFERENCE_GROUP, "kind": "InferencePool",
-                                     "name": options.name}],
+                    "backendRefs": [envoy if options.api_key_secret else pool],
                 },
                 {   # OpenAI JSON: Envoy transcodes it to gRPC (and asks the same picker)
                     "matches": openai_paths,
-                    "backendRefs": [{"name": f"{options.name}-openai",
-                                     "port": ENVOY_HTTP_PORT}],
+                    "backendRefs": [dict(envoy)],
                 },
             ],
         },
@@ -489,12 +580,15 @@ def render_k8s_manifests(options: K8sOptions,
     """Every object, in an order ``kubectl apply`` can take them in."""
     descriptor = descriptor if descriptor is not None else Path(DEFAULT_DESCRIPTOR).read_bytes()
     objects: list[dict[str, Any]] = [
-        envoy_config_map(options, dump_bootstrap(envoy_bootstrap(options, descriptor)))]
+        envoy_config_map(options, dump_yaml(envoy_bootstrap(options, descriptor)))]
     if options.lora_syncer:
         objects.append(lora_adapters_config_map(options))
-    for role, count in _roles(options):
-        objects += [replica_service(options, role), replica_deployment(options, role, count)]
-    objects += [picker_service(options), picker_deployment(options),
-                envoy_service(options), envoy_deployment(options),
+    deployments = [replica_deployment(options, role, count) for role, count in _roles(options)]
+    for (role, _), deployment in zip(_roles(options), deployments, strict=True):
+        objects += [replica_service(options, role), deployment,
+                    _disruption_budget(options, deployment)]
+    picker, envoy = picker_deployment(options), envoy_deployment(options)
+    objects += [picker_service(options), picker, _disruption_budget(options, picker),
+                envoy_service(options), envoy, _disruption_budget(options, envoy),
                 inference_pool(options), http_route(options)]
     return objects

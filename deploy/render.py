@@ -8,6 +8,8 @@ bootstrap (to ``-o FILE`` or stdout), ``render k8s`` one file per Kubernetes obj
     tandem render envoy --upstream 127.0.0.1:50051 --http-port 8080 -o envoy.yaml
     tandem render k8s --image registry.example/tandem:0.1 --model /models/llama \\
         --model-pvc llama-weights --prefill 2 --decode 4 --tls-secret tandem-tls -o deploy/out
+
+Manifests are written without YAML anchors (``yaml_text``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from deploy.envoy_config import (
     render_picker_bootstrap,
     with_api_keys,
 )
-from deploy.k8s import K8sOptions, render_k8s_manifests
+from deploy.k8s import DEFAULT_IMAGE, K8sOptions, render_k8s_manifests
+from deploy.yaml_text import dump_yaml
 from services.model_settings import add_model_settings_args, model_settings_from_args
 
 
@@ -61,12 +64,15 @@ def _add_envoy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    defaults = K8sOptions(image="")
+    defaults = K8sOptions()
     p = sub.add_parser("k8s", help="Kubernetes manifests: replicas, picker, Envoy, "
                                    "InferencePool, HTTPRoute")
-    p.add_argument("--image", required=True, help="container image with Tandem installed")
+    p.add_argument("--image", default=DEFAULT_IMAGE,
+                   help="container image with Tandem installed (default: %(default)s, what "
+                        "`make image` builds)")
     p.add_argument("--model", default=None,
-                   help="model directory inside the containers (default: the bundled model)")
+                   help="model directory inside the containers (default: the default model, "
+                        "converted in the image)")
     p.add_argument("--model-pvc", default=None,
                    help="PersistentVolumeClaim holding the model, mounted at --model-mount")
     p.add_argument("--model-mount", default=defaults.model_mount, help="(default: %(default)s)")
@@ -92,7 +98,12 @@ def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="CPU KV cache per replica (default: %(default)s)")
     p.add_argument("--envoy-image", default=defaults.envoy_image)
     p.add_argument("--envoy-replicas", type=int, default=defaults.envoy_replicas)
-    p.add_argument("--picker-replicas", type=int, default=defaults.picker_replicas)
+    p.add_argument("--picker-replicas", type=int, default=defaults.picker_replicas,
+                   help="endpoint pickers, active-active: each holds the whole prefix index "
+                        "(default: %(default)s)")
+    p.add_argument("--drain-seconds", type=int, default=defaults.drain_seconds,
+                   help="seconds a stopping replica (--shutdown-grace) and Envoy give the "
+                        "streams in flight (default: %(default)s)")
     p.add_argument("--tls-secret", default=None,
                    help="a kubernetes.io/tls Secret: Envoy also serves HTTPS on 8443")
     p.add_argument("--api-key-secret", default=None,
@@ -161,7 +172,7 @@ def write_manifests(objects: list[dict[str, Any]], directory: Path) -> list[Path
     paths = []
     for obj in objects:
         path = directory / manifest_file_name(obj)
-        path.write_text(yaml.safe_dump(obj, sort_keys=False, width=100))
+        path.write_text(dump_yaml(obj))
         paths.append(path)
     return paths
 
@@ -177,6 +188,7 @@ def _render_k8s(args: argparse.Namespace) -> int:
             replica_memory=args.replica_memory, gpus=args.gpus,
             kv_cache_memory=args.kv_cache_memory, envoy_image=args.envoy_image,
             envoy_replicas=args.envoy_replicas, picker_replicas=args.picker_replicas,
+            drain_seconds=args.drain_seconds,
             tls_secret=args.tls_secret, api_key_secret=args.api_key_secret,
             gateway_name=args.gateway_name, lora_syncer=args.lora_syncer)
     except ValueError as error:

@@ -1,11 +1,14 @@
-"""``tandem render k8s``: every object checked against the schemas available offline.
+"""``tandem render k8s``: every object checked against the real schemas, offline.
 
-Core and apps objects are deserialized into the ``kubernetes`` client's models (V1Deployment,
-V1Service, V1ConfigMap: required fields and types enforced) and serialized back: a field the
-API does not know would be dropped, so the round trip must give the rendered dict back
-unchanged. The InferencePool and HTTPRoute have no models there; their published schemas'
-facts are encoded below, with their sources. The Envoy bootstrap inside the ConfigMap goes
-through the real ``envoy --mode validate``.
+Core, apps and policy objects go through ``kubernetes-validate``'s strict schemas (unknown
+fields rejected) for the oldest and newest Kubernetes the manifests are for, and are
+deserialized into the ``kubernetes`` client's models and serialized back unchanged. The
+InferencePool and HTTPRoute go through their CRDs' structural schemas from
+``../shared/schemas`` with unknown fields rejected (``tests/k8s_schemas``); the CEL rules that
+concern them are checked by hand below, with their sources. The Envoy bootstrap inside the
+ConfigMap goes through the real ``envoy --mode validate``. Production settings (security
+contexts, disruption budgets, spread, draining stops, ports, routable KV addresses) are
+checked against the flags the real processes parse.
 """
 
 from __future__ import annotations
@@ -22,14 +25,23 @@ from kubernetes.client import ApiClient
 
 from deploy.envoy_runner import find_envoy
 from deploy.k8s import (
+    DEFAULT_IMAGE,
+    ENVOY_HTTP_PORT,
+    ENVOY_HTTPS_PORT,
+    PICKER_METRICS_PORT,
     PICKER_PORT,
     POOL_LABEL,
+    PRE_STOP_S,
+    REPLICA_KV_PORT,
+    REPLICA_METRICS_PORT,
     REPLICA_PORT,
     ROLE_LABEL,
     TLS_DIR,
     K8sOptions,
     render_k8s_manifests,
 )
+from deploy.k8s_pod_policy import ENVOY_UID, TANDEM_UID
+from deploy.render import write_manifests
 from engine_common.config import ModelSettings
 from gateway.endpoint_picker_main import build_parser as picker_parser
 from gateway.endpoint_picker_main import options_from_args as picker_options
@@ -37,9 +49,11 @@ from services.replica.main import build_parser as replica_parser
 from services.replica.main import options_from_args as replica_options
 from tandem.cli import build_parser as tandem_parser
 from tandem.lora_sync import WantedAdapters, parse_wanted_adapters
+from tests.k8s_schemas import K8S_VERSIONS, SchemaError, validate_object
 
 REPO = Path(__file__).resolve().parents[1]
-MODELS = {"ConfigMap": "V1ConfigMap", "Service": "V1Service", "Deployment": "V1Deployment"}
+MODELS = {"ConfigMap": "V1ConfigMap", "Service": "V1Service", "Deployment": "V1Deployment",
+          "PodDisruptionBudget": "V1PodDisruptionBudget"}
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -90,6 +104,7 @@ def test_core_objects_round_trip_through_the_kubernetes_models() -> None:
     kinds = sorted(o["kind"] for o in objects)
     assert kinds.count("Deployment") == 5  # prefill, decode, both, picker, Envoy
     assert kinds.count("Service") == 5 and kinds.count("ConfigMap") == 1
+    assert kinds.count("PodDisruptionBudget") == 5  # one per Deployment
 
 
 def test_replicas_have_roles_probes_model_and_headless_services() -> None:
@@ -278,7 +293,7 @@ def test_cli_writes_one_file_per_object(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     files = sorted(p.name for p in out.iterdir())
     assert "inferencepool-tandem.yaml" in files and "httproute-tandem.yaml" in files
-    assert len(files) == 11
+    assert len(files) == 15  # 4 Deployments with a PDB each, 4 Services, ConfigMap, 2 CRs
     decode = yaml.safe_load((out / "deployment-tandem-decode.yaml").read_text())
     assert decode["spec"]["replicas"] == 2
 
@@ -319,9 +334,11 @@ def test_api_keys_come_from_a_secret_through_an_init_container(tmp_path: Path) -
     for listener in keyed["static_resources"]["listeners"]:  # HTTP and HTTPS
         manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
         names = [f["name"] for f in manager["http_filters"]]
-        assert names[:3] == ["envoy.filters.http.lua", "envoy.filters.http.api_key_auth",
-                             "envoy.filters.http.ext_proc"]
-        keys = manager["http_filters"][1]["typed_config"]["credentials"]
+        # The key check runs before the picker is asked (and Lua before it, for its errors).
+        order = [names.index(f"envoy.filters.http.{name}")
+                 for name in ("lua", "api_key_auth", "ext_proc")]
+        assert order == sorted(order), names
+        keys = manager["http_filters"][order[1]]["typed_config"]["credentials"]
         assert [k["key"] for k in keys] == ["first-key", "second-key"]
 
 
@@ -349,7 +366,7 @@ def test_the_lora_syncer_sidecar_reads_its_config_map_from_every_replica_pod(
         assert syncer["command"] == ["tandem"]
         args = tandem_parser().parse_args(syncer["args"])
         assert args.func.__name__ == "cmd_lora_sync"
-        (mount,) = syncer["volumeMounts"]
+        mount = next(m for m in syncer["volumeMounts"] if m["name"] == "lora-adapters")
         assert args.config == Path(mount["mountPath"]) / entry
         volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
         assert volume["configMap"]["name"] == "tandem-lora-adapters"
@@ -371,3 +388,295 @@ def test_cli_renders_the_lora_syncer_and_says_what_it_needs(tmp_path: Path) -> N
     assert result.returncode == 0, result.stderr
     config_map = yaml.safe_load((tmp_path / "configmap-tandem-lora-adapters.yaml").read_text())
     assert parse_wanted_adapters(config_map["data"]["configmap.yaml"]).present == {}
+
+
+# --- Real schemas, unknown fields rejected ---------------------------------------------------
+
+def _variants() -> list[list[dict[str, Any]]]:
+    """The plain default render, and one with every option that adds objects or fields."""
+    full = K8sOptions(image="registry.example/tandem:0.1", model="/models/llama",
+                      model_pvc="llama-weights", prefill=2, decode=3, both=1, gpus=1,
+                      namespace="llm", tls_secret="tandem-tls", api_key_secret="tandem-keys",
+                      exclusive_cpus=True, lora_syncer=True, envoy_replicas=2,
+                      model_settings=ModelSettings(allow_runtime_lora_updating=True))
+    return [render_k8s_manifests(K8sOptions()), render_k8s_manifests(full)]
+
+
+def test_every_object_validates_against_its_real_schema_strictly() -> None:
+    kinds = set()
+    for objects in _variants():
+        for obj in objects:
+            validate_object(obj)  # raises SchemaError naming the field
+            kinds.add(obj["kind"])
+    assert kinds == {"ConfigMap", "Service", "Deployment", "PodDisruptionBudget",
+                     "InferencePool", "HTTPRoute"}
+    assert K8S_VERSIONS[0] == "1.30"
+
+
+@pytest.mark.parametrize(("kind", "where"), [
+    ("Deployment", ("spec", "template", "spec", "containers", 0, "securityContext")),
+    ("Deployment", ("spec", "template", "spec")),
+    ("PodDisruptionBudget", ("spec",)),
+    ("Service", ("spec", "ports", 0)),
+    ("InferencePool", ("spec", "endpointPickerRef")),
+    ("InferencePool", ("metadata",)),
+    ("HTTPRoute", ("spec", "rules", 0, "backendRefs", 0)),
+    ("HTTPRoute", ("spec", "rules", 0, "matches", 0, "path")),
+    ("HTTPRoute", ()),
+])
+def test_the_validation_rejects_an_unknown_field(kind: str, where: tuple[Any, ...]) -> None:
+    """The check above can fail: a field the API does not define, anywhere, is refused."""
+    obj = next(o for o in render_k8s_manifests(K8sOptions()) if o["kind"] == kind)
+    node: Any = obj
+    for key in where:
+        node = node[key]
+    node["unknownField"] = "x"
+    with pytest.raises(SchemaError, match="unknownField"):
+        validate_object(obj)
+
+
+def test_a_wrong_type_or_value_is_rejected_too() -> None:
+    objects = render_k8s_manifests(K8sOptions())
+    pool = by_kind(objects, "InferencePool")["tandem"]
+    pool["spec"]["appProtocol"] = "grpc"  # not in the CRD's enum
+    with pytest.raises(SchemaError, match="appProtocol"):
+        validate_object(pool)
+    budget = next(o for o in objects if o["kind"] == "PodDisruptionBudget")
+    budget["spec"]["unhealthyPodEvictionPolicy"] = 3
+    with pytest.raises(SchemaError, match="unhealthyPodEvictionPolicy"):
+        validate_object(budget)
+
+
+def _yaml_anchors(text: str) -> list[str]:
+    """Anchors and aliases in a YAML text, from the parser's events."""
+    return [f"{type(event).__name__} {event.anchor}" for event in yaml.parse(text)
+            if getattr(event, "anchor", None) is not None]
+
+
+def test_written_manifests_and_the_envoy_bootstrap_hold_no_yaml_anchors(tmp_path: Path) -> None:
+    """Labels are shared by a Deployment's selector and template (the same dict): PyYAML would
+    write them as &id001 / *id001."""
+    for index, objects in enumerate(_variants()):
+        for path in write_manifests(objects, tmp_path / str(index)):
+            text = path.read_text()
+            assert _yaml_anchors(text) == [], path.name
+            obj = yaml.safe_load(text)
+            for value in (obj.get("data") or {}).values():  # the bootstrap in the ConfigMap
+                assert _yaml_anchors(value) == [], path.name
+    assert _yaml_anchors("a: &x {b: 1}\nc: *x\n") == ["MappingStartEvent x", "AliasEvent x"]
+
+
+def test_the_cli_output_passes_the_kubernetes_validate_command_strictly(tmp_path: Path) -> None:
+    """The command line tool itself, on the files ``tandem render k8s`` writes."""
+    out = tmp_path / "manifests"
+    subprocess.run([sys.executable, "-m", "tandem.cli", "render", "k8s", "--prefill", "2",
+                    "--api-key-secret", "keys", "-o", str(out)],
+                   cwd=REPO, check=True, capture_output=True, timeout=60)
+    core = sorted(str(p) for p in out.iterdir()
+                  if not p.name.startswith(("inferencepool-", "httproute-")))
+    assert len(core) == 13
+    validator = Path(sys.executable).with_name("kubernetes-validate")
+    for version in K8S_VERSIONS:
+        result = subprocess.run([str(validator), "--strict", "--quiet", "-k", version, *core],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "WARN" not in result.stdout  # every kind had a schema
+
+
+# --- Security ------------------------------------------------------------------------------
+
+def _pods(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {name: d["spec"]["template"]["spec"] for name, d in by_kind(objects, "Deployment").items()}
+
+
+def test_every_pod_and_container_meets_the_restricted_pod_security_standard() -> None:
+    """Kubernetes' Pod Security Standards, ``restricted`` profile, rule by rule; and a
+    read-only root filesystem everywhere, writable only through emptyDirs."""
+    allowed_volumes = {"configMap", "emptyDir", "persistentVolumeClaim", "secret"}
+    for objects in _variants():
+        for name, pod in _pods(objects).items():
+            context = pod["securityContext"]
+            uid = ENVOY_UID if name.endswith("-envoy") else TANDEM_UID
+            assert context["runAsNonRoot"] is True and context["runAsUser"] == uid > 0, name
+            assert context["seccompProfile"] == {"type": "RuntimeDefault"}
+            assert pod["automountServiceAccountToken"] is False
+            assert not {"hostNetwork", "hostPID", "hostIPC"} & set(pod)
+            for volume in pod["volumes"]:
+                assert set(volume) - {"name"} <= allowed_volumes, volume
+            for container in [*pod.get("initContainers", []), *pod["containers"]]:
+                sc = container["securityContext"]
+                assert sc["runAsNonRoot"] is True and sc["privileged"] is False
+                assert sc["allowPrivilegeEscalation"] is False
+                assert sc["capabilities"] == {"drop": ["ALL"]}
+                assert sc["readOnlyRootFilesystem"] is True
+                assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+                assert "runAsUser" not in sc  # the pod's user: Envoy reads what the init wrote
+                assert not any(p.get("hostPort") for p in container.get("ports", []))
+
+
+def test_what_a_process_writes_lands_in_a_bounded_empty_dir() -> None:
+    """HOME and TMPDIR are /tmp, an emptyDir in every pod; the replicas' and picker's cache
+    (the CPU kernel they build) and /dev/shm too; every mount names a volume of its pod."""
+    for objects in _variants():
+        for name, pod in _pods(objects).items():
+            volumes = {v["name"]: v for v in pod["volumes"]}
+            for volume in volumes.values():
+                if "emptyDir" in volume:
+                    assert volume["emptyDir"]["sizeLimit"], (name, volume)
+            for container in [*pod.get("initContainers", []), *pod["containers"]]:
+                mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+                assert set(mounts.values()) <= set(volumes), name
+                assert "emptyDir" in volumes[mounts["/tmp"]], (name, container["name"])
+                writable = [path for path, volume in mounts.items()
+                            if "emptyDir" in volumes[volume]]
+                env = {e["name"]: e.get("value") for e in container.get("env", [])}
+                if container["image"] != "envoyproxy/envoy:v1.40.0":
+                    assert env["HOME"] == env["TMPDIR"] == "/tmp"
+                if container["name"] in ("replica", "endpoint-picker"):
+                    assert env["TANDEM_CACHE_DIR"] in writable
+                    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+
+
+def test_the_envoy_pod_runs_as_envoys_user_and_its_init_container_writes_for_it() -> None:
+    objects = _variants()[1]
+    pod = _pods(objects)["tandem-envoy"]
+    assert pod["securityContext"]["runAsUser"] == pod["securityContext"]["runAsGroup"] == 101
+    (init,) = pod["initContainers"]
+    assert init["image"] == "registry.example/tandem:0.1"  # Tandem's image, Envoy's user
+    keyed = next(m for m in init["volumeMounts"] if m["name"] == "keyed-config")
+    assert not keyed.get("readOnly")
+
+
+# --- Availability and stopping -------------------------------------------------------------
+
+def test_every_deployment_has_a_disruption_budget_selecting_exactly_its_pods() -> None:
+    for objects in _variants():
+        budgets = by_kind(objects, "PodDisruptionBudget")
+        deployments = by_kind(objects, "Deployment")
+        assert set(budgets) == set(deployments)
+        for name, deployment in deployments.items():
+            spec = budgets[name]["spec"]
+            assert spec["maxUnavailable"] == 1 and "minAvailable" not in spec
+            assert spec["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+            labels = deployment["spec"]["template"]["metadata"]["labels"]
+            assert spec["selector"]["matchLabels"] == labels
+            # No other Deployment's pods match (roles differ by their role label).
+            for other_name, other in deployments.items():
+                other_labels = other["spec"]["template"]["metadata"]["labels"]
+                matches = spec["selector"]["matchLabels"].items() <= other_labels.items()
+                assert matches == (other_name == name), (name, other_name)
+
+
+def test_pods_spread_over_nodes_and_zones_as_a_preference() -> None:
+    for name, pod in _pods(render(prefill=2, decode=4)).items():
+        constraints = pod["topologySpreadConstraints"]
+        assert [c["topologyKey"] for c in constraints] == [
+            "kubernetes.io/hostname", "topology.kubernetes.io/zone"]
+        for constraint in constraints:
+            assert constraint["whenUnsatisfiable"] == "ScheduleAnyway"
+            assert constraint["maxSkew"] == 1
+            assert constraint["matchLabelKeys"] == ["pod-template-hash"]
+            assert constraint["labelSelector"]["matchLabels"] == _deployment_labels(
+                render(prefill=2, decode=4), name)
+
+
+def _deployment_labels(objects: list[dict[str, Any]], name: str) -> dict[str, str]:
+    return by_kind(objects, "Deployment")[name]["spec"]["template"]["metadata"]["labels"]
+
+
+@pytest.mark.parametrize("drain", [30, 120])
+def test_a_stopping_replica_gets_its_whole_drain_before_sigkill(drain: int) -> None:
+    """preStop sleep, then SIGTERM, on which the replica drains for --shutdown-grace (as its
+    own parser reads it) and stops; the grace period covers all of it with a margin."""
+    for role in ("prefill", "decode"):
+        pod = _pods(render(drain_seconds=drain))[f"tandem-{role}"]
+        (container,) = pod["containers"]
+        args = container["args"]
+        parsed = replica_options(replica_parser().parse_args(args[1:]))
+        assert parsed.shutdown_grace_s == drain
+        pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert pre_stop == PRE_STOP_S
+        final_grace_s = 1.0  # services/replica/server.py: after the drain, unary calls
+        assert pod["terminationGracePeriodSeconds"] >= pre_stop + drain + final_grace_s + 10
+    envoy = _pods(render(drain_seconds=drain))["tandem-envoy"]
+    envoy_sleep = envoy["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert envoy_sleep == drain  # Envoy stops at once on SIGTERM: its drain is the sleep
+    assert envoy["terminationGracePeriodSeconds"] > envoy_sleep
+    picker = _pods(render(drain_seconds=drain))["tandem-epp"]
+    assert picker["terminationGracePeriodSeconds"] > PRE_STOP_S
+
+
+def test_the_endpoint_picker_runs_two_replicas_by_default() -> None:
+    """Active-active: each picker replica watches every replica itself (docs/kubernetes.md)."""
+    picker = by_kind(render_k8s_manifests(K8sOptions()), "Deployment")["tandem-epp"]
+    assert picker["spec"]["replicas"] == 2
+    with pytest.raises(ValueError, match="at least one replica"):
+        K8sOptions(picker_replicas=0)
+
+
+# --- Addresses and ports -------------------------------------------------------------------
+
+def test_replicas_advertise_their_pod_ip_for_kv_and_prefill_listens_on_a_declared_port() -> None:
+    """``--kv-host $(POD_IP)``: the kubelet expands it from the downward API; the replica's
+    own parser then takes it as the advertised KV address (never loopback)."""
+    for role in ("prefill", "decode", "both"):
+        (container,) = _pods(render(prefill=1, decode=1, both=1))[f"tandem-{role}"]["containers"]
+        env = {e["name"]: e for e in container["env"]}
+        assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        args = [arg.replace("$(POD_IP)", "198.18.0.7").replace("$(POD_NAME)", "pod-0")
+                for arg in container["args"]]
+        assert container["args"][container["args"].index("--kv-host") + 1] == "$(POD_IP)"
+        kv = replica_options(replica_parser().parse_args(args[1:])).engine.kv_transfer
+        assert kv.host == "198.18.0.7"
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        if role == "prefill":
+            assert kv.port == REPLICA_KV_PORT == ports["kv"]
+        else:  # a decode replica pulls; it opens no KV listener
+            assert "kv" not in ports and "--kv-port" not in args
+
+
+def test_every_port_a_process_listens_on_is_a_declared_container_port() -> None:
+    """Read from the args the real parsers take: gRPC and metrics of replicas and picker."""
+    pods = _pods(render(prefill=1, decode=1, tls_secret="tls"))
+    for name in ("tandem-prefill", "tandem-decode"):
+        (container,) = pods[name]["containers"]
+        options = replica_options(replica_parser().parse_args(container["args"][1:]))
+        declared = {p["containerPort"] for p in container["ports"]}
+        assert {options.port, options.metrics_port} <= declared
+        assert {options.port, options.metrics_port} == {REPLICA_PORT, REPLICA_METRICS_PORT}
+    (picker,) = pods["tandem-epp"]["containers"]
+    parsed = picker_options(picker_parser().parse_args(picker["args"][1:]))
+    assert {p["containerPort"] for p in picker["ports"]} == {parsed.port, parsed.metrics_port}
+    assert (parsed.port, parsed.metrics_port) == (PICKER_PORT, PICKER_METRICS_PORT)
+    (envoy,) = pods["tandem-envoy"]["containers"]
+    assert {p["containerPort"] for p in envoy["ports"]} == {ENVOY_HTTP_PORT, ENVOY_HTTPS_PORT}
+
+
+# --- API keys on gRPC, the image -----------------------------------------------------------
+
+def test_with_api_keys_grpc_calls_through_the_gateway_go_through_envoys_key_check() -> None:
+    """The Gateway's own route to the InferencePool checks no key: with keys required,
+    ``tandem.v1.Generation`` calls go to Envoy (h2c, which takes gRPC) like the HTTP ones."""
+    keyed = by_kind(render(api_key_secret="keys"), "HTTPRoute")["tandem"]
+    grpc_rule, http_rule = keyed["spec"]["rules"]
+    assert grpc_rule["matches"][0]["path"]["value"] == "/tandem.v1.Generation/"
+    assert grpc_rule["backendRefs"] == http_rule["backendRefs"] == [
+        {"name": "tandem-openai", "port": ENVOY_HTTP_PORT}]
+    service = by_kind(render(api_key_secret="keys"), "Service")["tandem-openai"]
+    http = next(p for p in service["spec"]["ports"] if p["port"] == ENVOY_HTTP_PORT)
+    assert http["appProtocol"] == "kubernetes.io/h2c"
+    open_route = by_kind(render(), "HTTPRoute")["tandem"]
+    assert open_route["spec"]["rules"][0]["backendRefs"][0]["kind"] == "InferencePool"
+
+
+def test_the_default_image_and_model_are_the_ones_make_image_builds() -> None:
+    """Without --image and --model, every Tandem container runs ``make image``'s tag and the
+    default model the image converted at build time (tests/image checks it is there)."""
+    objects = render_k8s_manifests(K8sOptions())
+    for name, pod in _pods(objects).items():
+        for container in [*pod.get("initContainers", []), *pod["containers"]]:
+            if name != "tandem-envoy":
+                assert container["image"] == DEFAULT_IMAGE
+                args = container["args"]
+                assert args[args.index("--model") + 1] == (
+                    "/opt/tandem/cache/models/SmolLM2-135M-Instruct")
