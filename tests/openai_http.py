@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -66,6 +67,17 @@ class Stack:
                              timeout=120)
 
 
+def http_status(port: int, path: str) -> int:
+    """The status of ``GET path`` on loopback ``port`` (0 when nothing answers)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as error:
+        return error.code
+    except OSError:
+        return 0
+
+
 @contextmanager
 def running_stack(model_dir: Path, logs: Path) -> Iterator[Stack]:
     """The cluster, up until the block ends; every process stopped after it."""
@@ -87,10 +99,14 @@ def running_stack(model_dir: Path, logs: Path) -> Iterator[Stack]:
                           "--metrics-port", str(gateway_metrics_port), "--max-attempts", "1",
                           *[a for r in replicas.values() for a in ("--replica", r.target)]])
         spawn("envoy", ["deploy.envoy_runner", "--http-port", str(http_port), "--upstream",
-                        f"127.0.0.1:{gateway_port}", "--concurrency", "1"])
+                        f"127.0.0.1:{gateway_port}", "--upstream-metrics",
+                        f"127.0.0.1:{gateway_metrics_port}", "--concurrency", "1"])
         deadline = time.monotonic() + 120
         wait_until(lambda: is_serving(f"127.0.0.1:{gateway_port}"), deadline, "gateway", logs)
         wait_until(lambda: envoy_answers(http_port), deadline, "envoy", logs)
+        # /health: Envoy's own health check of the gateway says a decode replica is ready.
+        wait_until(lambda: http_status(http_port, "/health") == 200, deadline, "envoy /health",
+                   logs)
         time.sleep(1.0)  # the prefill replica registered too, load reports in
         yield Stack(replicas, f"127.0.0.1:{gateway_port}", gateway_metrics_port, http_port, logs)
     finally:
