@@ -127,6 +127,7 @@ class EndpointPickerServer:
             self._ready = ready
             for service in ("", "readiness", EXT_PROC_SERVICE):
                 await self.health.set(service, _SERVING if ready else _NOT_SERVING)
+        self.chooser.metrics.set_replicas(replicas)
         max_model_len = self.cluster.max_model_len()
         if max_model_len is not None:
             self.chooser.inputs.max_model_len = max_model_len

@@ -8,7 +8,11 @@ time to first token and the routing work itself. It does not own serving them ov
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from gateway.registry import Replica
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -67,3 +71,10 @@ class GatewayMetrics:
         self.no_replica = Counter(
             "tandem:gateway_no_replica", "Requests refused because no replica was usable.",
             registry=reg)
+
+    def set_replicas(self, replicas: Iterable[Replica]) -> None:
+        """The known replicas, by role and health, as the registry sees them now."""
+        self.replicas.clear()
+        for replica in replicas:
+            self.replicas.labels(replica.role or "unknown",
+                                 str(replica.healthy).lower()).inc()

@@ -162,9 +162,7 @@ class GatewayServer:
                       else health_pb2.HealthCheckResponse.NOT_SERVING)
             for service in HEALTH_SERVICES:
                 await self.health.set(service, status)
-        self.metrics.replicas.clear()
-        for r in replicas:
-            self.metrics.replicas.labels(r.role or "unknown", str(r.healthy).lower()).inc()
+        self.metrics.set_replicas(replicas)
         max_model_len = self.cluster.max_model_len()
         if max_model_len is not None:
             self.inputs.max_model_len = max_model_len

@@ -58,12 +58,21 @@ class SuiteTls:
 
 
 CHANNEL_NAME_OPTION = ("grpc.ssl_target_name_override", SUITE_NAME)
+# A member that vanishes without closing its connections (its host lost, a partition) is
+# noticed by pings while a call is open: within about ten seconds, not when TCP gives up
+# (minutes). The servers accept pings this often (``services.frontend.grpc_server``).
+KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_time_ms", 5_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+)
 
 
 def aio_channel(target: str, tls: SuiteTls | None,
                 options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
-    """A channel to a suite member: mutual TLS when the suite has it, else plaintext."""
-    options = list(options)
+    """A channel to a suite member: mutual TLS when the suite has it, else plaintext; with
+    keepalive pings unless ``options`` set them otherwise."""
+    options = list({**dict(KEEPALIVE_OPTIONS), **dict(options)}.items())
     if tls is None:
         return grpc.aio.insecure_channel(target, options=options)
     return grpc.aio.secure_channel(target, tls.channel_credentials(),

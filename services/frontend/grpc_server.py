@@ -20,6 +20,10 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     # Fail loudly when the port is taken instead of sharing it with another process.
     ("grpc.so_reuseport", 0),
+    # Suite members ping every 5 s while a call is open (``services.suite_tls``): accept it,
+    # never answer pings with GOAWAY.
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 4_000),
+    ("grpc.http2.max_ping_strikes", 0),
 )
 
 
