@@ -18,12 +18,33 @@ from services.model_settings import model_settings_args
 from services.replica.cpu_binding import SHARED
 
 
+@dataclass(frozen=True)
+class PortUse:
+    """A port a planned process listens on, and what it is (for the error when it is busy)."""
+
+    host: str
+    port: int
+    what: str  # e.g. "decode-1 gRPC (--base-port)"
+
+
 @dataclass
 class ProcessSpec:
     name: str
     argv: list[str]
     grpc_target: str | None  # checked for health; None: a process without gRPC health
     env: dict[str, str] = field(default_factory=dict)
+    # Every port it listens on: checked free before anything starts, and accepting
+    # connections before the process counts as ready.
+    ports: list[PortUse] = field(default_factory=list)
+    # An HTTP URL answering 200 once the process is ready (Envoy's admin /ready).
+    ready_url: str | None = None
+    # NOT_SERVING after it was ready means it is broken and must be restarted (a replica
+    # whose engine core died); False where NOT_SERVING may pass (the gateway while no
+    # replica is routable).
+    restart_when_not_serving: bool = True
+    # Stopped first, and the others only once these exited: a replica finishes its streams
+    # while the gateway and Envoy in front of it still relay them.
+    drains_first: bool = False
 
 
 @dataclass
@@ -40,6 +61,8 @@ class SuiteConfig:
     gateway: bool = True
     envoy: bool = False
     envoy_http_port: int = 8080
+    # Envoy's admin interface (on 127.0.0.1); None: the port after the gateway's metrics.
+    envoy_admin_port: int | None = None
     # Envoy requires one of the API keys in this file (one per line) on every request.
     envoy_api_key_file: Path | None = None
     extra_replica_args: list[str] = field(default_factory=list)
@@ -108,6 +131,10 @@ def plan_suite(cfg: SuiteConfig) -> Suite:
                   "--engine-id", name, "--kv-cache-memory", cfg.kv_cache_memory,
                   *cpu_args[i], *cfg.extra_replica_args],
             grpc_target=target,
+            ports=[PortUse(cfg.host, port, f"{name} gRPC (--base-port)"),
+                   PortUse(cfg.host, cfg.metrics_base_port + i,
+                           f"{name} metrics (--metrics-base-port)")],
+            drains_first=True,
         ))
         endpoints[f"replica {name} (gRPC)"] = target
         endpoints[f"replica {name} (metrics)"] = f"http://{cfg.host}:{cfg.metrics_base_port + i}/metrics"
@@ -119,19 +146,29 @@ def plan_suite(cfg: SuiteConfig) -> Suite:
             argv=[py, "-m", "gateway", *model_args, "--host", cfg.host, "--port", str(cfg.gateway_port),
                   "--metrics-port", str(cfg.metrics_base_port + len(roles)), *replica_flags],
             grpc_target=gw_target,
+            ports=[PortUse(cfg.host, cfg.gateway_port, "gateway gRPC (--gateway-port)"),
+                   PortUse(cfg.host, cfg.metrics_base_port + len(roles),
+                           "gateway metrics (--metrics-base-port)")],
+            restart_when_not_serving=False,
         ))
         endpoints["gateway (gRPC, tandem.v1.Generation)"] = gw_target
         endpoints["gateway (metrics)"] = (
             f"http://{cfg.host}:{cfg.metrics_base_port + len(roles)}/metrics")
     if cfg.envoy:
         upstream = f"{cfg.host}:{cfg.gateway_port}" if cfg.gateway else replica_targets[0]
+        admin_port = (cfg.envoy_admin_port if cfg.envoy_admin_port is not None
+                      else cfg.metrics_base_port + len(roles) + 1)
         specs.append(ProcessSpec(
             name="envoy",
             argv=[py, "-m", "deploy.envoy_runner", "--http-port", str(cfg.envoy_http_port),
                   "--upstream", upstream, "--listen-host", cfg.host,
+                  "--admin-port", str(admin_port),
                   *(["--api-key-file", str(cfg.envoy_api_key_file)]
                     if cfg.envoy_api_key_file else [])],
             grpc_target=None,
+            ports=[PortUse(cfg.host, cfg.envoy_http_port, "Envoy HTTP (--http-port)"),
+                   PortUse("127.0.0.1", admin_port, "Envoy admin (after --metrics-base-port)")],
+            ready_url=f"http://127.0.0.1:{admin_port}/ready",
         ))
         endpoints["envoy (HTTP, OpenAI-compatible)"] = f"http://{cfg.host}:{cfg.envoy_http_port}/v1"
     return Suite(specs, endpoints)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from deploy.envoy_config import read_api_keys
 from deploy.suite_plan import SuiteConfig, plan_suite
-from deploy.supervisor import Supervisor
+from deploy.supervisor import SuiteFailed, Supervisor, check_ports
 from services.model_settings import add_model_settings_args, model_settings_from_args
 
 
@@ -67,6 +67,12 @@ def suite_config(args: argparse.Namespace) -> SuiteConfig:
 
 
 def start_suite(args: argparse.Namespace) -> Supervisor:
+    """Start the suite and wait until every process is ready; exits with a one-line error
+    (no traceback) when a port is taken or a process keeps failing at start."""
+    try:
+        check_ports(plan_suite(suite_config(args)).specs)  # before any model is touched
+    except SuiteFailed as error:
+        raise SystemExit(f"error: {error}") from None
     if args.model is None:
         from engine_common.default_model import ensure_default_model
 
@@ -78,6 +84,13 @@ def start_suite(args: argparse.Namespace) -> Supervisor:
     started = time.monotonic()
     try:
         supervisor.start()
+    except SuiteFailed as error:
+        supervisor.stop()
+        raise SystemExit(f"error: {error}") from None
+    except KeyboardInterrupt:
+        print("stopping the suite ...", flush=True)
+        supervisor.stop()
+        raise SystemExit(130) from None
     except BaseException:
         supervisor.stop()
         raise
@@ -89,8 +102,14 @@ def start_suite(args: argparse.Namespace) -> Supervisor:
 
 def cmd_up(args: argparse.Namespace) -> int:
     supervisor = start_suite(args)
-    print("serving; Ctrl-C stops everything", flush=True)
-    supervisor.serve_forever()
+    print("serving (a process that dies is restarted); Ctrl-C or SIGTERM drains and stops "
+          "everything", flush=True)
+    try:
+        supervisor.serve_forever()
+    except SuiteFailed as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 1
+    print("stopped", flush=True)
     return 0
 
 
