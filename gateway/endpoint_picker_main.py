@@ -24,7 +24,6 @@ from wsgiref.simple_server import WSGIServer
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from engine_common.config import ModelSettings
@@ -42,6 +41,7 @@ from gateway.server import load_inputs
 from protos.third_party.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from services.entrypoint import run_service, wait_for_stop_signal
 from services.model_settings import add_model_settings_args, model_settings_from_args
+from services.reflection import enable_reflection
 from services.suite_tls import SuiteTls, add_tls_args, tls_from_args
 
 logger = logging.getLogger("gateway.endpoint_picker")
@@ -85,9 +85,8 @@ class EndpointPickerServer:
         ep_grpc.add_ExternalProcessorServicer_to_server(
             EndpointPickerServicer(chooser), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (EXT_PROC_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), self.server)
+        enable_reflection(self.server, (
+            EXT_PROC_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
         self.port = self.server.add_insecure_port(f"{options.host}:{options.port}")
         self._ready: bool | None = None
         self._follower: asyncio.Task[None] | None = None

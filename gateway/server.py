@@ -20,7 +20,6 @@ from wsgiref.simple_server import WSGIServer
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from engine_common.config import ModelSettings
@@ -43,6 +42,7 @@ from services.frontend.generation_servicer import GenerationServicer
 from services.frontend.grpc_server import new_server
 from services.frontend.responses.store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from services.frontend.served_model import ServedModel
+from services.reflection import enable_reflection
 from services.suite_tls import SuiteTls
 
 logger = logging.getLogger(__name__)
@@ -119,9 +119,8 @@ class GatewayServer:
         self.server = new_server([RequestMetricsInterceptor(self.metrics)])
         pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (GENERATION_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), self.server)
+        enable_reflection(self.server, (
+            GENERATION_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
         self.port = self.server.add_insecure_port(f"{options.host}:{options.port}")
         self.metrics_port = 0
         self._metrics_http: WSGIServer | None = None

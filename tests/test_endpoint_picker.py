@@ -52,6 +52,7 @@ from protos.third_party.envoy.extensions.filters.http.ext_proc.v3 import process
 from protos.third_party.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from protos.third_party.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from tandem.client import Client
+from tests.reflection_client import VERSIONS, defines_service, reflect
 from tests.replica_process import ReplicaProcess, free_port, start_replicas, stop_all
 
 REPO = Path(__file__).resolve().parents[1]
@@ -226,6 +227,16 @@ def exchange(port: int, messages: list[ep.ProcessingRequest]) -> list[ep.Process
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = ep_grpc.ExternalProcessorStub(channel)
         return list(stub.Process(iter(messages), timeout=20))
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_reflection_v1_and_v1alpha(dead_picker: InProcessPicker, version: str) -> None:
+    ext_proc = "envoy.service.ext_proc.v3.ExternalProcessor"
+    with grpc.insecure_channel(f"127.0.0.1:{dead_picker.port}") as channel:
+        answer = reflect(channel, version, [ext_proc])
+    assert {ext_proc, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection"} <= set(answer.services)
+    assert defines_service(answer.files[ext_proc][0], ext_proc)
 
 
 def test_no_eligible_replica_is_an_immediate_503(dead_picker: InProcessPicker) -> None:

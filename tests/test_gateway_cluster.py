@@ -35,6 +35,7 @@ from protos.tandem.v1 import engine_pb2, engine_pb2_grpc, generation_pb2, genera
 from tandem.client import Client
 from tandem.errors import DeadlineExceededError
 from tandem.request_builders import chat_message
+from tests.reflection_client import defines_service, reflect
 from tests.replica_process import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -309,6 +310,12 @@ def test_gateway_serves_models_health_and_reflection(cluster: Cluster) -> None:
         services = {s.name for reply in replies for s in reply.list_services_response.service}
     assert {"tandem.v1.Generation", "grpc.health.v1.Health"} <= services
     assert "tandem.v1.Engine" not in services  # internal: the replicas serve it, not the gateway
+    with grpc.insecure_channel(cluster.gateway_address) as channel:
+        v1 = reflect(channel, "v1", ["tandem.v1.Generation", "tandem.v1.Engine"])
+    assert {"tandem.v1.Generation", "grpc.reflection.v1.ServerReflection"} <= set(v1.services)
+    assert defines_service(v1.files["tandem.v1.Generation"][0], "tandem.v1.Generation")
+    # The Engine API's messages are linked in (the gateway speaks it) but not served.
+    assert "tandem.v1.Engine" not in v1.services
 
 
 def test_dns_discovery_finds_replicas(cluster: Cluster) -> None:

@@ -29,6 +29,7 @@ from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 from tandem.client import AsyncClient, Client
 from tandem.errors import TandemError
 from tandem.request_builders import chat_message
+from tests.reflection_client import VERSIONS, defines_service, reflect
 from tests.replica_process import ReplicaProcess, start_replicas
 
 MAX_MODEL_LEN = 512
@@ -454,6 +455,23 @@ def test_health_and_reflection(replica, channel):
     services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
     assert {"tandem.v1.Generation", "tandem.v1.Engine", "grpc.health.v1.Health",
             "grpc.reflection.v1alpha.ServerReflection"} <= services
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_reflection_v1_and_v1alpha_list_and_describe(channel, version):
+    """grpcurl and Postman ask v1 first: both versions list every service and resolve the
+    file that defines one (with its dependencies), the reflection service's own included."""
+    symbols = ("tandem.v1.Generation", "tandem.v1.Engine", f"grpc.reflection.{version}"
+               ".ServerReflection", "tandem.v1.NoSuchService")
+    answer = reflect(channel, version, symbols)
+    assert {"tandem.v1.Generation", "tandem.v1.Engine", "grpc.health.v1.Health",
+            "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection"} <= set(answer.services)
+    for symbol in symbols[:3]:
+        assert defines_service(answer.files[symbol][0], symbol), answer.files[symbol][0].name
+    generation = answer.files["tandem.v1.Generation"]
+    assert "google/api/annotations.proto" in {f.name for f in generation}  # dependencies too
+    assert answer.errors["tandem.v1.NoSuchService"][0] == grpc.StatusCode.NOT_FOUND.value[0]
 
 
 def test_metrics_endpoint(replica, client):

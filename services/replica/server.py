@@ -20,7 +20,6 @@ from wsgiref.simple_server import WSGIServer
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from engine_common.async_llm import AsyncLLM
@@ -33,6 +32,7 @@ from services.frontend.grpc_server import new_server
 from services.frontend.responses.store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from services.frontend.routing_headers import PREFILL_PEER_HEADER, prefill_peer_of
 from services.frontend.served_model import ServedModel
+from services.reflection import enable_reflection
 from services.replica.admission import Admission
 from services.replica.callers import CallerScopes
 from services.replica.engine_servicer import EngineServicer
@@ -115,9 +115,8 @@ class ReplicaServer:
         generation_pb2_grpc.add_GenerationServicer_to_server(self.generation, self.server)
         engine_pb2_grpc.add_EngineServicer_to_server(self.engine_servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (GENERATION_SERVICE, ENGINE_SERVICE, health_pb2.DESCRIPTOR.services_by_name[
-                "Health"].full_name, reflection.SERVICE_NAME), self.server)
+        enable_reflection(self.server, (GENERATION_SERVICE, ENGINE_SERVICE, health_pb2.DESCRIPTOR
+                                        .services_by_name["Health"].full_name))
         self.port = add_port(self.server, f"{options.host}:{options.port}", options.tls)
         self._metrics_http: WSGIServer | None = None
         self._forced = asyncio.Event()
