@@ -397,16 +397,20 @@ def test_sharded_checkpoint_loads(tmp_path, tiny_mistral_dir):
         assert torch.equal(ours, ref), name
 
 
+@pytest.mark.parametrize("use_paged_kernel", [True, False])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "dtype"),
     [(4, 2, torch.float32), (6, 1, torch.float32), (8, 8, torch.float32), (9, 3, torch.bfloat16)],
 )
-def test_torch_backend_matches_naive_attention(num_heads, num_kv_heads, dtype):
-    """Decode rows (dense all-KV-heads matmul for <= 4 KV heads, SDPA above) and prefill
-    rows with and without a cached prefix, in one step, against a float64 reference."""
+def test_torch_backend_matches_naive_attention(num_heads, num_kv_heads, dtype, use_paged_kernel):
+    """Decode rows (the paged kernel, or without it a dense all-KV-heads matmul for <= 4 KV
+    heads, SDPA above) and prefill rows with and without a cached prefix, in one step,
+    against a float64 reference."""
     head_size, block_size, num_blocks = 8, 4, 40
     gen = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads)
-    backend = TorchAttentionBackend(num_heads, num_kv_heads, head_size, head_size**-0.5)
+    backend = TorchAttentionBackend(num_heads, num_kv_heads, head_size, head_size**-0.5,
+                                    use_paged_kernel=use_paged_kernel)
+    assert (backend.paged_kernel(dtype, torch.device("cpu")) is not None) == use_paged_kernel
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, generator=gen)
     kv_cache = (kv_cache * 100).to(dtype)
     # (cached tokens, new tokens) per sequence: prefill, decode, extend, decode, 1-token prompt

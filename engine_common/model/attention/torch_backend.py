@@ -1,24 +1,28 @@
-"""Paged attention in plain PyTorch: the CPU backend.
+"""Paged attention for the CPU: a paged decode kernel, and PyTorch ops for the rest.
 
-Owns writing a step's K/V into the paged cache and attending over it with PyTorch ops. It
-does not own the cache tensor or the block tables.
+Owns writing a step's K/V into the paged cache and attending over it. It does not own the
+cache tensor or the block tables.
 
-Decode sequences (one query token) of a step are attended together: their blocks are
-gathered from the block tables into one padded batch (into a reused workspace, since fresh
-multi-megabyte buffers cost page faults every layer) and padding is masked. With few KV
-heads, the scores of all query heads against all KV heads come from one batched matmul and
-the matching (query head, KV head) pairs are kept: ``num_kv_heads`` times the useful FLOPs,
-but one well-shaped GEMM per sequence beats ``batch * num_kv_heads`` tiny ones (or SDPA's
-per-head blocking) on CPU by 1.5-2x, and no K/V is repeated. With many KV heads that waste
-grows, so those models use one SDPA call with each KV head's query heads folded into the
-query length.
+Decode sequences (one query token) of a step are attended together. Where the CPU paged
+kernel is available (``cpu_paged_kernel``: float32 or bf16 on the CPU, built with the system
+compiler) it reads each sequence's K and V in place through its block table and writes
+each query row's output directly. Otherwise (no compiler, another dtype or device, or
+``use_paged_kernel=False``) the blocks are gathered from the block tables into one padded
+batch (into a reused workspace, since fresh multi-megabyte buffers cost page faults every
+layer) and padding is masked. With few KV heads, the scores of all query heads against all
+KV heads come from one batched matmul and the matching (query head, KV head) pairs are
+kept: ``num_kv_heads`` times the useful FLOPs, but one well-shaped GEMM per sequence beats
+``batch * num_kv_heads`` tiny ones (or SDPA's per-head blocking) on CPU by 1.5-2x, and no
+K/V is repeated. With many KV heads that waste grows, so those models use one SDPA call
+with each KV head's query heads folded into the query length.
 
 Sequences with several query tokens (prefill, chunked prefill, prefix-cache hits) are
 attended one at a time with SDPA and a causal mask offset by the cached prefix.
 
-Padding positions read cache slots that no sequence of the step wrote; the cache must hold
-finite values there (the model runner allocates it with zeros), since a NaN times a zero
-attention weight is still NaN.
+On the gather path, padding positions read cache slots that no sequence of the step wrote;
+the cache must hold finite values there (the model runner allocates it with zeros), since
+a NaN times a zero attention weight is still NaN. The kernel reads only each sequence's
+own context.
 """
 
 from __future__ import annotations
@@ -29,15 +33,20 @@ import torch
 import torch.nn.functional as F
 
 from engine_common.model.attention.backend import AttentionBackend, AttentionMetadata
+from engine_common.model.attention.cpu_paged_kernel import (
+    PagedDecodeKernel,
+    kernel_supports,
+    load_paged_decode,
+)
 
 # Up to this many KV heads, decode computes scores against all KV heads in one matmul.
 _MAX_KV_HEADS_FOR_DENSE_DECODE = 4
 
 
 @dataclass
-class _DecodePlan:
-    # [num_decode] token indices in the step's flat batch; None when every token decodes.
-    token_indices: torch.Tensor | None
+class _GatherPlan:
+    """What the PyTorch-ops decode path needs: which blocks to gather, and the mask."""
+
     # [num_decode * num_context_blocks] block ids, row by row.
     block_ids: torch.Tensor
     # Padded context length: num_context_blocks * block_size.
@@ -46,6 +55,16 @@ class _DecodePlan:
     mask: torch.Tensor
     # The same mask as float32 0 / -inf, added to the scores.
     mask_bias: torch.Tensor
+
+
+@dataclass
+class _DecodePlan:
+    # [num_decode] token indices in the step's flat batch; None when every token decodes.
+    token_indices: torch.Tensor | None
+    # [num_decode] int32 indices of the decode sequences; None when every sequence decodes.
+    seqs: torch.Tensor | None
+    # Only when the paged kernel does not run.
+    gather: _GatherPlan | None
 
 
 @dataclass
@@ -68,16 +87,24 @@ class _StepPlan:
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
+                 use_paged_kernel: bool = True):
         super().__init__(num_heads, num_kv_heads, head_size, scale)
         self.num_queries_per_kv = num_heads // num_kv_heads
         self.dense_decode = num_kv_heads <= _MAX_KV_HEADS_FOR_DENSE_DECODE
+        self.use_paged_kernel = use_paged_kernel
         # Every layer of a step shares one plan, rebuilt when a new metadata object arrives
         # (a step's metadata is never mutated once the forward pass starts).
         self._planned_for: AttentionMetadata | None = None
         self._plan: _StepPlan | None = None
         # Reused buffers for gathered K and V (layers run one after another).
         self._gather_workspace: torch.Tensor | None = None
+
+    def paged_kernel(self, dtype: torch.dtype, device: torch.device) -> PagedDecodeKernel | None:
+        """The paged decode kernel for this dtype and device, if it runs here."""
+        if not (self.use_paged_kernel and kernel_supports(dtype, device)):
+            return None
+        return load_paged_decode()
 
     def forward(
         self,
@@ -93,15 +120,21 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache.view(flat_shape).index_copy_(0, metadata.slot_mapping, key)
         v_cache.view(flat_shape).index_copy_(0, metadata.slot_mapping, value)
 
-        plan = self._plan_step(metadata, block_size, query.device)
-        if plan.decode is not None and not plan.prefills and plan.decode.token_indices is None:
-            return self._decode(query, k_cache, v_cache, plan.decode)
-
-        out = torch.empty_like(query)
-        if plan.decode is not None:
-            indices = plan.decode.token_indices
-            assert indices is not None
-            out[indices] = self._decode(query[indices], k_cache, v_cache, plan.decode)
+        kernel = self.paged_kernel(kv_cache.dtype, kv_cache.device)
+        plan = self._plan_step(metadata, block_size, query.device, kernel is None)
+        decode = plan.decode
+        if kernel is None and decode is not None and decode.token_indices is None:
+            return self._decode(query, k_cache, v_cache, decode)  # every row decodes
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if decode is not None and kernel is not None:
+            # The kernel writes each decode row of the step's flat batch in place.
+            num_decode = metadata.num_seqs if decode.seqs is None else len(decode.seqs)
+            kernel(query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
+                   None if decode.seqs is None else metadata.query_start_loc, decode.seqs,
+                   num_decode, out, self.scale)
+        elif decode is not None:
+            indices = decode.token_indices
+            out[indices] = self._decode(query[indices], k_cache, v_cache, decode)
         for seq in plan.prefills:
             out[seq.query_start : seq.query_end] = self._prefill(
                 query, key, value, k_cache, v_cache, seq
@@ -113,8 +146,11 @@ class TorchAttentionBackend(AttentionBackend):
         query: torch.Tensor,  # [batch, num_heads, head_size]
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
         v_cache: torch.Tensor,
-        plan: _DecodePlan,
+        decode: _DecodePlan,
     ) -> torch.Tensor:
+        """Decode attention from a gathered, padded copy of the context (no kernel)."""
+        plan = decode.gather
+        assert plan is not None
         batch, context = query.shape[0], plan.context_len
         keys, values = self._gather(k_cache, v_cache, plan.block_ids)
         kv_heads, group, head_size = self.num_kv_heads, self.num_queries_per_kv, self.head_size
@@ -198,7 +234,7 @@ class TorchAttentionBackend(AttentionBackend):
         return out[0].transpose(0, 1)
 
     def _plan_step(
-        self, metadata: AttentionMetadata, block_size: int, device: torch.device
+        self, metadata: AttentionMetadata, block_size: int, device: torch.device, gather: bool
     ) -> _StepPlan:
         if self._planned_for is metadata and self._plan is not None:
             return self._plan
@@ -207,7 +243,7 @@ class TorchAttentionBackend(AttentionBackend):
         decode_seqs = [i for i, n in enumerate(query_lens) if n == 1]
         decode = None
         if decode_seqs:
-            decode = self._plan_decode(metadata, decode_seqs, block_size, device)
+            decode = self._plan_decode(metadata, decode_seqs, block_size, device, gather)
         prefills = []
         start = 0
         for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
@@ -225,33 +261,25 @@ class TorchAttentionBackend(AttentionBackend):
         decode_seqs: list[int],
         block_size: int,
         device: torch.device,
+        gather: bool,
     ) -> _DecodePlan:
-        all_decode = len(decode_seqs) == metadata.num_seqs
-        if all_decode:
-            context = metadata.max_seq_len
-            block_tables = metadata.block_tables
-            seq_lens = metadata.seq_lens
-            token_indices = None
-        else:
-            context = max(metadata.seq_lens_cpu[i] for i in decode_seqs)
-            rows = torch.tensor(decode_seqs, dtype=torch.int64, device=device)
-            block_tables = metadata.block_tables.index_select(0, rows)
-            seq_lens = metadata.seq_lens.index_select(0, rows)
-            # A decode sequence's query token sits at its query start.
-            token_indices = metadata.query_start_loc.index_select(0, rows).long()
-        num_context_blocks = -(-context // block_size)
-        context_len = num_context_blocks * block_size
-        in_context = torch.arange(context_len, device=device)[None, :] < seq_lens[:, None]
-        mask = in_context[:, None, None, :]
-        mask_bias = torch.zeros(mask.shape, dtype=torch.float32, device=device)
-        mask_bias.masked_fill_(~mask, float("-inf"))
-        return _DecodePlan(
-            token_indices=token_indices,
-            block_ids=block_tables[:, :num_context_blocks].flatten().long(),
-            context_len=context_len,
-            mask=mask,
-            mask_bias=mask_bias,
-        )
+        if len(decode_seqs) == metadata.num_seqs:
+            plan = _DecodePlan(token_indices=None, seqs=None, gather=None)
+            if gather:
+                plan.gather = _plan_gather(metadata.block_tables, metadata.seq_lens,
+                                           metadata.max_seq_len, block_size, device)
+            return plan
+        seqs = torch.tensor(decode_seqs, dtype=torch.int32, device=device)
+        # A decode sequence's query token sits at its query start.
+        plan = _DecodePlan(token_indices=metadata.query_start_loc[seqs.long()].long(),
+                           seqs=seqs, gather=None)
+        if gather:
+            rows = seqs.long()
+            plan.gather = _plan_gather(
+                metadata.block_tables.index_select(0, rows),
+                metadata.seq_lens.index_select(0, rows),
+                max(metadata.seq_lens_cpu[i] for i in decode_seqs), block_size, device)
+        return plan
 
     @staticmethod
     def _plan_prefill(
@@ -272,3 +300,20 @@ class TorchAttentionBackend(AttentionBackend):
         query_positions = torch.arange(cached, seq_len, device=device)
         mask = torch.arange(seq_len, device=device)[None, :] <= query_positions[:, None]
         return _PrefillSeq(query_start, query_start + query_len, seq_len, block_ids, mask)
+
+
+def _plan_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, context: int,
+                 block_size: int, device: torch.device) -> _GatherPlan:
+    """The blocks to gather for decode rows with these block tables, and their mask."""
+    num_context_blocks = -(-context // block_size)
+    context_len = num_context_blocks * block_size
+    in_context = torch.arange(context_len, device=device)[None, :] < seq_lens[:, None]
+    mask = in_context[:, None, None, :]
+    mask_bias = torch.zeros(mask.shape, dtype=torch.float32, device=device)
+    mask_bias.masked_fill_(~mask, float("-inf"))
+    return _GatherPlan(
+        block_ids=block_tables[:, :num_context_blocks].flatten().long(),
+        context_len=context_len,
+        mask=mask,
+        mask_bias=mask_bias,
+    )

@@ -1,0 +1,167 @@
+"""Where a decode step of Tandem's engine spends its time, on the offline benchmark's workload.
+
+Owns one measurement: the offline benchmark's 64 prompts x 128 tokens are prefilled, the
+engine decodes a few steps, then ``--steps`` decode steps (batch 64, contexts of 130-140
+tokens) are timed one by one without the profiler and profiled with ``torch.profiler``
+(operator self times, grouped by input shape so the LM head stands apart from the
+projections). The operators are summed into the step's parts (projections, LM head,
+attention, copies, elementwise, the rest) and the result is written as JSON and as a text
+table. It runs pinned to ``--cpus`` with as many torch threads, like the benchmark's
+one-core and two-core runs. It does not compare engines (``offline_throughput`` does).
+
+    .venv/bin/python bench/engine_profile.py --cpus 0 --label before
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.report import machine  # noqa: E402
+from engine_common.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from engine_common.default_model import ensure_default_model  # noqa: E402
+from engine_common.llm import LLM  # noqa: E402
+from engine_common.sampling_params import SamplingParams  # noqa: E402
+
+# Operator name -> the part of a step it belongs to; the first matching prefix wins.
+_PARTS = (
+    ("mkldnn::_linear_pointwise", "linear (projections + LM head)"),
+    ("aten::linear", "linear (projections + LM head)"),
+    ("aten::addmm", "linear (projections + LM head)"),
+    ("aten::mm", "linear (projections + LM head)"),
+    ("aten::bmm", "attention: matmuls"),
+    ("aten::baddbmm", "attention: matmuls"),
+    ("aten::_softmax", "attention: softmax"),
+    ("aten::softmax", "attention: softmax"),
+    ("aten::_scaled_dot_product", "attention: SDPA"),
+    ("tandem::", "attention: paged kernel"),
+    ("aten::index_select", "gather (index_select)"),
+    ("aten::index_copy_", "KV cache write"),
+    ("aten::index_put_", "KV cache write"),
+    ("aten::index", "indexing"),
+    ("aten::copy_", "copies"),
+    ("aten::clone", "copies"),
+    ("aten::contiguous", "copies"),
+    ("aten::zeros", "allocations + fills"),
+    ("aten::zero_", "allocations + fills"),
+    ("aten::fill_", "allocations + fills"),
+    ("aten::empty", "allocations + fills"),
+    ("aten::argmax", "sampling (argmax)"),
+    ("aten::_fused_rms_norm", "RMSNorm"),
+    ("aten::rms_norm", "RMSNorm"),
+    ("aten::mul", "elementwise (mul/add/silu/...)"),
+    ("aten::add", "elementwise (mul/add/silu/...)"),
+    ("aten::sub", "elementwise (mul/add/silu/...)"),
+    ("aten::silu", "elementwise (mul/add/silu/...)"),
+    ("aten::pow", "elementwise (mul/add/silu/...)"),
+    ("aten::rsqrt", "elementwise (mul/add/silu/...)"),
+    ("aten::mean", "elementwise (mul/add/silu/...)"),
+)
+
+
+def part_of(name: str) -> str:
+    return next((part for prefix, part in _PARTS if name.startswith(prefix)), "other ops")
+
+
+def build_engine(model: Path, num_prompts: int) -> LLM:
+    return LLM(EngineConfig(
+        model=str(model), dtype="auto",
+        cache=CacheConfig(kv_cache_memory_bytes=2 << 30),
+        scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=max(256, num_prompts)),
+    ))
+
+
+def profile(llm: LLM, prompts: list[list[int]], steps: int) -> dict[str, object]:
+    params = SamplingParams(temperature=0.0, max_tokens=10 + 2 * steps, ignore_eos=True)
+    ids = [llm.add_request(p, params)[0] for p in prompts]
+    for _ in range(4):  # the prefill (one step at this budget), then three decode steps
+        llm.step()
+    step_ms = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        llm.step()
+        step_ms.append(1000 * (time.perf_counter() - start))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                record_shapes=True) as prof:
+        for _ in range(steps):
+            llm.step()
+    llm.abort(ids)
+    events = prof.key_averages(group_by_input_shape=True)
+    total_us = sum(e.self_cpu_time_total for e in events)
+    parts: dict[str, float] = {}
+    ops = []
+    for e in events:
+        parts[part_of(e.key)] = parts.get(part_of(e.key), 0.0) + e.self_cpu_time_total
+        ops.append({"op": e.key, "input_shapes": str(e.input_shapes)[:160],
+                    "calls_per_step": e.count / steps,
+                    "self_ms_per_step": e.self_cpu_time_total / 1000 / steps,
+                    "percent": 100 * e.self_cpu_time_total / total_us})
+    ops.sort(key=lambda op: -float(op["self_ms_per_step"]))  # type: ignore[arg-type]
+    return {
+        "step_ms_unprofiled": {"median": statistics.median(step_ms), "all": step_ms},
+        "profiled_self_ms_per_step": total_us / 1000 / steps,
+        "parts_percent": {k: round(100 * v / total_us, 1)
+                          for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
+        "top_ops": ops[:25],
+        "table": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpus", default="0", help="comma-separated CPU ids to run on")
+    parser.add_argument("--label", default="before")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args()
+    cpus = [int(c) for c in args.cpus.split(",")]
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(len(cpus))
+
+    from bench.offline_throughput import make_prompts
+
+    model = ensure_default_model()
+    prompts = make_prompts(args.num_prompts, args.prompt_len, 49152, seed=0)
+    llm = build_engine(model, args.num_prompts)
+    result = profile(llm, prompts, args.steps)
+    runner = llm.core.model_runner
+    name = f"engine_profile_{args.label}_{len(cpus)}core"
+    report = {
+        "benchmark": "engine_profile", "machine": machine(),
+        "settings": {"cpus": cpus, "torch_threads": torch.get_num_threads(),
+                     "batch": args.num_prompts, "prompt_len": args.prompt_len,
+                     "profiled_decode_steps": args.steps, "dtype_requested": "auto",
+                     "dtype_run": str(runner.dtype).removeprefix("torch."),
+                     "weights_packed": runner.model.packed_lm_head is not None,
+                     "attention_backend": runner.model.attention_backend.name},
+        **{k: v for k, v in result.items() if k != "table"},
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
+    summary = (f"{name}: decode step, batch {args.num_prompts}, {len(cpus)} core(s), dtype "
+               f"{report['settings']['dtype_run']} (packed: "
+               f"{report['settings']['weights_packed']})\n"
+               f"unprofiled step: median {result['step_ms_unprofiled']['median']:.1f} ms\n"
+               f"parts (% of profiled self time):\n" +
+               "".join(f"  {k:34s} {v:5.1f}\n" for k, v in result["parts_percent"].items()) +
+               "\n" + str(result["table"]))
+    (args.out_dir / f"{name}.txt").write_text(summary)
+    print(summary)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""The CPU paged decode-attention kernel: building it, loading it, calling it.
+
+The kernel (``cpu_kernels/paged_decode.cpp``) reads each decode sequence's K and V where
+they lie in the paged cache, through its block table, instead of gathering them into a
+padded copy first (what the PyTorch ops path must do, every layer of every step). It is C++
+with AVX2/FMA intrinsics where the CPU has them (a scalar loop otherwise), split among
+OpenMP threads.
+
+Built once per machine with the system C++ compiler, like torch's inductor builds its
+kernels: ``-march=native`` for the CPU it runs on, linked against the libgomp torch has
+already loaded (the same soname), so ``torch.set_num_threads`` also bounds the kernel's
+threads and no second thread pool spins. The library is cached under
+``$TANDEM_CACHE_DIR/kernels`` (default ``~/.cache/tandem/kernels``) by a hash of the source,
+the compiler, its flags and the CPU's feature flags, written atomically, so concurrent
+engines build it at most once each and never load a half-written file. Without a
+compiler, or if the build fails, ``load_paged_decode`` returns None (logged once) and the
+backend keeps its PyTorch path.
+
+Owns the build, the load and the argument checks of one call; it does not own deciding
+which tokens are decodes (``torch_backend``) or the cache layout (``backend``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_kernels") / "paged_decode.cpp"
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_BUILD_TIMEOUT_S = 300
+_PROFILE_NAME = "tandem::paged_decode_attention"
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_I32 = ctypes.c_int
+_ARGTYPES = [_I32, _P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _P, _I32, _P, _I64, _I64,
+             _I32, _I32, _I32, _I32, ctypes.c_float]
+
+
+def kernel_cache_dir() -> Path:
+    root = os.environ.get("TANDEM_CACHE_DIR")
+    return (Path(root) if root else Path.home() / ".cache" / "tandem") / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _build(compiler: str) -> Path:
+    """The library's path, built now unless a build with the same key exists."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
+    key = hashlib.sha256("\0".join(
+        [_SOURCE.read_text(), compiler, version, *_FLAGS, _cpu_flags()]).encode()).hexdigest()
+    target = kernel_cache_dir() / f"paged_decode-{key[:20]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        proc = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)],
+                              capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr[-2000:]}")
+        os.replace(built, target)
+    logger.info("built the CPU paged-attention kernel: %s", target)
+    return target
+
+
+@dataclass(frozen=True)
+class PagedDecodeKernel:
+    """The loaded library's entry point."""
+
+    function: ctypes._CFuncPtr  # type: ignore[name-defined]
+
+    def __call__(
+        self,
+        query: torch.Tensor,  # [tokens, num_heads, head_size], rows may be strided
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,  # [num_seqs, width] int32
+        seq_lens: torch.Tensor,  # [num_seqs] int32
+        query_start_loc: torch.Tensor | None,  # [num_seqs + 1] int32; None: row = sequence
+        seqs: torch.Tensor | None,  # [n] int32: the sequences to attend; None: 0 .. n - 1
+        num_items: int,
+        out: torch.Tensor,  # like query
+        scale: float,
+    ) -> None:
+        """Writes the attention output of each attended sequence's query row into ``out``."""
+        _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seqs, out)
+        _, num_heads, head_size = query.shape
+        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        # torch.profiler sees no foreign call: name it while a profile is recording.
+        profiling = torch.autograd.profiler._is_profiler_enabled
+        with (torch.profiler.record_function(_PROFILE_NAME) if profiling
+              else contextlib.nullcontext()):
+            code = self.function(
+                _DTYPES[query.dtype], query.data_ptr(), query.stride(0), query.stride(1),
+                k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+                block_tables.stride(0), seq_lens.data_ptr(),
+                None if query_start_loc is None else query_start_loc.data_ptr(),
+                None if seqs is None else seqs.data_ptr(), num_items, out.data_ptr(),
+                out.stride(0), out.stride(1), num_heads, num_kv_heads, head_size, block_size,
+                scale)
+        if code != 0:
+            raise ValueError(f"paged decode kernel refused its arguments (code {code})")
+
+
+def _check(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           block_tables: torch.Tensor, seq_lens: torch.Tensor,
+           query_start_loc: torch.Tensor | None, seqs: torch.Tensor | None,
+           out: torch.Tensor) -> None:
+    """The kernel trusts its pointers: every layout it assumes is checked here."""
+    for name, t in (("query", query), ("out", out)):
+        if t.dim() != 3 or t.stride(2) != 1 or t.dtype != k_cache.dtype:
+            raise ValueError(f"{name}: expected [tokens, heads, head_size] rows of the "
+                             f"cache's dtype with unit stride, got {tuple(t.shape)} "
+                             f"{t.dtype} strides {t.stride()}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()
+            and k_cache.shape == v_cache.shape and k_cache.dim() == 4):
+        raise ValueError("k_cache and v_cache must be contiguous and of one 4-D shape")
+    if k_cache.dtype not in _DTYPES or k_cache.device.type != "cpu":
+        raise ValueError(f"the kernel runs float32 or bfloat16 on the CPU, not "
+                         f"{k_cache.dtype} on {k_cache.device}")
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens),
+                    ("query_start_loc", query_start_loc), ("seqs", seqs)):
+        if t is not None and (t.dtype != torch.int32 or t.stride(-1) != 1):
+            raise ValueError(f"{name} must be int32 with unit stride in its last dimension")
+
+
+def kernel_supports(dtype: torch.dtype, device: torch.device) -> bool:
+    return device.type == "cpu" and dtype in _DTYPES
+
+
+@functools.cache
+def load_paged_decode() -> PagedDecodeKernel | None:
+    """The kernel, built if needed; None (logged once) where it cannot be built or loaded."""
+    compiler = _compiler()
+    if compiler is None:
+        logger.warning("no C++ compiler found: CPU decode attention gathers K/V with PyTorch "
+                       "ops (slower); install g++ or set CXX for the paged kernel")
+        return None
+    try:
+        library = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("CPU paged-attention kernel unavailable (%s): decode attention gathers "
+                       "K/V with PyTorch ops (slower)", str(exc)[:500])
+        return None
+    function = library.tandem_paged_decode
+    function.argtypes = _ARGTYPES
+    function.restype = ctypes.c_int
+    return PagedDecodeKernel(function)

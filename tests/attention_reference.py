@@ -1,0 +1,76 @@
+"""Decode-attention test inputs over a paged cache, and their float64 reference output.
+
+Owns building a random decode step (shuffled block tables, strided query rows as the model
+passes them) and the reference it must produce; the tests that use them own the checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine_common.model.attention.backend import AttentionMetadata
+
+
+@dataclass
+class DecodeStep:
+    query: torch.Tensor  # [n, num_heads, head_size], a strided view like the model's
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_size]
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # [n, width] int32, zero-padded
+    seq_lens: torch.Tensor  # [n] int32
+    tables: list[list[int]]
+
+
+def random_decode_step(num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
+                       seq_lens: list[int], dtype: torch.dtype, seed: int) -> DecodeStep:
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(needed) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[order.pop() for _ in range(n)] for n in needed]
+    block_tables = torch.zeros(len(seq_lens), max(needed), dtype=torch.int32)
+    for i, table in enumerate(tables):
+        block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    # Rows of a fused q/k/v projection: the query heads are a strided view of them.
+    width = (num_heads + 2 * num_kv_heads) * head_size
+    qkv = (3 * torch.randn(len(seq_lens), width, generator=gen)).to(dtype)
+    query = qkv[:, : num_heads * head_size].view(len(seq_lens), num_heads, head_size)
+    return DecodeStep(query, k_cache, v_cache, block_tables,
+                      torch.tensor(seq_lens, dtype=torch.int32), tables)
+
+
+def decode_reference(step: DecodeStep, scale: float) -> torch.Tensor:
+    """[n, num_heads, head_size] float64: each query row against its whole context."""
+    num_heads = step.query.shape[1]
+    num_kv_heads = step.k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    outs = []
+    for i, table in enumerate(step.tables):
+        n = int(step.seq_lens[i])
+        k = step.k_cache[table].flatten(0, 1)[:n].double().repeat_interleave(group, dim=1)
+        v = step.v_cache[table].flatten(0, 1)[:n].double().repeat_interleave(group, dim=1)
+        weights = torch.einsum("hd,thd->ht", step.query[i].double(), k) * scale
+        outs.append(torch.einsum("ht,thd->hd", weights.softmax(-1), v))
+    return torch.stack(outs)
+
+
+def decode_metadata(step: DecodeStep, block_size: int) -> AttentionMetadata:
+    """A pure-decode step's metadata: each sequence's last token is this step's."""
+    seq_lens = step.seq_lens.tolist()
+    slots = [table[(n - 1) // block_size] * block_size + (n - 1) % block_size
+             for table, n in zip(step.tables, seq_lens, strict=True)]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.arange(len(seq_lens) + 1, dtype=torch.int32),
+        seq_lens=step.seq_lens,
+        block_tables=step.block_tables,
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=[1] * len(seq_lens),
+        seq_lens_cpu=seq_lens,
+    )
