@@ -27,8 +27,11 @@ import grpc
 import openai
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 import tandem
+from deploy.envoy.filters import MAX_HEADER_BYTES
+from deploy.envoy_config import tandem_version
 from engine_common.llm import LLM
 from engine_common.sampling_params import SamplingParams
 from protos.tandem.v1 import generation_pb2, generation_pb2_grpc
@@ -542,6 +545,103 @@ def test_curl_gets_server_sent_events(stack: Stack, offline: LLM) -> None:
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == want.text
 
 
+STREAM_IN_TEXT = ['say "stream": true', 'escaped \\"stream\\": true\\"', '{"stream":true}',
+                  '"stream" : true, "stream": true']
+STREAM_SCHEMA = {"type": "object", "properties": {"stream": {"type": "boolean", "default": True}},
+                 "required": ["stream"], "additionalProperties": False, "stream": True}
+
+
+def test_only_the_top_level_stream_field_streams(stack: Stack, offline: LLM) -> None:
+    """Envoy reads "stream" from the parsed JSON body: the word with a true after it in a
+    prompt (quoted, escaped), in a nested object (chat_template_kwargs) or in a JSON schema
+    (a property named stream, with "default": true and "stream": true inside) leaves the
+    request non-streaming, and the openai SDK gets its object back; the top-level field
+    still streams."""
+    client = stack.client()
+    for prompt in STREAM_IN_TEXT:
+        want = offline.generate([prompt], greedy(6))[0]
+        completion = client.completions.create(model="tiny", prompt=prompt, max_tokens=6,
+                                               **GREEDY)
+        assert completion.object == "text_completion", prompt  # not a string of events
+        assert completion.choices[0].text == want.text, prompt
+        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=6,
+                                                stream=True, **GREEDY))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+
+    nested = {"ignore_eos": True, "chat_template_kwargs": {"stream": True, "note": '"stream": true'}}
+    want_chat = offline.generate([offline.inputs.tokenize_chat(
+        MESSAGES, template_kwargs=nested["chat_template_kwargs"])], greedy(6))[0]
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES,  # type: ignore[arg-type]
+                                          max_tokens=6, temperature=0, extra_body=nested)
+    assert chat.object == "chat.completion" and chat.choices[0].message.content == want_chat.text
+
+    response_format = {"type": "json_schema",
+                       "json_schema": {"name": "flags", "schema": STREAM_SCHEMA}}
+    options: dict[str, Any] = {"max_tokens": 24, "temperature": 0,
+                               "response_format": response_format}
+    resolved = chat_to_engine_request(chat_request(
+        MESSAGES, model=None, logprobs=False, top_logprobs=None, stream=False,
+        include_usage=False, options=options), offline.inputs)
+    want = offline.generate([resolved.request.prompt_token_ids], resolved.request.params)[0]
+    for stream in (False, True):
+        answer = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=24, temperature=0,  # type: ignore[arg-type]
+            response_format=response_format, stream=stream)  # type: ignore[call-overload]
+        if stream:
+            text = "".join(c.choices[0].delta.content or "" for c in answer if c.choices)
+        else:
+            assert answer.object == "chat.completion"
+            text = answer.choices[0].message.content
+        assert text == want.text, stream
+
+
+def test_health_ping_version_and_metrics(stack: Stack) -> None:
+    """vLLM's probe routes on the HTTP port: /health and /ping are 200 while the gateway
+    reports SERVING (a decode replica is ready), /version is Tandem's, /metrics is the
+    gateway's Prometheus text (the same families as its own metrics port)."""
+    for path in ("/health", "/ping"):
+        status, _, body = get_bytes(stack, path)
+        assert (status, body) == (200, b""), path
+    status, _, body = get_bytes(stack, "/version")
+    assert status == 200 and json.loads(body) == {"version": tandem_version()}
+    status, headers, body = get_bytes(stack, "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    families = {f.name for f in text_string_to_metric_families(body.decode())}
+    assert {"tandem:gateway_routing_decisions", "tandem:gateway_replicas"} <= families
+    direct = f"http://127.0.0.1:{stack.gateway_metrics_port}/metrics"
+    with urllib.request.urlopen(direct, timeout=10) as response:
+        assert families == {f.name for f in text_string_to_metric_families(
+            response.read().decode())}
+
+
+def test_edge_statuses_with_the_real_gateway(stack: Stack, offline: LLM) -> None:
+    """Headers the edge accepts fit what the gateway accepts (a request just under the
+    limit is served, over HTTP and gRPC); over it, 431 from the edge, not the gateway's
+    RESOURCE_EXHAUSTED (a 429 telling the client to retry); a wrong method is a 405 and JSON
+    on the gRPC path a 415, not the 503 of a request the gateway cannot read."""
+    want = offline.generate([PROMPTS[0]], greedy(4))[0]
+    body = json.dumps({"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    near = {"x-padding": "p" * (MAX_HEADER_BYTES - 1000)}
+    status, _, payload = post_raw(stack, "/v1/completions", body, near)
+    assert status == 200 and payload["choices"][0]["text"] == want.text
+    with grpc.insecure_channel(f"127.0.0.1:{stack.http_port}") as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        models = stub.ListModels(generation_pb2.ListModelsRequest(),
+                                 metadata=list(near.items()), timeout=30)
+        assert [m.id for m in models.data] == ["tiny"]
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.ListModels(generation_pb2.ListModelsRequest(),
+                            metadata=[("x-padding", "p" * 50_000)], timeout=30)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    status, _, payload = post_raw(stack, "/v1/completions", body, {"x-padding": "p" * 50_000})
+    assert status == 431 and payload["error"]["type"] == "invalid_request_error"
+    status, headers, payload = get_raw(stack, "/v1/completions")
+    assert (status, headers["allow"]) == (405, "POST")
+    status, _, payload = post_raw(stack, "/tandem.v1.Generation/Complete", body)
+    assert status == 415 and payload["error"]["type"] == "invalid_request_error"
+
+
 def test_models_tokenize_and_detokenize(stack: Stack, offline: LLM) -> None:
     client = stack.client()
     listed = client.models.list().data
@@ -568,23 +668,33 @@ def test_models_tokenize_and_detokenize(stack: Stack, offline: LLM) -> None:
     assert post("/detokenize", {"tokens": tokens["tokens"]})["prompt"].strip() == PROMPTS[0]
 
 
-def get_raw(stack: Stack, path: str) -> tuple[int, dict[str, str], Any]:
+def get_bytes(stack: Stack, path: str) -> tuple[int, dict[str, str], bytes]:
+    """Status, headers (lower-case names) and body of ``GET path`` on Envoy."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{stack.http_port}{path}",
                                     timeout=30) as response:
-            return response.status, dict(response.headers), json.loads(response.read())
+            status, headers, body = response.status, response.headers, response.read()
     except urllib.error.HTTPError as error:
-        return error.code, dict(error.headers), json.loads(error.read())
+        status, headers, body = error.code, error.headers, error.read()
+    return status, {k.lower(): v for k, v in headers.items()}, body
 
 
-def post_raw(stack: Stack, path: str, body: bytes) -> tuple[int, dict[str, str], Any]:
-    request = urllib.request.Request(f"http://127.0.0.1:{stack.http_port}{path}", data=body,
-                                     headers={"content-type": "application/json"})
+def get_raw(stack: Stack, path: str) -> tuple[int, dict[str, str], Any]:
+    status, headers, body = get_bytes(stack, path)
+    return status, headers, json.loads(body)
+
+
+def post_raw(stack: Stack, path: str, body: bytes, headers: dict[str, str] | None = None,
+             port: int | None = None) -> tuple[int, dict[str, str], Any]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port or stack.http_port}{path}",
+                                     data=body, headers={"content-type": "application/json",
+                                                         **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, dict(response.headers), json.loads(response.read())
+            status, answer, raw = response.status, response.headers, response.read()
     except urllib.error.HTTPError as error:
-        return error.code, dict(error.headers), json.loads(error.read())
+        status, answer, raw = error.code, error.headers, error.read()
+    return status, {k.lower(): v for k, v in answer.items()}, json.loads(raw)
 
 
 def test_bad_requests_get_openai_errors(stack: Stack) -> None:
@@ -659,6 +769,17 @@ def test_api_keys_guard_every_route_but_health(stack: Stack, offline: LLM,
         with urllib.request.urlopen(request, timeout=30) as response:
             assert json.loads(response.read())["data"][0]["id"] == "tiny"
 
+        # The scheme is case-insensitive; a bare key is no key (as OpenAI and vLLM read it).
+        body = json.dumps({"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 6,
+                           "temperature": 0, "ignore_eos": True}).encode()
+        for authorization, status in (("key-alpha", 401), ("bearer key-alpha", 200),
+                                      ("BEARER key-bravo", 200)):
+            answer = post_raw(stack, "/v1/completions", body, {"authorization": authorization},
+                              port=port)
+            assert answer[0] == status, authorization
+            if status == 200:
+                assert answer[2]["choices"][0]["text"] == want.text
+
         target = f"127.0.0.1:{port}"
         with Client(target, timeout=60) as anonymous:
             with pytest.raises(AuthenticationError):
@@ -666,6 +787,21 @@ def test_api_keys_guard_every_route_but_health(stack: Stack, offline: LLM,
         with Client(target, api_key="key-alpha", timeout=60) as keyed:
             assert keyed.complete(PROMPTS[0], max_tokens=6, temperature=0,
                                   ignore_eos=True).text == want.text
+        # A plain gRPC client: the key as metadata, UNAUTHENTICATED (16) without it.
+        request = generation_pb2.CompletionRequest(model="tiny", max_tokens=6, temperature=0,
+                                                   ignore_eos=True)
+        request.prompt.string_value = PROMPTS[0]
+        with grpc.insecure_channel(target) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            for metadata in ((), (("authorization", "key-alpha"),), (("x-api-key", "nope"),)):
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.Complete(request, metadata=metadata, timeout=60)
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, metadata
+                assert refused.value.code().value[0] == 16
+            for metadata in ((("authorization", "bearer key-bravo"),),
+                             (("x-api-key", "key-alpha"),)):
+                reply = stub.Complete(request, metadata=metadata, timeout=60)
+                assert reply.choices[0].text == want.text, metadata
         assert is_serving(target)  # gRPC health: no key
     finally:
         os.killpg(envoy.pid, signal.SIGTERM)
