@@ -40,7 +40,7 @@ from engine_common.kv_events import (
     KVEventBuffer,
 )
 from engine_common.lora.errors import LoraAdapterExists, LoraAdapterNotFound
-from engine_common.metrics import EngineMetrics
+from engine_common.metrics import EngineMetrics, served_model_label
 from engine_common.output_processor import OutputProcessor, RequestOutput
 from engine_common.outputs import (
     EngineCoreOutput,
@@ -67,9 +67,11 @@ _LORA_ERRORS: dict[str, type[Exception]] = {
 class AsyncLLM:
     def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop,
                  kv_event_capacity: int = 65536, kv_snapshot_chunk_blocks: int = 4096,
-                 core: EngineCoreClient | None = None):
+                 core: EngineCoreClient | None = None,
+                 served_model_name: str | Sequence[str] | None = None):
         """Blocks until the engine core has started (seconds): ``core``, one already
-        starting, or one spawned here."""
+        starting, or one spawned here. ``served_model_name``: the name the metrics label
+        the model with (the first of several; default: the model directory's name)."""
         if kv_snapshot_chunk_blocks <= 0:
             raise ValueError(
                 f"kv_snapshot_chunk_blocks must be positive, got {kv_snapshot_chunk_blocks}")
@@ -119,7 +121,8 @@ class AsyncLLM:
         # The frontend's own compiler (the core's lives in its process): a constraint that
         # does not compile is refused before the request is admitted.
         self.grammars = GrammarCompiler(self.tokenizer, self.info.vocab_size, self.eos_token_ids)
-        self.metrics = EngineMetrics(config.model, config.engine_id)
+        self.metrics = EngineMetrics(served_model_label(config.model, served_model_name),
+                                     config.engine_id, max_model_len=self.info.max_model_len)
         self.metrics.set_cache_config(config.cache, self.info.num_blocks)
         self.outputs = OutputProcessor(self.tokenizer, self.metrics)
         # Cumulative prefix-cache counters (the stats carry per-step deltas).
@@ -128,13 +131,15 @@ class AsyncLLM:
         self.num_preemptions = 0
 
     @classmethod
-    async def create(cls, config: EngineConfig, fork: bool = False) -> AsyncLLM:
+    async def create(cls, config: EngineConfig, fork: bool = False,
+                     served_model_name: str | Sequence[str] | None = None) -> AsyncLLM:
         """Start the engine core (seconds: the model loads) off the event loop. ``fork``:
         fork the core from this thread (see ``fork_is_safe``) rather than spawn it."""
         loop = asyncio.get_running_loop()
         core = EngineCoreClient(config, "fork" if fork else "spawn")
         return await loop.run_in_executor(
-            None, functools.partial(cls, config, loop, core=core))
+            None, functools.partial(cls, config, loop, core=core,
+                                    served_model_name=served_model_name))
 
     # ----------------------------------------------------------------- requests
     @property

@@ -19,7 +19,7 @@ from engine_common.config import EngineConfig
 from engine_common.engine_core import EngineCore
 from engine_common.generation_request import GenerationRequest
 from engine_common.input_processor import InputProcessor
-from engine_common.metrics import EngineMetrics
+from engine_common.metrics import EngineMetrics, served_model_label
 from engine_common.output_processor import OutputProcessor, RequestOutput
 from engine_common.outputs import EngineCoreOutputs, EngineCoreRequest, TokenLogprobs
 from engine_common.sampling_params import SamplingParams
@@ -49,7 +49,8 @@ class LLM:
         self.core = EngineCore(config)
         self.tokenizer = load_tokenizer(config.model, config.model_settings.chat_template)
         self.inputs = InputProcessor(self.tokenizer, self.core.max_model_len, self.core.arch.vocab_size)
-        self.metrics = EngineMetrics(config.model, config.engine_id)
+        self.metrics = EngineMetrics(served_model_label(config.model, None), config.engine_id,
+                                     max_model_len=self.core.max_model_len)
         self.metrics.set_cache_config(config.cache, self.core.info.num_blocks)
         self.outputs = OutputProcessor(self.tokenizer, self.metrics)
         self._ids = itertools.count()

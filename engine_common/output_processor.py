@@ -45,6 +45,7 @@ class _RequestState:
     num_prompt_tokens: int
     arrival_time: float
     num_output_tokens: int = 0
+    max_tokens_param: int | None = None  # the request's max_tokens, for the metrics
     scheduled_time: float | None = None  # when the core first ran it
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -65,6 +66,7 @@ class OutputProcessor:
         as sent, so text that replica was still holding back (a possible stop string, an
         unfinished character) comes out here instead of being lost."""
         num_prompt = len(prompt_token_ids) - num_resumed_tokens
+        max_tokens_param = params.max_tokens
         if num_resumed_tokens:
             # The caller's params count only the tokens still to come; the detokenizer counts
             # the resumed ones as output too (min_tokens gates the stop-string check).
@@ -78,6 +80,7 @@ class OutputProcessor:
             detokenizer=detokenizer,
             num_prompt_tokens=len(prompt_token_ids),
             arrival_time=arrival_time,
+            max_tokens_param=max_tokens_param,
         )
 
     def has_request(self, request_id: str) -> bool:
@@ -162,6 +165,7 @@ def _finished_stats(state: _RequestState, finish_reason: str, now: float) -> Fin
         num_prompt_tokens=state.num_prompt_tokens,
         num_generation_tokens=state.num_output_tokens,
         e2e_latency=now - state.arrival_time,
+        max_tokens_param=state.max_tokens_param,
         queued_time=None if scheduled is None else max(0.0, scheduled - state.arrival_time),
         prefill_time=None if scheduled is None or first_token is None
         else max(0.0, first_token - scheduled),

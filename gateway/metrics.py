@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from engine_common.metrics import register_process_collectors
 from gateway.registry import Replica
 
 _LATENCY_BUCKETS = (
@@ -27,6 +28,7 @@ _FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        register_process_collectors(self.registry)  # process_*, python_*, as a replica has
         reg = self.registry
         self.routing_decisions = Counter(
             "tandem:gateway_routing_decisions",

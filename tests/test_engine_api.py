@@ -104,7 +104,7 @@ def test_request_phases_and_step_tokens_reach_the_metrics(tiny_llama_dir):
 
     def sample(name: str) -> float:
         value = llm.metrics.registry.get_sample_value(
-            name, {"model_name": str(tiny_llama_dir), "engine": "engine-0"})
+            name, {"model_name": tiny_llama_dir.name, "engine": "engine-0"})
         assert value is not None, name
         return value
 
@@ -117,3 +117,22 @@ def test_request_phases_and_step_tokens_reach_the_metrics(tiny_llama_dir):
         sample("vllm:e2e_request_latency_seconds_sum"), abs=1e-6)
     # Every prompt token once, and every output token but the last (never fed back).
     assert sample("vllm:iteration_tokens_total_sum") == sum(map(len, prompts)) + 4 * 5
+    # vLLM's per-request time per output token: the decode time over the tokens after the
+    # first; and the max_tokens each request asked for.
+    assert sample("vllm:request_time_per_output_token_seconds_count") == 4
+    assert sample("vllm:request_time_per_output_token_seconds_sum") == pytest.approx(
+        decode / 5, abs=1e-6)
+    assert sample("vllm:request_params_max_tokens_count") == 4
+    assert sample("vllm:request_params_max_tokens_sum") == 4 * 6
+    # Token-count buckets run 1, 2, 5, ... up to the context length, as vLLM's.
+    max_model_len = llm.core.max_model_len
+    top = max(float(s.labels["le"]) for s in _samples(llm, "vllm:request_prompt_tokens_bucket")
+              if s.labels["le"] != "+Inf")
+    assert top <= max_model_len < 2.5 * top
+    # The process's own metrics, as vLLM's default registry has them.
+    assert llm.metrics.registry.get_sample_value("process_cpu_seconds_total") > 0
+
+
+def _samples(llm: LLM, name: str) -> list:
+    return [s for metric in llm.metrics.registry.collect() for s in metric.samples
+            if s.name == name]

@@ -481,9 +481,14 @@ def test_metrics_endpoint(replica, client):
                  "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
                  "vllm:time_to_first_token_seconds_bucket", "vllm:generation_tokens_total",
                  "vllm:request_queue_time_seconds_count", "vllm:request_decode_time_seconds_sum",
-                 "vllm:iteration_tokens_total_bucket"):
+                 "vllm:iteration_tokens_total_bucket",
+                 "vllm:request_time_per_output_token_seconds_count",
+                 "vllm:request_params_max_tokens_count", "process_cpu_seconds_total",
+                 "process_resident_memory_bytes", "python_info"):
         assert name in body, name
     assert 'engine="svc"' in body
+    # The served name, as the API calls the model (and vLLM labels it), never the path.
+    assert 'model_name="tiny"' in body and "model_name=\"/" not in body
 
 
 def test_get_info_and_load(engine):

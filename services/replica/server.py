@@ -83,10 +83,11 @@ class ReplicaOptions:
                              f"{self.max_pinned_fraction}")
 
 
-async def start_engine(config: EngineConfig) -> AsyncLLM:
+async def start_engine(config: EngineConfig, served_model_name: str | None = None) -> AsyncLLM:
     """Start the engine core off the event loop (seconds: the model loads); forked when this
-    process is a fresh replica (see ``fork_is_safe``), as it is under ``main``."""
-    return await AsyncLLM.create(config, fork=fork_is_safe())
+    process is a fresh replica (see ``fork_is_safe``), as it is under ``main``. Its metrics
+    name the model as clients do (``served_model_name``)."""
+    return await AsyncLLM.create(config, fork=fork_is_safe(), served_model_name=served_model_name)
 
 
 class ReplicaServer:
@@ -135,7 +136,7 @@ class ReplicaServer:
 
     @classmethod
     async def start(cls, options: ReplicaOptions) -> ReplicaServer:
-        llm = await start_engine(options.engine)
+        llm = await start_engine(options.engine, options.served_model_name)
         try:
             replica = cls(options, llm)
             await replica._start()
