@@ -23,6 +23,11 @@ gRPC ``grpc.health.v1``) must carry one of them: ``Authorization: Bearer KEY`` (
 "Bearer") or ``x-api-key: KEY``, as HTTP headers or gRPC metadata; Envoy strips the key before
 forwarding, so it reaches no log upstream.
 
+Where Envoy calls replicas itself (the picked replica; or a replica as the one upstream), it
+can hold the suite's certificate (``upstream_tls_dir``, laid out as ``--tls-dir`` is for the
+other processes, ``services.suite_tls``): it presents it and accepts only a replica whose
+certificate the suite CA signed for the suite's name, as gateways and pickers do.
+
 Listeners never share their port (no ``SO_REUSEPORT``): a second Envoy on a busy port fails
 to start instead of taking part of the first one's traffic.
 
@@ -47,6 +52,7 @@ from deploy.envoy.routes import (
     RouteTargets,
     edge_routes,
 )
+from services.suite_tls import CA_FILE, CERT_FILE, KEY_FILE, SUITE_NAME
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DESCRIPTOR = REPO_ROOT / "protos" / "tandem.binpb"
@@ -273,6 +279,36 @@ def _retried(cluster: dict[str, Any]) -> dict[str, Any]:
     return cluster
 
 
+def _suite_tls(directory: str) -> dict[str, Any]:
+    """The suite's mutual TLS on a cluster of replicas: ``directory`` as Envoy sees it (a
+    mounted Secret in Kubernetes) holds the member certificate, its key and the CA."""
+    base = directory.rstrip("/")
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
+                     "UpstreamTlsContext",
+            "sni": SUITE_NAME,
+            "common_tls_context": {
+                "alpn_protocols": ["h2"],  # gRPC
+                "tls_certificates": [{"certificate_chain": {"filename": f"{base}/{CERT_FILE}"},
+                                      "private_key": {"filename": f"{base}/{KEY_FILE}"}}],
+                # Replicas are dialed by address: the name checked is the suite's.
+                "validation_context": {
+                    "trusted_ca": {"filename": f"{base}/{CA_FILE}"},
+                    "match_typed_subject_alt_names": [
+                        {"san_type": "DNS", "matcher": {"exact": SUITE_NAME}}]},
+            },
+        },
+    }
+
+
+def _with_tls(cluster: dict[str, Any], upstream_tls_dir: str | None) -> dict[str, Any]:
+    if upstream_tls_dir is not None:
+        cluster["transport_socket"] = _suite_tls(upstream_tls_dir)
+    return cluster
+
+
 def _metrics_cluster(metrics: str | None) -> list[dict[str, Any]]:
     return [] if metrics is None else [_cluster(METRICS_CLUSTER, HostPort.parse(metrics),
                                                 grpc=False)]
@@ -289,6 +325,7 @@ def render_envoy_bootstrap(
     api_keys: Sequence[str] = (),
     metrics: str | None = None,
     upstream_retries: int = DEFAULT_UPSTREAM_RETRIES,
+    upstream_tls_dir: str | None = None,
 ) -> dict[str, Any]:
     """Envoy in front of one gRPC upstream (``host:port``: the gateway, or a single replica).
 
@@ -297,7 +334,9 @@ def render_envoy_bootstrap(
     the keys a request must carry one of (none: no check). ``metrics``: ``host:port`` of a
     Prometheus endpoint ``GET /metrics`` returns (the gateway's ``--metrics-port``).
     ``upstream_retries``: how often a request that never reached the upstream is tried again
-    (every half second on average; 0: never).
+    (every half second on average; 0: never). ``upstream_tls_dir``: the suite's certificate
+    for an upstream that is a replica started with ``--tls-dir`` (the gateway's port is
+    plaintext).
     """
     if upstream_retries < 0:
         raise ValueError(f"upstream_retries must be 0 or more, not {upstream_retries}")
@@ -311,8 +350,9 @@ def render_envoy_bootstrap(
         "static_resources": {
             "listeners": _listeners(listen_host, http_port, routes, filters.edge_filters(
                 rules, descriptor, UPSTREAM_CLUSTER), tls),
-            "clusters": [_retried(_health_checked(_cluster(UPSTREAM_CLUSTER, target))),
-                         *_metrics_cluster(metrics)],
+            "clusters": [_retried(_health_checked(_with_tls(
+                _cluster(UPSTREAM_CLUSTER, target), upstream_tls_dir))),
+                *_metrics_cluster(metrics)],
         },
     }, api_keys)
 
@@ -341,6 +381,7 @@ def render_picker_bootstrap(
     tls: TlsFiles | None = None,
     api_keys: Sequence[str] = (),
     metrics: str | None = None,
+    upstream_tls_dir: str | None = None,
 ) -> dict[str, Any]:
     """Envoy that asks an ``ext_proc`` endpoint picker (``host:port``) where each request
     goes and connects straight to that replica. ``/health`` follows the picker's health.
@@ -348,6 +389,7 @@ def render_picker_bootstrap(
     ``body_mode``: how the picker sees the request body, ``BUFFERED`` (one message) or
     ``FULL_DUPLEX_STREAMED`` (chunks, as Gateway API implementations run endpoint pickers).
     ``metrics``: as for ``render_envoy_bootstrap`` (e.g. the picker's metrics port).
+    ``upstream_tls_dir``: the suite's certificate, for replicas started with ``--tls-dir``.
     A failed connection to the picked replica is not retried: the retry would go to the same
     replica, which the picker already knows to be gone.
     """
@@ -369,7 +411,8 @@ def render_picker_bootstrap(
                 # Which replica served the request, as the protocol's "served" metadata has it.
                 response_headers={SERVED_HEADER: "%UPSTREAM_HOST%"}),
             "clusters": [_health_checked(_cluster(PICKER_CLUSTER, HostPort.parse(picker))),
-                         _picked_replica_cluster(), *_metrics_cluster(metrics)],
+                         _with_tls(_picked_replica_cluster(), upstream_tls_dir),
+                         *_metrics_cluster(metrics)],
         },
     }, api_keys)
 

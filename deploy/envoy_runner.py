@@ -33,6 +33,7 @@ from deploy.envoy_config import (
     render_envoy_bootstrap,
     render_picker_bootstrap,
 )
+from services.suite_tls import SuiteTls
 
 
 class EnvoyNotFoundError(RuntimeError):
@@ -91,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "refused) is tried again, every half second on average (default: "
                         "%(default)s, ~20 s: time for a restarted gateway to come back; 0: never; "
                         "not with --picker)")
+    p.add_argument("--upstream-tls-dir", type=Path, default=None,
+                   help="the suite's certificate (tls.crt, tls.key, ca.crt, as --tls-dir for the "
+                        "other processes): mutual TLS to replicas started with --tls-dir (the "
+                        "one --picker picks, or an --upstream that is a replica)")
     p.add_argument("--picker-body-mode", choices=("BUFFERED", "FULL_DUPLEX_STREAMED"),
                    default="BUFFERED", help="how the picker receives bodies (default: %(default)s)")
     p.add_argument("--listen-host", default="127.0.0.1",
@@ -113,16 +118,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def render_from_args(args: argparse.Namespace) -> str:
     api_keys = read_api_keys(args.api_key_file) if args.api_key_file else []
+    tls_dir = None
+    if args.upstream_tls_dir is not None:
+        SuiteTls.load(args.upstream_tls_dir)  # the files are there and readable
+        tls_dir = str(args.upstream_tls_dir.resolve())
     if args.picker:
         config = render_picker_bootstrap(args.http_port, args.picker, admin_port=args.admin_port,
                                          listen_host=args.listen_host, descriptor=args.descriptor,
                                          body_mode=args.picker_body_mode, api_keys=api_keys,
-                                         metrics=args.upstream_metrics)
+                                         metrics=args.upstream_metrics, upstream_tls_dir=tls_dir)
     else:
         config = render_envoy_bootstrap(args.http_port, args.upstream, admin_port=args.admin_port,
                                         listen_host=args.listen_host, descriptor=args.descriptor,
                                         api_keys=api_keys, metrics=args.upstream_metrics,
-                                        upstream_retries=args.upstream_retries)
+                                        upstream_retries=args.upstream_retries,
+                                        upstream_tls_dir=tls_dir)
     return dump_bootstrap(config)
 
 

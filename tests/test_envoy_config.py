@@ -50,7 +50,9 @@ from deploy.envoy_config import (
     with_api_keys,
 )
 from deploy.envoy_runner import find_envoy
+from deploy.local_ca import make_suite_certificates
 from protos.tandem.v1 import generation_pb2, generation_pb2_grpc
+from services.suite_tls import SUITE_NAME
 from tests.replica_process import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -153,6 +155,23 @@ def test_picker_bootstraps_are_valid_in_both_body_modes(tmp_path: Path) -> None:
         assert "retry_policy" not in str(routes_of(config))
     with pytest.raises(ValueError, match="body_mode"):
         render_picker_bootstrap(8080, "127.0.0.1:9002", body_mode="STREAMED")
+
+
+def test_upstream_mutual_tls_is_valid(tmp_path: Path) -> None:
+    """The suite's certificate on the clusters of replicas Envoy calls itself (checked with
+    real files: validate mode loads them)."""
+    suite = str(make_suite_certificates(tmp_path / "suite"))
+    for config, cluster in (
+            (render_envoy_bootstrap(8080, "127.0.0.1:50051", upstream_tls_dir=suite), 0),
+            (render_picker_bootstrap(8080, "127.0.0.1:9002", upstream_tls_dir=suite), 1)):
+        validate(config, tmp_path)
+        clusters = config["static_resources"]["clusters"]
+        context = clusters[cluster]["transport_socket"]["typed_config"]
+        assert context["sni"] == SUITE_NAME
+        assert context["common_tls_context"]["validation_context"][
+            "match_typed_subject_alt_names"] == [{"san_type": "DNS",
+                                                  "matcher": {"exact": SUITE_NAME}}]
+        assert all("transport_socket" not in c for i, c in enumerate(clusters) if i != cluster)
 
 
 def test_tls_listener_is_valid(tmp_path: Path, self_signed: tuple[Path, Path]) -> None:

@@ -1,12 +1,14 @@
 """API keys at the Kubernetes-style edge: Envoy asking the endpoint picker
 (``render_picker_bootstrap``, as ``tandem render k8s`` deploys it) checks gRPC calls of
-``tandem.v1.Generation`` exactly as it checks OpenAI HTTP requests.
+``tandem.v1.Generation`` exactly as it checks OpenAI HTTP requests; and it reaches replicas
+that require the suite's mutual TLS with the suite's certificate.
 
-Real processes: one replica (role ``both``) on a tiny model, the endpoint picker in front of
-it, and ``deploy.envoy_runner --picker`` with an API key file. A real gRPC client and the
-openai SDK: without a key UNAUTHENTICATED (grpc-status 16) / 401, with one (``Authorization:
-Bearer KEY`` in any case, or ``x-api-key``) the replica's greedy text, equal to the offline
-engine's; health checks need none.
+Real processes: one replica (role ``both``, ``--tls-dir``) on a tiny model, the endpoint picker
+in front of it (``--tls-dir``), and ``deploy.envoy_runner --picker`` with an API key file and
+``--upstream-tls-dir``. A real gRPC client and the openai SDK: without a key
+UNAUTHENTICATED (grpc-status 16) / 401, with one (``Authorization: Bearer KEY`` in any case,
+or ``x-api-key``) the replica's greedy text, equal to the offline engine's; health checks need
+none. An Envoy without the certificate is refused by the replica (503).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from deploy.local_ca import make_suite_certificates
 from engine_common.sampling_params import SamplingParams
 from protos.tandem.v1 import generation_pb2, generation_pb2_grpc
 from tests.openai_http import http_status, offline_engine
@@ -38,6 +41,7 @@ KEYS = ("key-alpha", "key-bravo")
 @dataclass
 class PickerEdge:
     http_port: int
+    uncertified_port: int  # the same Envoy without the suite's certificate
     want: str  # the offline engine's greedy text for PROMPT, 6 tokens
 
 
@@ -46,18 +50,21 @@ def edge(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     logs = tmp_path_factory.mktemp("envoy-picker-keys")
     keys = logs / "api-keys"
     keys.write_text("\n".join(KEYS) + "\n")
+    suite = str(make_suite_certificates(logs / "suite-tls"))
     replicas = start_replicas(tiny_llama_dir, logs, {"a": [
         "--role", "both", "--dtype", "float32", "--kv-cache-memory", "16MiB",
-        "--served-model-name", "tiny", "--log-level", "WARNING"]})
-    picker_port, http_port = free_port(), free_port()
+        "--served-model-name", "tiny", "--log-level", "WARNING", "--tls-dir", suite]})
+    picker_port, http_port, uncertified_port = free_port(), free_port(), free_port()
+    envoy = ["deploy.envoy_runner", "--picker", f"127.0.0.1:{picker_port}", "--api-key-file",
+             str(keys), "--concurrency", "1"]
     processes = [
         spawn_module(logs, "picker", [
             "gateway.endpoint_picker_main", "--model", str(tiny_llama_dir), "--host",
             "127.0.0.1", "--port", str(picker_port), "--metrics-port", "0",
-            "--replica", replicas["a"].target]),
-        spawn_module(logs, "envoy", [
-            "deploy.envoy_runner", "--http-port", str(http_port), "--picker",
-            f"127.0.0.1:{picker_port}", "--api-key-file", str(keys), "--concurrency", "1"]),
+            "--replica", replicas["a"].target, "--tls-dir", suite]),
+        spawn_module(logs, "envoy", [*envoy, "--http-port", str(http_port),
+                                     "--upstream-tls-dir", suite]),
+        spawn_module(logs, "envoy-uncertified", [*envoy, "--http-port", str(uncertified_port)]),
     ]
     try:
         # /health follows the picker's own health: SERVING once it sees a ready replica.
@@ -65,7 +72,7 @@ def edge(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
                    "envoy /health", logs)
         want = offline_engine(tiny_llama_dir).generate([PROMPT], SamplingParams(
             temperature=0.0, max_tokens=6, ignore_eos=True))[0].text
-        yield PickerEdge(http_port, want)
+        yield PickerEdge(http_port, uncertified_port, want)
     finally:
         stop_all(processes, replicas)
 
@@ -122,3 +129,13 @@ def test_http_requests_need_a_key_through_the_picker_edge(edge: PickerEdge) -> N
         except urllib.error.HTTPError as error:
             assert (error.code, status) == (401, 401), authorization
     assert http_status(edge.http_port, "/health") == 200
+
+
+def test_replicas_with_mutual_tls_take_only_a_certified_envoy(edge: PickerEdge) -> None:
+    """The same request from the Envoy without the suite's certificate: the replica refuses
+    its handshake (503), where the certified one is served (the tests above)."""
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{edge.uncertified_port}/v1",
+                           api_key="key-alpha", max_retries=0, timeout=60)
+    with pytest.raises(openai.InternalServerError) as raised:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6)
+    assert raised.value.status_code == 503
