@@ -21,6 +21,7 @@ from gateway.server import GatewayOptions, serve
 from services.entrypoint import run_service
 from services.frontend.responses.store import STORE_HELP
 from services.model_settings import add_model_settings_args, model_settings_from_args
+from services.observability.settings import ObservabilitySettings, add_observability_args
 from services.suite_tls import add_tls_args, tls_from_args
 
 logger = logging.getLogger("gateway")
@@ -80,8 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between DNS resolutions (default: %(default)s)")
     add_model_settings_args(p)
     add_tls_args(p)
-    p.add_argument("--log-level", default="INFO",
-                   choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="(default: %(default)s)")
+    add_observability_args(p)  # --log-level, --log-format, --otlp-traces-endpoint
     return p
 
 
@@ -111,7 +111,8 @@ def options_from_args(args: argparse.Namespace) -> GatewayOptions:
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``), serve until stopped; the exit code."""
     args = build_parser().parse_args(argv)
-    return run_service("gateway", args.log_level, lambda: options_from_args(args), serve)
+    return run_service("gateway", ObservabilitySettings.from_args("tandem-gateway", args),
+                       lambda: options_from_args(args), serve)
 
 
 if __name__ == "__main__":

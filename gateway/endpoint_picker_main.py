@@ -41,6 +41,7 @@ from gateway.server import load_inputs
 from protos.third_party.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from services.entrypoint import run_service, wait_for_stop_signal
 from services.model_settings import add_model_settings_args, model_settings_from_args
+from services.observability.settings import ObservabilitySettings, add_observability_args
 from services.reflection import enable_reflection
 from services.suite_tls import SuiteTls, add_tls_args, tls_from_args
 
@@ -189,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     # adapter's requests by its blocks (the others are read and left alone).
     add_model_settings_args(p)
     add_tls_args(p)
-    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_observability_args(p)  # --log-level, --log-format, --otlp-traces-endpoint
     return p
 
 
@@ -211,7 +212,9 @@ def options_from_args(args: argparse.Namespace) -> PickerOptions:
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``), serve until stopped; the exit code."""
     args = build_parser().parse_args(argv)
-    return run_service("endpoint picker", args.log_level, lambda: options_from_args(args), serve)
+    return run_service("endpoint picker",
+                       ObservabilitySettings.from_args("tandem-endpoint-picker", args),
+                       lambda: options_from_args(args), serve)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from prometheus_client import start_http_server
 
 from engine_common.config import ModelSettings
 from engine_common.input_processor import InputProcessor
+from engine_common.metrics import request_params_n
 from engine_common.model.arch_config import ModelArchConfig
 from engine_common.sampling_defaults import load_sampling_defaults
 from engine_common.tokenizer import load_tokenizer
@@ -42,6 +43,8 @@ from services.frontend.generation_servicer import GenerationServicer
 from services.frontend.grpc_server import new_server
 from services.frontend.responses.store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from services.frontend.served_model import ServedModel
+from services.observability.observed_engine import observed
+from services.observability.request_log import RequestLogInterceptor
 from services.reflection import enable_reflection
 from services.suite_tls import SuiteTls
 
@@ -113,10 +116,13 @@ class GatewayServer:
                                self._refresh_model)
             if options.model_settings.allow_runtime_lora_updating else None)
         self.servicer = GenerationServicer(
-            self.model, self.inputs, RemoteEngine(self.proxy).generate, self.lora_updates,
+            self.model, self.inputs, observed(RemoteEngine(self.proxy).generate),
+            self.lora_updates,
             ResponseStore.sized(options.max_stored_responses))
         self.health = health_aio.HealthServicer()
-        self.server = new_server([RequestMetricsInterceptor(self.metrics)])
+        params_n = request_params_n(self.metrics.registry, self.model.name, "gateway")
+        self.server = new_server([RequestLogInterceptor(params_n),
+                                  RequestMetricsInterceptor(self.metrics)])
         pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         enable_reflection(self.server, (

@@ -1,7 +1,8 @@
 """How a Tandem service process runs: logging, the event loop, signals and the exit code.
 
 Owns the part every server entry point shares (replica, gateway, endpoint picker): configure
-logging, run the server's ``serve`` coroutine, turn a start-up failure into a logged error
+logging and tracing (``services.observability``: ``--log-format``, ``--otlp-traces-endpoint``),
+run the server's ``serve`` coroutine, flush the traces at exit, turn a start-up failure into a logged error
 and exit code 1, and wait for SIGTERM/SIGINT; and the process-wide settings an entry point
 makes before it imports what it runs (``set_engine_process_settings``). It does not own
 flags or servers.
@@ -13,11 +14,12 @@ import asyncio
 import logging
 import os
 import signal
-import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+from services.observability.log_format import configure_logging
+from services.observability.settings import ObservabilitySettings
+from services.observability.tracing import configure_tracing
 
 
 def set_engine_process_settings() -> None:
@@ -33,16 +35,20 @@ def set_engine_process_settings() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-def run_service(name: str, log_level: str, build_options: Callable[[], Any],
+def run_service(name: str, settings: ObservabilitySettings, build_options: Callable[[], Any],
                 serve: Callable[[Any], Coroutine[Any, Any, None]]) -> int:
     """Build the options (may raise on bad flags), serve until stopped; the exit code."""
-    logging.basicConfig(level=log_level, stream=sys.stderr, format=LOG_FORMAT)
+    configure_logging(settings.log_level, settings.log_format)
+    stop_tracing = configure_tracing(settings.service_name, settings.otlp_traces_endpoint)
     try:
         asyncio.run(serve(build_options()))
     except (OSError, RuntimeError, ValueError) as error:
         logging.getLogger(name).error("%s failed: %s", name, error,
-                                      exc_info=log_level == "DEBUG")
+                                      exc_info=settings.log_level == "DEBUG")
         return 1
+    finally:
+        if stop_tracing is not None:
+            stop_tracing()  # exports the spans still batched
     return 0
 
 

@@ -8,8 +8,11 @@ with ``--tls-dir``. A replica serves only callers presenting such a certificate 
 internal APIs share its port); gateways, pickers and decode replicas dial replicas with theirs
 and accept only a server whose certificate the CA signed for ``SUITE_NAME``, so a decode
 replica pulls KV handles only from suite members, whatever address a request names. Without
-``--tls-dir`` every hop is plaintext (tests, a trusted network). It does not own making the
-files (``deploy.local_ca``) or the clients' edge (API keys at Envoy).
+``--tls-dir`` every hop is plaintext (tests, a trusted network). Every internal channel
+carries the suite's client interceptors: the W3C trace context of each call
+(``services.observability.trace_interceptors``) and the replica each request went to, for its
+log line (``peer_interceptor``). It does not own making the files (``deploy.local_ca``) or the
+clients' edge (API keys at Envoy).
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from typing import Any
 
 import grpc
 import grpc.aio
+
+from services.observability.peer_interceptor import peer_interceptors
+from services.observability.trace_interceptors import trace_client_interceptors
 
 # The name every member's certificate is issued for: members are dialed by IP (pod IPs),
 # so the name checked is the suite's, not the address's.
@@ -73,10 +79,12 @@ def aio_channel(target: str, tls: SuiteTls | None,
     """A channel to a suite member: mutual TLS when the suite has it, else plaintext; with
     keepalive pings unless ``options`` set them otherwise."""
     options = list({**dict(KEEPALIVE_OPTIONS), **dict(options)}.items())
+    interceptors = [*trace_client_interceptors(target), *peer_interceptors(target)]
     if tls is None:
-        return grpc.aio.insecure_channel(target, options=options)
+        return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
     return grpc.aio.secure_channel(target, tls.channel_credentials(),
-                                   options=[*options, CHANNEL_NAME_OPTION])
+                                   options=[*options, CHANNEL_NAME_OPTION],
+                                   interceptors=interceptors)
 
 
 def channel(target: str, tls: SuiteTls | None) -> grpc.Channel:

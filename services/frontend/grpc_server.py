@@ -1,9 +1,10 @@
 """How every Tandem gRPC server (a replica, the gateway) is built.
 
 Owns the server's options, the same in each process (the largest request message it takes,
-a port that is not shared with another process), and its interceptors: the caller's, then
-``RequestGuard`` last, so that no handler ever sees a request that does not decode or breaks
-a limit. It does not own the services added to the server or its life.
+a port that is not shared with another process), and its interceptors: the trace context of
+each call first (``TraceServerInterceptor``: its span encloses everything else), the caller's,
+then ``RequestGuard`` last, so that no handler ever sees a request that does not decode or
+breaks a limit. It does not own the services added to the server or its life.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import grpc.aio
 
 from services.frontend.request_guard import RequestGuard
 from services.frontend.validation import MAX_MESSAGE_BYTES
+from services.observability.trace_interceptors import TraceServerInterceptor
 
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     # A bigger request fails with RESOURCE_EXHAUSTED before any handler runs.
@@ -28,6 +30,7 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
 
 
 def new_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
-    """A grpc.aio server with Tandem's options, ``interceptors`` and the request guard."""
-    return grpc.aio.server(interceptors=[*interceptors, RequestGuard()],
+    """A grpc.aio server with Tandem's options, tracing, ``interceptors`` and the request
+    guard."""
+    return grpc.aio.server(interceptors=[TraceServerInterceptor(), *interceptors, RequestGuard()],
                            options=list(SERVER_OPTIONS))

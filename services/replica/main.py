@@ -24,6 +24,7 @@ from engine_common.config import (
 from services.entrypoint import run_service
 from services.frontend.responses.store import STORE_HELP
 from services.model_settings import add_model_settings_args, model_settings_from_args
+from services.observability.settings import ObservabilitySettings, add_observability_args
 from services.replica.cpu_binding import (
     AUTO,
     SHARED,
@@ -163,8 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="P/D: when the prefill replica or the transfer fails, recompute the "
                         "prefill here, or fail the request (default: %(default)s)")
     add_tls_args(p)
-    p.add_argument("--log-level", default="INFO",
-                   choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="(default: %(default)s)")
+    add_observability_args(p)  # --log-level, --log-format, --otlp-traces-endpoint
     return p
 
 
@@ -254,4 +254,5 @@ def main(argv: list[str] | None = None) -> int:
             pin_to_cpus(split_engine_cpus(sorted(os.sched_getaffinity(0)), args.engine_cpus))
     except ValueError as error:
         parser.error(str(error))
-    return run_service("replica", args.log_level, lambda: options_from_args(args), serve)
+    return run_service("replica", ObservabilitySettings.from_args("tandem-replica", args),
+                       lambda: options_from_args(args), serve)

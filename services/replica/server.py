@@ -32,6 +32,9 @@ from services.frontend.grpc_server import new_server
 from services.frontend.responses.store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from services.frontend.routing_headers import PREFILL_PEER_HEADER, prefill_peer_of
 from services.frontend.served_model import ServedModel
+from services.observability.observed_engine import observed
+from services.observability.request_log import RequestLogInterceptor
+from services.observability.throughput_log import ThroughputLog
 from services.reflection import enable_reflection
 from services.replica.admission import Admission
 from services.replica.callers import CallerScopes
@@ -102,12 +105,13 @@ class ReplicaServer:
         self.prefill_peers = PrefillPeers(tls=options.tls) if options.role == "decode" else None
         self.engine = LocalEngine(llm, self.admission, self.prefill_peers)
         self.health = health_aio.HealthServicer()
-        self.server = new_server()
+        # One log line per request; its choices' n observed as vLLM does.
+        self.server = new_server([RequestLogInterceptor(llm.metrics.request_params_n)])
         lora_updates = (
             LocalLoraUpdates(llm, lambda: self.model, self._serve_lora_adapters)
             if options.engine.model_settings.allow_runtime_lora_updating else None)
         self.generation = GenerationServicer(
-            self.model, llm.inputs, self.engine.generate, lora_updates,
+            self.model, llm.inputs, observed(self.engine.generate), lora_updates,
             ResponseStore.sized(options.max_stored_responses), responder=info.engine_id,
             call_context=self._call_context)
         self.engine_servicer = EngineServicer(
@@ -122,6 +126,7 @@ class ReplicaServer:
         self._metrics_http: WSGIServer | None = None
         self._forced = asyncio.Event()
         self._watchdog: asyncio.Task[None] | None = None
+        self._throughput_log: asyncio.Task[None] | None = None
 
     def _call_context(self, context: grpc.aio.ServicerContext) -> CallContext:
         """A public call's deadline, and on a decode replica the prefill replica the endpoint
@@ -153,6 +158,8 @@ class ReplicaServer:
         await self.server.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self._watchdog = asyncio.create_task(self._watch_engine())
+        self._throughput_log = asyncio.create_task(
+            ThroughputLog(self.llm.metrics, self.llm.info.engine_id).run())
         logger.info(
             "replica %s (role %s) serving %s on %s:%d%s", self.llm.info.engine_id,
             self.options.role, self.model.name, self.options.host, self.port,
@@ -190,8 +197,9 @@ class ReplicaServer:
         idle.cancel()
         forced.cancel()
         await self.server.stop(0 if self._forced.is_set() else _FINAL_GRACE_S)
-        if self._watchdog is not None:
-            self._watchdog.cancel()
+        for task in (self._watchdog, self._throughput_log):
+            if task is not None:
+                task.cancel()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
