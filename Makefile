@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export TANDEM_CACHE_DIR ?= $(CURDIR)/.cache/tandem
 
-.PHONY: help setup demo serve test lint typecheck protos protos-check bench bench-serving bench-scoring bench-speculative bench-lora bench-cpu-dtype bench-peer-setup bench-gpu clean
+.PHONY: help setup demo serve test lint typecheck protos protos-check bench bench-serving bench-scoring bench-speculative bench-lora bench-cpu-dtype bench-peer-setup bench-gpu clean fuzz
 
 help:
 	@echo "make demo   - set up, start the suite on the default model, serve real requests"
@@ -18,6 +18,7 @@ help:
 	@echo "make bench-lora - a batch on the base model vs one and four LoRA adapters"
 	@echo "make bench-cpu-dtype - a bf16 checkpoint on the CPU in bf16, float32, float32 packed"
 	@echo "make protos - regenerate the gRPC code and the Envoy descriptor set"
+	@echo "make fuzz   - the fuzz suite at length: hostile requests to every RPC and route"
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -51,6 +52,12 @@ typecheck: setup
 
 test: setup protos-check lint typecheck
 	$(PY) -m pytest -q tests
+
+# The fuzz suite at length: many more hostile requests per RPC and route than make test's
+# run, with fresh random choices each time (tests/fuzz_requests.py).
+fuzz: setup
+	TANDEM_FUZZ_EXAMPLES=$${TANDEM_FUZZ_EXAMPLES:-1500} TANDEM_FUZZ_RANDOM=1 $(PY) -m pytest -q \
+		tests/test_fuzz_grpc.py tests/test_fuzz_http.py tests/test_request_limits.py
 
 bench: setup
 	$(PY) bench/offline_throughput.py
