@@ -125,7 +125,7 @@ image-base:
 # Builds the image on the local base (made once), then runs the rendered containers' commands
 # inside its root filesystem as the pods would (read-only root, emptyDirs, non-root user, own
 # network namespace) and serves a request (tests/image/image_checks.py). Root only: it mounts
-# the image and makes namespaces. Not part of `make test`: a first build takes ~15 minutes.
+# the image and makes namespaces. Not part of `make test`: ~30 minutes here (docs/kubernetes.md).
 image-test: setup
 	$(CONTAINER_TOOL) image inspect $(LOCAL_BASE_IMAGE) > /dev/null 2>&1 || $(MAKE) image-base
 	$(MAKE) image BASE_IMAGE=$(LOCAL_BASE_IMAGE)
