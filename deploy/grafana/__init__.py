@@ -1,0 +1,1 @@
+"""The suite's Grafana dashboard (``dashboard`` renders ``tandem.json``)."""
