@@ -29,6 +29,16 @@ class SchedulerConfig:
     # Prefills longer than this are chunked even when the budget would allow more,
     # so one long prompt cannot starve the running decodes. 0 disables the limit.
     long_prefill_token_threshold: int = 0
+    # While any running request is decoding, the prompt tokens of a step (all prefilling
+    # requests together) are capped, so that a long prompt computed here (a P/D fallback, a
+    # resumed stream, a new request) runs in chunks between the running streams' tokens:
+    # at most this many, and no more than take max_prefill_time_per_decode_step times a
+    # decode-only step (measured as the engine runs; at least one block). A stream then waits
+    # about (1 + that) decode steps for its next token (docs/reliability.md). 0: no cap,
+    # prompts take whatever the decodes leave of max_num_batched_tokens.
+    max_prefill_tokens_while_decoding: int = 512
+    # 0: the token cap alone.
+    max_prefill_time_per_decode_step: float = 1.0
     # Fraction of blocks kept free when admitting new requests, so running ones can grow.
     watermark: float = 0.01
     policy: str = "fcfs"  # "fcfs" or "priority"

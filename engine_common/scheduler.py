@@ -3,7 +3,11 @@
 Owns the waiting and running queues and the per-step token budget. There is no prefill or
 decode phase: every request has ``num_tokens - num_computed_tokens`` tokens still to compute,
 and a step hands out at most ``max_num_batched_tokens`` of them, RUNNING requests first,
-then WAITING ones (chunked prefill is just ``min(remaining, budget)``). When the KV pool is
+then WAITING ones (chunked prefill is just ``min(remaining, budget)``). While any running
+request is decoding, the prompt tokens of a step are capped apart, in tokens and in time
+(``max_prefill_tokens_while_decoding``, ``max_prefill_time_per_decode_step``, timed with
+``StepCosts``): a long prompt computed here then runs in chunks between the decodes, and a
+running stream waits for at most one such chunk beside its own step. When the KV pool is
 exhausted a running request is preempted by recompute: its blocks are freed and it goes back
 to the front of the waiting queue with ``num_computed_tokens = 0`` (its prompt and output so
 far are recomputed, mostly from the prefix cache; a grammar keeps its state, since the
@@ -32,6 +36,7 @@ from engine_common.kv_cache_manager import KVCacheManager
 from engine_common.ngram_drafter import NgramDrafter
 from engine_common.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
 from engine_common.request import Request, RequestStatus
+from engine_common.step_costs import StepCosts
 
 if TYPE_CHECKING:
     from engine_common.structured_output.grammar import RequestGrammar
@@ -164,6 +169,10 @@ class Scheduler:
         adapters among the running requests (None: any number)."""
         if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if config.max_prefill_tokens_while_decoding < 0 or \
+                config.max_prefill_time_per_decode_step < 0:
+            raise ValueError("max_prefill_tokens_while_decoding and "
+                             "max_prefill_time_per_decode_step must be 0 (off) or positive")
         if max_loras is not None and max_loras < 1:
             raise ValueError(f"max_loras must be at least 1 (or None: no cap), got {max_loras}")
         self.config = config
@@ -187,6 +196,9 @@ class Scheduler:
         self._num_scheduled_tokens = 0  # by the latest step, for its statistics
         self._num_draft_tokens = self._num_accepted_tokens = 0  # since the last statistics
         self._watermark_blocks = int(config.watermark * kv_cache_manager.num_blocks)
+        # What steps cost, for the prompt chunks beside running decodes (_prefill_room).
+        self.step_costs = StepCosts()
+        self._step_make_up: tuple[int, int, float] | None = None
         self.lora_enabled = lora_enabled
         self.max_loras = max_loras
         # The adapters the engine serves now, kept up to date by the engine core: the
@@ -267,13 +279,16 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        prefill_room = self._prefill_room()
         kv = self.kv_cache_manager
 
         # 1. RUNNING requests first, in order; preempt from the back when blocks run out.
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = self._cap_new_tokens(request, request.num_tokens - request.num_computed_tokens, budget)
+            prefilling = _is_prefilling(request)
+            num_new = self._cap_new_tokens(request, request.num_tokens - request.num_computed_tokens,
+                                           min(budget, prefill_room) if prefilling else budget)
             if num_new <= 0:
                 index += 1
                 continue
@@ -295,6 +310,8 @@ class Scheduler:
                     done = next(s for s in out.scheduled if s.request is victim)
                     out.scheduled.remove(done)
                     budget += done.num_new_tokens
+                    if _is_prefilling(victim):
+                        prefill_room += done.num_new_tokens
                     index -= 1
                 self._preempt(victim)
                 out.preempted_request_ids.append(victim.request_id)
@@ -303,6 +320,8 @@ class Scheduler:
             else:
                 out.scheduled.append(ScheduledRequest(request, num_new, kv.get_block_ids(request.request_id)))
                 budget -= num_new
+                if prefilling:
+                    prefill_room -= num_new
                 index += 1
                 continue
             # The request itself was preempted; the ones after it were already scheduled
@@ -312,11 +331,13 @@ class Scheduler:
         # 2. WAITING requests, unless this step had to preempt (no room to admit anyone).
         if not out.preempted_request_ids:
             try:
-                self._admit_waiting(out, budget)
+                # Everything admitted here is a prefill (a remote one takes no budget).
+                self._admit_waiting(out, min(budget, prefill_room))
             finally:
                 # Requests skipped for max_loras keep their places for the next step.
                 self.waiting.restore_skipped()
         self._num_scheduled_tokens = out.total_num_scheduled_tokens
+        self._note_step(out)
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -329,9 +350,12 @@ class Scheduler:
         active_loras = {r.lora_name for r in itertools.chain(self.running,
                                                               self.receiving.values())
                         if r.lora_name} if self.max_loras is not None else set()
-        while (len(self.waiting) > 0 and budget > 0
+        while (len(self.waiting) > 0
                and len(self.running) + len(self.receiving) < self.config.max_num_seqs):
             request = self.waiting.peek()
+            is_remote = request.remote_prefill is not None and request.num_preemptions == 0
+            if budget <= 0 and not is_remote:  # a remote prefill computes nothing here
+                break
             if (self.max_loras is not None and request.lora_name
                     and request.lora_name not in active_loras
                     and len(active_loras) >= self.max_loras):
@@ -340,7 +364,7 @@ class Scheduler:
                 self.waiting.skip()
                 continue
             computed_blocks, num_computed = kv.get_computed_blocks(request)
-            if request.remote_prefill is not None and request.num_preemptions == 0:
+            if is_remote:
                 if not self._admit_remote(request, computed_blocks, num_computed, out):
                     break
                 if request.lora_name:
@@ -433,6 +457,31 @@ class Scheduler:
             states.append(state)
         return drafts[:len(states)], states
 
+    def _prefill_room(self) -> int:
+        """Prompt tokens this step may compute, over every prefilling request together.
+        While a running request is decoding: ``max_prefill_tokens_while_decoding``, and no
+        more than take ``max_prefill_time_per_decode_step`` decode steps by the measured
+        costs (at least one block, so the prompt moves on), so that the decodes' next token
+        waits for about that much beside their own step. Else the whole budget; without
+        chunked prefill a prompt runs whole, so there is no such cap."""
+        cap = self.config.max_prefill_tokens_while_decoding
+        if (cap <= 0 or not self.config.enable_chunked_prefill
+                or all(_is_prefilling(r) for r in self.running)):
+            return self.config.max_num_batched_tokens
+        ratio = self.config.max_prefill_time_per_decode_step
+        if ratio > 0:
+            # Costs not seen yet (a decode replica's first fallback: its prompts came as
+            # KV so far): one block, to measure by.
+            fits = self.step_costs.prefill_tokens_within(ratio) or 0
+            cap = min(cap, max(fits, self.kv_cache_manager.block_size))
+        return cap
+
+    def _note_step(self, out: SchedulerOutput) -> None:
+        """Remember what the step holds, to time it when its output comes back."""
+        prefill = sum(s.num_new_tokens for s in out.scheduled if _is_prefilling(s.request))
+        decodes = sum(1 for s in out.scheduled if not _is_prefilling(s.request))
+        self._step_make_up = (prefill, decodes, time.perf_counter()) if out.scheduled else None
+
     def _cap_new_tokens(self, request: Request, remaining: int, budget: int) -> int:
         threshold = self.config.long_prefill_token_threshold
         if threshold > 0:
@@ -460,6 +509,10 @@ class Scheduler:
         scheduler_output: SchedulerOutput,
         runner_output: ModelRunnerOutput,
     ) -> list[EngineCoreOutput]:
+        if self._step_make_up is not None:  # the model ran the step just now
+            prefill, decodes, started = self._step_make_up
+            self.step_costs.observe(prefill, decodes, time.perf_counter() - started)
+            self._step_make_up = None
         outputs: list[EngineCoreOutput] = []
         for item in scheduler_output.scheduled:
             request = item.request
@@ -567,3 +620,9 @@ class Scheduler:
         self._num_preemptions_since_report = 0
         self._num_scheduled_tokens = self._num_draft_tokens = self._num_accepted_tokens = 0
         return stats
+
+
+def _is_prefilling(request: Request) -> bool:
+    """More than one token still to compute: its prompt (or, after a preemption, its prompt
+    and output), not one decode step."""
+    return request.num_tokens - request.num_computed_tokens > 1
