@@ -29,6 +29,7 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 
 from engine_common.config import CacheConfig
+from engine_common.finished_requests import FinishedRequests
 from engine_common.outputs import KvTransferReport, SchedulerStats
 
 # vLLM's buckets, metric by metric (vllm/v1/metrics/loggers.py).
@@ -108,6 +109,7 @@ class FinishedRequestStats:
     num_generation_tokens: int
     e2e_latency: float  # arrival to finish
     max_tokens_param: int | None = None  # the request's max_tokens (None: up to the context)
+    request_id: str = ""
     queued_time: float | None = None  # arrival to first scheduled
     prefill_time: float | None = None  # first scheduled to first token
     decode_time: float | None = None  # first token to finish
@@ -190,6 +192,8 @@ class EngineMetrics:
             "vllm:request_success", "Finished requests by reason.", [*names, "finished_reason"],
             registry=reg)
         self._labels = labels
+        # Each finished request's phases, for a while: tracing reads them (by request id).
+        self.finished_requests = FinishedRequests()
         # P/D KV transfer (Tandem's own).
         self.kv_transfer_bytes = counter(
             "tandem:kv_transfer_bytes", "KV bytes pulled from prefill replicas.")
@@ -268,6 +272,7 @@ class EngineMetrics:
 
     def record_finished(self, stats: FinishedRequestStats) -> None:
         self._request_success.labels(**self._labels, finished_reason=stats.finish_reason).inc()
+        self.finished_requests.add(stats)
         self.request_prompt_tokens.observe(stats.num_prompt_tokens)
         self.request_generation_tokens.observe(stats.num_generation_tokens)
         self.e2e_request_latency.observe(stats.e2e_latency)

@@ -142,7 +142,8 @@ class OutputProcessor:
             if finished:
                 del self._states[out.request_id]
                 if self.metrics is not None and finish_reason is not None:
-                    self.metrics.record_finished(_finished_stats(state, finish_reason, now))
+                    self.metrics.record_finished(
+                        _finished_stats(out.request_id, state, finish_reason, now))
         return results, to_abort
 
     def _record_token_timing(self, state: _RequestState, num_new: int, now: float) -> None:
@@ -158,7 +159,8 @@ class OutputProcessor:
         state.last_token_time = now
 
 
-def _finished_stats(state: _RequestState, finish_reason: str, now: float) -> FinishedRequestStats:
+def _finished_stats(request_id: str, state: _RequestState, finish_reason: str,
+                    now: float) -> FinishedRequestStats:
     scheduled, first_token = state.scheduled_time, state.first_token_time
     return FinishedRequestStats(
         finish_reason=finish_reason,
@@ -166,6 +168,7 @@ def _finished_stats(state: _RequestState, finish_reason: str, now: float) -> Fin
         num_generation_tokens=state.num_output_tokens,
         e2e_latency=now - state.arrival_time,
         max_tokens_param=state.max_tokens_param,
+        request_id=request_id,
         queued_time=None if scheduled is None else max(0.0, scheduled - state.arrival_time),
         prefill_time=None if scheduled is None or first_token is None
         else max(0.0, first_token - scheduled),

@@ -23,6 +23,8 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from engine_common.finished_requests import FinishedRequests
+from engine_common.metrics import FinishedRequestStats
 from tandem.client import Client
 from tests.replica_process import gateway_before, start_replicas, stop_all
 
@@ -135,7 +137,7 @@ def test_one_trace_shows_the_disaggregated_path(suite: Suite, collector) -> None
     assert answer.usage.completion_tokens == 6
     spans = wait_for_spans(collector, TRACE_ID, {
         "tandem.v1.Generation/Complete", "tandem.v1.Engine/Generate",
-        "tandem.v1.Engine/Prefill", "kv_pull", "decode"})
+        "tandem.v1.Engine/Prefill", "kv_pull", "decode", "queue", "prefill"})
 
     gateway = only(spans, "tandem-gateway", "tandem.v1.Generation/Complete")
     assert gateway.parent_span_id == CLIENT_SPAN_ID  # the caller's traceparent was honoured
@@ -163,6 +165,19 @@ def test_one_trace_shows_the_disaggregated_path(suite: Suite, collector) -> None
     assert prefill.end_ns <= pull.end_ns <= decode.end_ns
     assert decode.start_ns <= decoding.start_ns <= decoding.end_ns <= decode.end_ns
     assert gateway.start_ns <= to_decode.start_ns and decode.end_ns <= gateway.end_ns + 10**9
+    # The engines' own phases: the prefill replica's queue and prefill inside its Prefill
+    # call, the decode replica's queue inside its Generate.
+    children = {name: [s for s in replica_spans if s.name == name]
+                for name in ("queue", "prefill")}
+    [p_queue] = [s for s in children["queue"] if s.parent_span_id == prefill.span_id]
+    [p_prefill] = [s for s in children["prefill"] if s.parent_span_id == prefill.span_id]
+    [d_queue] = [s for s in children["queue"] if s.parent_span_id == decode.span_id]
+    slack = 5 * 10**6  # the engine's clock and the wall clock, read a moment apart
+    assert prefill.start_ns - slack <= p_queue.start_ns <= p_queue.end_ns
+    assert p_queue.end_ns <= p_prefill.start_ns + slack <= p_prefill.end_ns + slack
+    assert p_prefill.end_ns <= prefill.end_ns + slack
+    assert p_prefill.attributes["tandem.prompt_tokens"] == answer.usage.prompt_tokens
+    assert decode.start_ns - slack <= d_queue.start_ns <= d_queue.end_ns <= decode.end_ns + slack
     # Every span of the trace hangs from the client's span.
     ids = {s.span_id for s in spans} | {CLIENT_SPAN_ID}
     assert all(s.parent_span_id in ids for s in spans)
@@ -192,6 +207,15 @@ def test_a_request_without_a_traceparent_starts_a_trace_at_the_gateway(suite: Su
     assert root.parent_span_id == "" and root.service == "tandem-gateway"
     spans = wait_for_spans(collector, root.trace_id, {"tandem.v1.Engine/Prefill"})
     assert {s.service for s in spans} == {"tandem-gateway", "tandem-replica"}
+
+
+def test_finished_request_statistics_are_read_once_and_bounded() -> None:
+    finished = FinishedRequests(capacity=2)
+    for rid in ("a", "b", "c"):
+        finished.add(FinishedRequestStats("length", 3, 1, 0.5, request_id=rid))
+    assert finished.pop("a") is None  # the oldest went first
+    assert finished.pop("b").request_id == "b" and finished.pop("b") is None
+    assert len(finished) == 1
 
 
 def test_without_the_flag_nothing_is_traced() -> None:

@@ -14,14 +14,16 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
+from engine_common.finished_requests import FinishedRequests
 from engine_common.generation_request import GenerationRequest
 from services.frontend.engine_seam import CallContext, GenerateFn, GenerationDelta
 from services.observability.phase_spans import SequencePhases
 from services.observability.request_record import current_request
 
 
-def observed(generate: GenerateFn) -> GenerateFn:
-    """``generate``, reporting to the current request's record (when there is one)."""
+def observed(generate: GenerateFn, finished: FinishedRequests | None = None) -> GenerateFn:
+    """``generate``, reporting to the current request's record (when there is one);
+    ``finished``: the engine's recent request statistics (a replica's), for its phases."""
 
     async def observed_generate(request_id: str, request: GenerationRequest,
                                 call: CallContext) -> AsyncGenerator[GenerationDelta, None]:
@@ -33,7 +35,7 @@ def observed(generate: GenerateFn) -> GenerateFn:
                     yield delta
             return
         record.add_sequence(request_id, request.prompt_token_ids)
-        phases = SequencePhases()
+        phases = SequencePhases(request_id, finished)
         async with aclosing(deltas):
             async for delta in deltas:
                 record.observe(request_id, delta.completion_tokens, delta.prompt_tokens,

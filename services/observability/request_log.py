@@ -21,8 +21,9 @@ import grpc
 import grpc.aio
 from prometheus_client import Histogram
 
+from engine_common.finished_requests import FinishedRequests
 from protos.tandem.v1 import engine_pb2 as epb
-from services.observability.phase_spans import SequencePhases
+from services.observability.phase_spans import SequencePhases, record_engine_phases
 from services.observability.request_record import RequestRecord, request_scope
 
 logger = logging.getLogger("tandem.requests")
@@ -40,9 +41,13 @@ Behaviour = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
 class RequestLogInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, params_n: Histogram | None = None) -> None:
-        """``params_n``: where the public requests' ``n`` is observed (None: nowhere)."""
+    def __init__(self, params_n: Histogram | None = None,
+                 finished: FinishedRequests | None = None) -> None:
+        """``params_n``: where the public requests' ``n`` is observed (None: nowhere);
+        ``finished``: the engine's recent request statistics (a replica's), whose queue and
+        prefill become spans of the internal API's requests."""
         self.params_n = params_n
+        self.finished = finished
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -70,12 +75,14 @@ class RequestLogInterceptor(grpc.aio.ServerInterceptor):
             record = RequestRecord(name)
             if name.startswith(ENGINE_SERVICE):
                 _open_engine_request(record, request)
-                context = _ObservedContext(context, record)
+                context = _ObservedContext(context, record, SequencePhases(
+                    getattr(request, "request_id", ""), self.finished))
             with request_scope(record):
                 try:
                     response = await behaviour(request, context)
                     if isinstance(response, epb.PrefillResponse):
                         record.observe(response.request_id, 1, len(request.prompt_token_ids))
+                        record_engine_phases(self.finished, response.request_id)
                     return response
                 except BaseException as error:
                     record.code = _code_of(error, context)
@@ -102,10 +109,11 @@ class _ObservedContext:
     """The handler's context, with each response it writes (an ``Engine.Generate`` stream's)
     read into the request's record first."""
 
-    def __init__(self, context: grpc.aio.ServicerContext, record: RequestRecord) -> None:
+    def __init__(self, context: grpc.aio.ServicerContext, record: RequestRecord,
+                 phases: SequencePhases) -> None:
         self._context = context
         self._record = record
-        self._phases = SequencePhases()
+        self._phases = phases
 
     async def write(self, message: Any) -> None:
         if isinstance(message, epb.GenerateResponse):

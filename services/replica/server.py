@@ -106,12 +106,14 @@ class ReplicaServer:
         self.engine = LocalEngine(llm, self.admission, self.prefill_peers)
         self.health = health_aio.HealthServicer()
         # One log line per request; its choices' n observed as vLLM does.
-        self.server = new_server([RequestLogInterceptor(llm.metrics.request_params_n)])
+        self.server = new_server([RequestLogInterceptor(llm.metrics.request_params_n,
+                                                        llm.metrics.finished_requests)])
         lora_updates = (
             LocalLoraUpdates(llm, lambda: self.model, self._serve_lora_adapters)
             if options.engine.model_settings.allow_runtime_lora_updating else None)
         self.generation = GenerationServicer(
-            self.model, llm.inputs, observed(self.engine.generate), lora_updates,
+            self.model, llm.inputs, observed(self.engine.generate, llm.metrics.finished_requests),
+            lora_updates,
             ResponseStore.sized(options.max_stored_responses), responder=info.engine_id,
             call_context=self._call_context)
         self.engine_servicer = EngineServicer(
