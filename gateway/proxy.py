@@ -10,7 +10,10 @@ every attempt, and its ``routes`` remember, per prompt, where the first stream w
 prompt's other choices follow it to the same replicas (one prompt, one prefix cache) unless
 those failed them; each prompt of a request is routed on its own. It does not own the
 OpenAI-shaped messages (``services.frontend``), the seam (``remote_engine``) or the choice
-itself (``picker``).
+itself (``picker``). A decode replica whose prefill replica is down hands the request back
+before its first token (``services.engine_api.prefill_handback``): it is sent again with
+another prefill replica, or none (the decode replica computes the prompt); that prefill
+replica, and one a decode replica's KV fallback blames, leaves rotation at once.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from gateway.prefix_index import PrefixIndex
 from gateway.registry import ReplicaRegistry
 from gateway.snapshot import take_snapshot
 from protos.tandem.v1 import engine_pb2
+from services.engine_api.prefill_handback import HANDBACK_CODE, handback_metadata
 from services.frontend.engine_seam import CallContext
 
 logger = logging.getLogger(__name__)
@@ -45,6 +49,13 @@ RETRIABLE_CODES = frozenset({
     grpc.StatusCode.CANCELLED,  # the replica shut down under us (ours would be CancelledError)
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 })
+
+
+# A decode replica's KV fallbacks that say the prefill replica (or the way to it) is broken,
+# so other requests should not be sent there for a while. Not: a lease that ran out or a
+# request the prefill replica no longer knows (slow, not broken).
+PREFILL_FAULTS = frozenset({"prefill_failed", "unreachable", "timeout", "layout_mismatch",
+                            "protocol"})
 
 
 # What a replica answers to a continuation it cannot take (say, one that predates
@@ -103,6 +114,7 @@ class _Stream:
     failed: set[str] = field(default_factory=set)
     attempts: int = 0  # replicas that failed before the first token
     resumptions: int = 0
+    handbacks: int = 0  # attempts a decode replica handed back (its prefill replica down)
     first_token_seen: bool = False
     last_code: grpc.StatusCode | None = None
 
@@ -246,8 +258,8 @@ class EngineProxy:
         request = stream.request
         upstream = engine_pb2.GenerateRequest()
         upstream.CopyFrom(request)
-        if stream.tries:
-            upstream.request_id = f"{request.request_id}.{stream.tries}"
+        if stream.tries + stream.handbacks:
+            upstream.request_id = f"{request.request_id}.{stream.tries + stream.handbacks}"
         upstream.output_options.return_token_ids = True
         if route.decision.prefill is not None:
             upstream.prefill_peer = route.decision.prefill.address
@@ -269,12 +281,16 @@ class EngineProxy:
         for address in (attempt.decode, prefill):
             if address is not None:
                 self.loads.stream_started(address)
-        call = replica.engine.Generate(self._upstream(stream, attempt.route), timeout=remaining)
+        # The replica hands back a request whose prefill replica is down: this picks again.
+        call = replica.engine.Generate(self._upstream(stream, attempt.route), timeout=remaining,
+                                       metadata=handback_metadata())
         try:
             async for response in call:
                 if not attempt.got_response and prefill is not None:
                     self.loads.stream_finished(prefill)  # its part ends with the first token
                     prefill = None
+                if response.HasField("kv_transfer"):  # once the KV came, or did not
+                    self._check_prefill(attempt, response)
                 attempt.got_response = True
                 yield self._relay(stream, response)
                 if response.HasField("finish_reason"):
@@ -287,6 +303,17 @@ class EngineProxy:
             for address in (attempt.decode, prefill):
                 if address is not None:
                     self.loads.stream_finished(address)
+
+    def _check_prefill(self, attempt: _Attempt,
+                       response: engine_pb2.GenerateResponse) -> None:
+        """How the prompt's KV got to the decode replica (on the first response for a failed
+        Prefill, on a later one for a failed pull): a fallback that blames the prefill
+        replica takes it out of rotation at once."""
+        prefill = attempt.route.decision.prefill
+        reason = response.kv_transfer.fallback_reason
+        if prefill is not None and reason in PREFILL_FAULTS:
+            self.registry.report_failure(
+                prefill.address, f"decode replica {attempt.decode} fell back ({reason})")
 
     def _relay(self, stream: _Stream,
                response: engine_pb2.GenerateResponse) -> engine_pb2.GenerateResponse:
@@ -306,6 +333,8 @@ class EngineProxy:
 
     def _after_failure(self, stream: _Stream, attempt: _Attempt) -> None:
         """Account for a failed attempt; raises ``ProxyError`` unless another may follow."""
+        if self._handed_back(stream, attempt):
+            return
         decode, route = attempt.decode, attempt.route
         stream.failed.add(decode)
         if stream.call.routes.get(stream.affinity_key) is route:
@@ -331,6 +360,29 @@ class EngineProxy:
             self._retry(stream, decode, code, details)
         else:
             self._resume(stream, decode, code, details)
+
+    def _handed_back(self, stream: _Stream, attempt: _Attempt) -> bool:
+        """The decode replica handed the request back because its prefill replica is down
+        (``prefill_handback``): that one is out (for this request, and of rotation for a
+        while), the decode replica is fine, and the next attempt picks again without it. Each
+        hand-back excludes one more prefill replica, so this ends."""
+        prefill = attempt.route.decision.prefill
+        if (attempt.error is None or attempt.error.code() != HANDBACK_CODE
+                or attempt.got_response or prefill is None):
+            return False
+        stream.failed.add(prefill.address)
+        stream.handbacks += 1
+        if stream.call.routes.get(stream.affinity_key) is attempt.route:
+            del stream.call.routes[stream.affinity_key]
+        if not attempt.followed:
+            for address in attempt.route.addresses:
+                self.index.retract(address, attempt.route.block_hashes)
+        self.registry.report_failure(
+            prefill.address, f"decode replica {attempt.decode} could not reach it")
+        self.metrics.retries.labels("prefill_handback").inc()
+        logger.info("request %s: prefill replica %s is down; routing it again",
+                    stream.request.request_id, prefill.address)
+        return True
 
     def _retry(self, stream: _Stream, decode: str, code: grpc.StatusCode, details: str) -> None:
         stream.attempts += 1

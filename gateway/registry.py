@@ -5,7 +5,9 @@ Owns discovery (a static ``host:port`` list, or the addresses a DNS name resolve
 Kubernetes headless Service, re-resolved periodically), one gRPC channel per replica, the
 replica's identity and role (``Engine.GetInfo``) and its health (a ``grpc.health.v1`` Watch
 stream per replica). A replica whose stream breaks or reports anything but SERVING is out of
-rotation at once; it comes back when it answers SERVING again. It does not own load
+rotation at once; it comes back when it answers SERVING again. A replica a peer reports
+failing (``report_failure``: a decode replica could not prefill or pull there) is out of
+rotation at once for a few seconds, or until it comes back after a drop. It does not own load
 (``load``), cached prefixes (``prefix_index``) or choosing (``picker``): those follow the
 registry through ``ReplicaListener`` callbacks.
 """
@@ -65,10 +67,14 @@ class Replica:
     epoch: int = 0
     # time.monotonic() of the last health change, for logs and tests.
     changed_at: float = field(default_factory=time.monotonic)
+    # Out of rotation until this time.monotonic(), though its health says SERVING: a peer
+    # saw it fail (``ReplicaRegistry.report_failure``).
+    suspect_until: float = 0.0
 
     @property
     def routable(self) -> bool:
-        return self.healthy and self.role in ROLES
+        return (self.healthy and self.role in ROLES
+                and (not self.suspect_until or time.monotonic() >= self.suspect_until))
 
 
 class ReplicaListener(Protocol):
@@ -108,7 +114,9 @@ class ReplicaRegistry:
         health_service: str = "",
         retry_interval_s: float = 0.2,
         tls: SuiteTls | None = None,
+        suspect_s: float = 5.0,
     ) -> None:
+        self._suspect_s = suspect_s  # how long a replica reported failing stays out
         self._tls = tls  # the suite's mutual TLS for every replica channel; None: plaintext
         self._static = list(dict.fromkeys(static_addresses))
         self._dns_targets = list(dns_targets)
@@ -229,10 +237,27 @@ class ReplicaRegistry:
         await replica.channel.close()
 
     # ----------------------------------------------------------------- health
+    def report_failure(self, address: str, why: str) -> None:
+        """A peer saw this replica fail (a decode replica could not prefill or pull there):
+        out of rotation for ``suspect_s`` at once, without waiting for its health watch to
+        notice (a host that vanished keeps a watch open until keepalive gives up), or until
+        the watch sees it come back SERVING after a drop (a restart), whichever is first."""
+        replica = self._replicas.get(address)
+        if replica is None:
+            return
+        fresh = not replica.suspect_until or time.monotonic() >= replica.suspect_until
+        replica.suspect_until = time.monotonic() + self._suspect_s
+        if fresh:
+            logger.warning("replica %s (%s) out of rotation for %.0f s: %s", address,
+                           replica.role or "?", self._suspect_s, why)
+        self._changed.set()
+
     def _set_healthy(self, replica: Replica, healthy: bool) -> None:
         if replica.healthy != healthy:
             replica.healthy = healthy
-            if not healthy:
+            if healthy:
+                replica.suspect_until = 0.0  # back after a drop: whatever failed was before
+            else:
                 replica.epoch += 1
             replica.changed_at = time.monotonic()
             logger.info("replica %s (%s) is %s", replica.address, replica.role or "?",

@@ -42,6 +42,7 @@ from services.engine_api.messages import (
     position_to_pb,
     sampling_params_from_pb,
 )
+from services.engine_api.prefill_handback import caller_takes_handback
 from services.frontend.engine_seam import CallContext
 from services.frontend.errors import FailedPrecondition, InvalidArgument, rpc_handler
 from services.frontend.lora_updates import LoraUpdates, runtime_updates_off
@@ -76,7 +77,11 @@ class EngineServicer(epb_grpc.EngineServicer):
         return_token_ids = request.output_options.return_token_ids
         self.callers.started(request_id, caller_of(context.peer()))
         try:
-            async with aclosing(self.engine.generate(request_id, generation, call)) as deltas:
+            # A caller that routes again (the gateway) takes back a request whose prefill
+            # peer is down (services.engine_api.prefill_handback).
+            hand_back = caller_takes_handback(context.invocation_metadata())
+            async with aclosing(self.engine.generate(request_id, generation, call,
+                                                     hand_back=hand_back)) as deltas:
                 async for delta in deltas:
                     response = delta_to_response(delta, request_id, return_token_ids)
                     # Resumed tokens were sent by the replica that died: they count as output.

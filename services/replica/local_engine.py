@@ -5,7 +5,9 @@ decoded to text), holding an admission slot for the life of each request, aborti
 by id so that their streams end with finish_reason "abort", and, on a decode replica, the
 P/D flow of a request that names a prefill replica: ask it to prefill, stream its first token
 at once, let the engine pull the KV, release the prefill replica's blocks, or fall back to a
-local prefill (policy ``recompute``) when any of that fails. Both public API
+local prefill (policy ``recompute``) when any of that fails, unless the caller routes again
+(``services.engine_api.prefill_handback``: then a peer that is down hands the request back).
+Both public API
 (``generation_servicer``) and internal API (``engine_servicer``) requests go through here, so
 one bound covers both. It does not own the engine (``engine_common.async_llm``) or any wire
 format.
@@ -17,11 +19,14 @@ from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from typing import cast
 
+import grpc
+
 from engine_common.async_llm import AsyncLLM
 from engine_common.core_process import EngineDeadError
 from engine_common.generation_request import GenerationRequest
 from engine_common.output_processor import RequestOutput
 from engine_common.outputs import KvTransferReport, RemotePrefill, TokenLogprobs
+from services.engine_api.prefill_handback import PrefillHandedBack
 from services.frontend.engine_seam import (
     CallContext,
     GenerationDelta,
@@ -43,15 +48,17 @@ class LocalEngine:
         self.prefill_peers = prefill_peers
         self._token_text: dict[int, str] = {}  # bounded by the vocabulary
 
-    async def generate(self, request_id: str, request: GenerationRequest,
-                       call: CallContext) -> AsyncGenerator[GenerationDelta, None]:
+    async def generate(self, request_id: str, request: GenerationRequest, call: CallContext,
+                       *, hand_back: bool = False) -> AsyncGenerator[GenerationDelta, None]:
         """Stream the request's deltas; closing this iterator early aborts the request.
-        With ``call.prefill_peer`` (a decode replica) the prompt's KV comes from there."""
+        With ``call.prefill_peer`` (a decode replica) the prompt's KV comes from there; with
+        ``hand_back`` too, a peer that is down fails the request with ``PrefillHandedBack``
+        (its caller routes it again) instead of this replica computing the prompt."""
         peer = call.prefill_peer
         with self.admission.admit(request_id):
             if self.llm.dead_reason is not None:
                 raise Unavailable(f"the engine is not running: {self.llm.dead_reason}")
-            remote, report = await self._remote_prefill(request_id, request, peer)
+            remote, report = await self._remote_prefill(request_id, request, peer, hand_back)
             if peer:  # the public call tells the endpoint picker where the prefill ran
                 call.response_headers[PREFILL_OUTCOME_HEADER] = prefill_outcome(
                     None if report is None else report.fallback_reason)
@@ -77,6 +84,7 @@ class LocalEngine:
                     self._release(peer, remote, request_id)
 
     async def _remote_prefill(self, request_id: str, request: GenerationRequest, peer: str | None,
+                              hand_back: bool = False,
                               ) -> tuple[RemotePrefill | None, KvTransferReport | None]:
         """Ask the prefill replica ``peer`` for the prompt's KV. Returns its answer, or (None,
         a fallback report) when this replica computes the prefill itself."""
@@ -88,11 +96,17 @@ class LocalEngine:
             try:
                 return await self.prefill_peers.prefill(peer, request_id, request), None
             except PrefillFailed as error:
+                report = KvTransferReport(prefill_engine_id="", fallback_reason=error.reason)
+                if hand_back and error.code == grpc.StatusCode.UNAVAILABLE:
+                    # Counted here too: the prompt is computed elsewhere, not pulled.
+                    self.llm.metrics.record_kv_transfer(report)
+                    raise PrefillHandedBack(
+                        f"prefill replica {peer} is unavailable ({error.code.name}); "
+                        "route the request again") from error
                 if self.llm.config.kv_transfer.fallback == "fail":
                     raise Unavailable(
                         f"the prefill replica failed ({error}) and this replica runs with "
                         "--kv-fallback fail") from error
-                report = KvTransferReport(prefill_engine_id="", fallback_reason=error.reason)
         self.llm.metrics.record_kv_transfer(report)
         return None, report
 

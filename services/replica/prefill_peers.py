@@ -30,11 +30,13 @@ logger = logging.getLogger(__name__)
 
 
 class PrefillFailed(Exception):
-    """The prefill replica could not be used; ``reason`` goes into the fallback metric."""
+    """The prefill replica could not be used; ``reason`` goes into the fallback metric,
+    ``code`` is the status its Prefill call ended with (None: it answered, but wrongly)."""
 
-    def __init__(self, reason: str, detail: str):
+    def __init__(self, reason: str, detail: str, code: grpc.StatusCode | None = None):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
+        self.code = code
 
 
 class PrefillPeers:
@@ -70,8 +72,8 @@ class PrefillPeers:
             raise
         except grpc.aio.AioRpcError as error:
             raise PrefillFailed(
-                "prefill_failed", f"{peer} answered {error.code().name}: {error.details()}"
-            ) from error
+                "prefill_failed", f"{peer} answered {error.code().name}: {error.details()}",
+                error.code()) from error
         if not response.HasField("kv_handle"):
             raise PrefillFailed("prefill_failed", f"{peer} returned no KV handle")
         return RemotePrefill(
