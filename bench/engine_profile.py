@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -28,6 +29,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.report import machine  # noqa: E402
+
+# The engine under test: this tree's, or another checkout's (a baseline commit, to compare
+# before and after a change in one run); the bench modules above are this tree's either way.
+ENGINE_ROOT_VARIABLE = "TANDEM_BENCH_ENGINE_ROOT"
+ENGINE_ROOT = Path(os.environ.get(ENGINE_ROOT_VARIABLE, ROOT))
+sys.path.insert(0, str(ENGINE_ROOT))
 from engine_common.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from engine_common.default_model import ensure_default_model  # noqa: E402
 from engine_common.llm import LLM  # noqa: E402
@@ -76,21 +83,29 @@ def part_of(name: str) -> str:
 def build_engine(model: Path, num_prompts: int) -> LLM:
     return LLM(EngineConfig(
         model=str(model), dtype="auto",
-        cache=CacheConfig(kv_cache_memory_bytes=2 << 30),
+        cache=CacheConfig(kv_cache_memory_bytes=1 << 30),
         scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=max(256, num_prompts)),
     ))
+
+
+def timed_step(llm: LLM) -> dict[str, float]:
+    """One engine step: wall time, the process's user and system CPU time, page faults."""
+    before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    llm.step()
+    wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
+    return {"wall_s": wall, "user_s": after.ru_utime - before.ru_utime,
+            "system_s": after.ru_stime - before.ru_stime,
+            "minor_page_faults": after.ru_minflt - before.ru_minflt}
 
 
 def profile(llm: LLM, prompts: list[list[int]], steps: int) -> dict[str, object]:
     params = SamplingParams(temperature=0.0, max_tokens=10 + 2 * steps, ignore_eos=True)
     ids = [llm.add_request(p, params)[0] for p in prompts]
-    for _ in range(4):  # the prefill (one step at this budget), then three decode steps
+    prefill = timed_step(llm)  # the whole prompt batch in one step at this budget
+    for _ in range(3):
         llm.step()
-    step_ms = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        llm.step()
-        step_ms.append(1000 * (time.perf_counter() - start))
+    decode = [timed_step(llm) for _ in range(steps)]
+    step_ms = [1000 * d["wall_s"] for d in decode]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 record_shapes=True) as prof:
         for _ in range(steps):
@@ -108,7 +123,11 @@ def profile(llm: LLM, prompts: list[list[int]], steps: int) -> dict[str, object]
                     "percent": 100 * e.self_cpu_time_total / total_us})
     ops.sort(key=lambda op: -float(op["self_ms_per_step"]))  # type: ignore[arg-type]
     return {
+        "prefill_step": prefill,
+        "decode_steps_unprofiled": decode,
         "step_ms_unprofiled": {"median": statistics.median(step_ms), "all": step_ms},
+        "step_cpu_ms_unprofiled_median": 1000 * statistics.median(
+            d["user_s"] + d["system_s"] for d in decode),
         "profiled_self_ms_per_step": total_us / 1000 / steps,
         "parts_percent": {k: round(100 * v / total_us, 1)
                           for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
@@ -155,7 +174,9 @@ def main() -> None:
     summary = (f"{name}: decode step, batch {args.num_prompts}, {len(cpus)} core(s), dtype "
                f"{report['settings']['dtype_run']} (packed: "
                f"{report['settings']['weights_packed']})\n"
-               f"unprofiled step: median {result['step_ms_unprofiled']['median']:.1f} ms\n"
+               f"unprofiled decode step: median {result['step_ms_unprofiled']['median']:.1f} ms"
+               f" wall, {result['step_cpu_ms_unprofiled_median']:.1f} ms CPU"
+               f"\nprefill step (64 x 128 tokens): {result['prefill_step']}\n"
                f"parts (% of profiled self time):\n" +
                "".join(f"  {k:34s} {v:5.1f}\n" for k, v in result["parts_percent"].items()) +
                "\n" + str(result["table"]))

@@ -39,13 +39,22 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.peer import peer_available, run_peer_script, run_process_group  # noqa: E402
-from bench.report import first_difference, ratios_over_tandem, write_report  # noqa: E402
+from bench.report import first_difference, write_report  # noqa: E402
+
+# The engine under test: this tree's, or another checkout's (a baseline commit, to compare
+# before and after a change in one run); the bench modules above are this tree's either way.
+ENGINE_ROOT_VARIABLE = "TANDEM_BENCH_ENGINE_ROOT"
+ENGINE_ROOT = Path(os.environ.get(ENGINE_ROOT_VARIABLE, ROOT))
+sys.path.insert(0, str(ENGINE_ROOT))
 from engine_common.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from engine_common.default_model import ensure_default_model  # noqa: E402
 from engine_common.llm import LLM  # noqa: E402
 from engine_common.sampling_params import SamplingParams  # noqa: E402
 
 RESULT_PREFIX = "TANDEM_RESULT "
+# Both engines' KV cache: the workload needs ~0.75 GiB in float32; more only risks the OOM
+# killer on a shared 24 GiB machine.
+KV_CACHE_GIB = 1
 
 
 def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -61,7 +70,7 @@ def tandem_worker(config: dict[str, Any]) -> None:
     torch.set_num_threads(len(cpus))
     engine_config = EngineConfig(
         model=config["model"], dtype=config["dtype"],
-        cache=CacheConfig(kv_cache_memory_bytes=2 << 30),
+        cache=CacheConfig(kv_cache_memory_bytes=KV_CACHE_GIB << 30),
         scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256),
     )
     llm = LLM(engine_config)
@@ -69,12 +78,14 @@ def tandem_worker(config: dict[str, Any]) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=config["out_len"], ignore_eos=True)
     llm.generate([prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     llm.core.kv_cache_manager.reset_prefix_cache()
-    start = time.perf_counter()
+    cpu_start, start = sum(os.times()[:2]), time.perf_counter()
     results = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
+    cpu_seconds = sum(os.times()[:2]) - cpu_start
     runner = llm.core.model_runner
     print(RESULT_PREFIX + json.dumps({
-        "elapsed": elapsed, "tokens": [r.token_ids for r in results],
+        "elapsed": elapsed, "cpu_seconds": cpu_seconds,
+        "tokens": [r.token_ids for r in results],
         "ran": {"dtype": str(runner.dtype).removeprefix("torch."),
                 "weights_packed_for_onednn": runner.model.packed_lm_head is not None,
                 "attention_backend": runner.model.attention_backend.name,
@@ -84,12 +95,15 @@ def tandem_worker(config: dict[str, Any]) -> None:
 
 
 def run_tandem(model: Path, prompts: list[list[int]], out_len: int, cpus: list[int],
-               dtype: str) -> dict[str, Any] | None:
+               dtype: str, engine_root: Path | None = None) -> dict[str, Any] | None:
+    """One timed run in a fresh process; ``engine_root``: another checkout's engine."""
     config = {"model": str(model), "prompts": prompts, "out_len": out_len, "cpus": cpus,
               "dtype": dtype}
+    env = None if engine_root is None else dict(os.environ, **{
+        ENGINE_ROOT_VARIABLE: str(engine_root)})
     stdout, stderr = run_process_group(
-        [sys.executable, __file__, "--tandem-worker", json.dumps(config)], None, None,
-        timeout_s=1800)
+        [sys.executable, __file__, "--tandem-worker", json.dumps(config)], env, None,
+        timeout_s=3600)
     for line in stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
             result: dict[str, Any] = json.loads(line.removeprefix(RESULT_PREFIX))
@@ -100,6 +114,7 @@ def run_tandem(model: Path, prompts: list[list[int]], out_len: int, cpus: list[i
 
 PEER_SCRIPT = r"""
 import json, os, sys, time
+import psutil
 from vllm import LLM, SamplingParams, TokensPrompt
 cfg = json.loads(sys.argv[1])
 llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enforce_eager=cfg["eager"], seed=0,
@@ -108,15 +123,29 @@ prompts = [TokensPrompt(prompt_token_ids=p) for p in cfg["prompts"]]
 params = SamplingParams(temperature=0.0, max_tokens=cfg["out_len"], ignore_eos=True)
 llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
 llm.reset_prefix_cache()  # as for Tandem: the timed run must not reuse the warm-up's blocks
-start = time.perf_counter()
+
+def tree_cpu_seconds():
+    # vLLM's engine core and worker are processes of their own: sum the whole tree.
+    me = psutil.Process()
+    total = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+            total += times.user + times.system
+        except psutil.Error:
+            pass
+    return total
+
+cpu_start, start = tree_cpu_seconds(), time.perf_counter()
 outs = llm.generate(prompts, params, use_tqdm=False)
 elapsed = time.perf_counter() - start
+cpu_seconds = tree_cpu_seconds() - cpu_start
 ran = {"dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
        "enforce_eager": llm.llm_engine.vllm_config.model_config.enforce_eager,
        "compilation_mode": getattr(llm.llm_engine.vllm_config.compilation_config.mode, "name", str(llm.llm_engine.vllm_config.compilation_config.mode)),
        "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
        "cpus": sorted(os.sched_getaffinity(0))}
-print("PEER_RESULT " + json.dumps({"elapsed": elapsed, "ran": ran,
+print("PEER_RESULT " + json.dumps({"elapsed": elapsed, "cpu_seconds": cpu_seconds, "ran": ran,
                                    "tokens": [list(o.outputs[0].token_ids) for o in outs]}))
 """
 
@@ -128,7 +157,8 @@ def run_peer(model: Path, prompts: list[list[int]], out_len: int, cpus: list[int
         PEER_SCRIPT, {"model": str(model), "prompts": prompts, "out_len": out_len,
                       "eager": eager, "dtype": dtype},
         f"vLLM-CPU ({'eager' if eager else 'compiled'}, CPUs {bind})",
-        env={"VLLM_CPU_OMP_THREADS_BIND": bind}, cpus=cpus)
+        env={"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)},
+        cpus=cpus)
     return result
 
 
@@ -159,7 +189,10 @@ def engines(args: argparse.Namespace) -> list[tuple[str, Any]]:
     model, prompts, out_len = args.model, args.prompts, args.output_len
     runs: list[tuple[str, Any]] = [
         ("tandem", lambda cpus: run_tandem(model, prompts, out_len, cpus, args.tandem_dtype))]
-    if peer_available():
+    if args.baseline_tree is not None:
+        runs.append(("tandem_baseline", lambda cpus: run_tandem(
+            model, prompts, out_len, cpus, args.tandem_dtype, args.baseline_tree)))
+    if peer_available() and not args.skip_peer:
         runs.append(("vllm_cpu_compiled", lambda cpus: run_peer(
             model, prompts, out_len, cpus, False, args.vllm_dtype)))
         if args.vllm_eager:
@@ -168,31 +201,55 @@ def engines(args: argparse.Namespace) -> list[tuple[str, Any]]:
     return runs
 
 
-def run_rounds(args: argparse.Namespace) -> tuple[dict[int, dict[str, list[float]]],
-                                                   dict[str, dict[str, Any]]]:
-    """Seconds per core count per engine per round, and each engine's last run (tokens,
-    what it ran) by ``name_Ncore``."""
-    seconds: dict[int, dict[str, list[float]]] = {n: {} for n in args.cores}
+Runs = dict[int, dict[str, list[dict[str, Any] | None]]]
+
+
+def run_rounds(args: argparse.Namespace) -> tuple[Runs, dict[str, dict[str, Any]]]:
+    """Every run's record (seconds, CPU seconds, load average around it; None if it failed)
+    per core count, engine and round, and each engine's last result (tokens, what it ran)
+    by ``name_Ncore``."""
+    runs: Runs = {n: {} for n in args.cores}
     last: dict[str, dict[str, Any]] = {}
     total_out = args.num_prompts * args.output_len
-    runs = engines(args)
+    engine_runs = engines(args)
     for round_index in range(args.rounds):
-        order = runs if round_index % 2 == 0 else runs[::-1]
+        order = engine_runs if round_index % 2 == 0 else engine_runs[::-1]
         for cores in args.cores:
             cpus = list(range(cores))
             for name, run in order:
+                load_before = os.getloadavg()[0]
                 result = run(cpus)
-                key = f"{name}_{cores}core"
+                record = None if result is None else {
+                    "seconds": result["elapsed"], "cpu_seconds": result["cpu_seconds"],
+                    "load_1min_before": load_before, "load_1min_after": os.getloadavg()[0]}
+                runs[cores].setdefault(name, []).append(record)
                 if result is None:
-                    last[key] = {"error": "failed; see the log"}
+                    print(f"round {round_index + 1}, {cores} core(s), {name}: failed", flush=True)
                     continue
-                seconds[cores].setdefault(name, []).append(result["elapsed"])
-                last[key] = result
+                last[f"{name}_{cores}core"] = result
                 print(f"round {round_index + 1}, {cores} core(s), {name:18s} "
                       f"{total_out / result['elapsed']:7.1f} output tok/s "
-                      f"({result['elapsed']:.1f} s; load {os.getloadavg()[0]:.1f})",
-                      flush=True)
-    return seconds, last
+                      f"({result['elapsed']:.1f} s, {result['cpu_seconds']:.1f} CPU s; load "
+                      f"{load_before:.1f} -> {os.getloadavg()[0]:.1f})", flush=True)
+    return runs, last
+
+
+def ratios(records: dict[str, list[dict[str, Any] | None]], field: str) -> dict[str, object]:
+    """Each peer's ``field`` over Tandem's (above 1: Tandem is faster), round by round (the
+    fair comparison: the engines ran minutes apart, not hours) and of the medians, over the
+    rounds where both ran."""
+    ours = records["tandem"]
+    result: dict[str, object] = {}
+    for name, theirs in records.items():
+        if name == "tandem":
+            continue
+        pairs = [(t[field], o[field]) for t, o in zip(theirs, ours, strict=True) if t and o]
+        if not pairs:
+            continue
+        result[f"tandem_over_{name}_per_round"] = [t / o for t, o in pairs]
+        result[f"tandem_over_{name}"] = (statistics.median(t for t, _ in pairs)
+                                         / statistics.median(o for _, o in pairs))
+    return result
 
 
 def main() -> None:
@@ -209,6 +266,10 @@ def main() -> None:
     parser.add_argument("--tandem-dtype", default="auto")
     parser.add_argument("--vllm-dtype", default="float32")
     parser.add_argument("--vllm-eager", action="store_true", help="also run vLLM eager")
+    parser.add_argument("--baseline-tree", type=Path,
+                        help="also run the engine of this checkout (e.g. a git worktree of an "
+                             "earlier commit) as tandem_baseline")
+    parser.add_argument("--skip-peer", action="store_true", help="run no vLLM")
     parser.add_argument("--check-prompts", type=int, default=16,
                         help="prompts checked against HF float32 greedy (0: none)")
     parser.add_argument("--tandem-worker", help=argparse.SUPPRESS)
@@ -220,31 +281,38 @@ def main() -> None:
         return
     args.model = ensure_default_model()
     args.prompts = make_prompts(args.num_prompts, args.prompt_len, 49152, seed=0)
-    seconds, last = run_rounds(args)
-    report(args, seconds, last)
+    runs, last = run_rounds(args)
+    report(args, runs, last)
 
 
-def report(args: argparse.Namespace, seconds: dict[int, dict[str, list[float]]],
-           last: dict[str, dict[str, Any]]) -> None:
+def report(args: argparse.Namespace, runs: Runs, last: dict[str, dict[str, Any]]) -> None:
     total_out = args.num_prompts * args.output_len
     reference = (hf_fp32_reference(args.model, args.prompts[:args.check_prompts],
                                    args.output_len) if args.check_prompts else None)
     results: dict[str, object] = {}
-    ratios: dict[str, object] = {}
-    for cores, by_engine in seconds.items():
-        for name, runs in by_engine.items():
+    all_ratios: dict[str, object] = {}
+    for cores, by_engine in runs.items():
+        for name, records in by_engine.items():
             key = f"{name}_{cores}core"
+            done = [r for r in records if r]
+            if not done:
+                results[key] = {"error": "every run failed; see the log"}
+                continue
+            median = statistics.median(r["seconds"] for r in done)
             entry: dict[str, object] = {
-                "ran": last[key]["ran"], "seconds_per_round": runs,
-                "output_tokens_per_s_per_round": [total_out / t for t in runs],
-                "output_tokens_per_s": total_out / statistics.median(runs)}
+                "ran": last[key]["ran"], "rounds": records,
+                "output_tokens_per_s_per_round": [
+                    total_out / r["seconds"] if r else None for r in records],
+                "output_tokens_per_s": total_out / median,
+                "output_tokens_per_cpu_s": total_out / statistics.median(
+                    r["cpu_seconds"] for r in done)}
             if reference is not None:
                 entry["vs_hf_float32"] = agreement(last[key]["tokens"], reference)
             results[key] = entry
         if "tandem" in by_engine:
-            ratios.update({f"{k}_{cores}core": v for k, v in ratios_over_tandem(by_engine).items()})
-    results.update({k: v for k, v in last.items() if "error" in v})
-    print(json.dumps(ratios, indent=2))
+            all_ratios[f"{cores}core_wall_clock"] = ratios(by_engine, "seconds")
+            all_ratios[f"{cores}core_cpu_time"] = ratios(by_engine, "cpu_seconds")
+    print(json.dumps(all_ratios, indent=2))
     write_report(
         args.out, "offline_throughput",
         workload={"model": "SmolLM2-135M-Instruct (bf16 checkpoint)",
@@ -254,8 +322,11 @@ def report(args: argparse.Namespace, seconds: dict[int, dict[str, list[float]]],
                   "order": "per round, per core count: every engine, the first alternating",
                   "tandem_dtype_requested": args.tandem_dtype,
                   "vllm_dtype_requested": args.vllm_dtype,
-                  "hf_float32_check_prompts": args.check_prompts},
-        results=results, ratios=ratios)
+                  "hf_float32_check_prompts": args.check_prompts,
+                  "baseline_tree": None if args.baseline_tree is None else str(args.baseline_tree),
+                  "cpu_time": "user + system seconds of the engine's processes during the "
+                              "timed generate (vLLM: its whole process tree)"},
+        results=results, ratios=all_ratios)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ def run_peer_script(script: str, config: dict[str, Any], what: str = "vLLM-CPU",
     process it starts to those CPUs (as ``taskset`` would)."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_TARGET_DEVICE="cpu", **(env or {}))
     stdout, stderr = run_process_group(
-        [str(PEER_PYTHON), "-c", script, json.dumps(config)], env, cpus, timeout_s=1800)
+        [str(PEER_PYTHON), "-c", script, json.dumps(config)], env, cpus, timeout_s=3600)
     for line in stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
             return json.loads(line.removeprefix(RESULT_PREFIX))

@@ -26,6 +26,7 @@ from engine_common.decode_graphs import DecodeGraphRunner, DecodeInputs
 from engine_common.lora.loaded_adapters import LoadedLoraAdapters
 from engine_common.model.arch_config import ModelArchConfig
 from engine_common.model.attention.backend import AttentionMetadata
+from engine_common.model.cpu_allocator import keep_large_temporaries_in_heap
 from engine_common.model.loader import load_model, resolve_dtype
 from engine_common.outputs import ModelRunnerOutput
 from engine_common.request import Request
@@ -63,6 +64,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.eos_token_ids = eos_token_ids
         torch.manual_seed(config.seed)
+        if self.device.type == "cpu":
+            keep_large_temporaries_in_heap()
         # "auto" gives float32 for a bf16 checkpoint only on a CPU without a bf16 matmul:
         # float32 stands in for bf16 there, and its weights may be packed too.
         stands_in_for_bf16 = (config.dtype == "auto" and arch.dtype == "bfloat16"

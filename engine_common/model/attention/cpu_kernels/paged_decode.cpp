@@ -106,22 +106,111 @@ inline float load1(const uint16_t* p) { return bf16_to_f32(*p); }
 inline void store1(float* p, float v) { *p = v; }
 inline void store1(uint16_t* p, float v) { *p = f32_to_bf16(v); }
 
-// q . k over head_size elements (a multiple of 8 on the vector path).
+#ifdef TANDEM_AVX2
+// Lane i of the result: the sum of the lanes of a_i.
+inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+                    __m256 a6, __m256 a7) {
+  const __m256 s01 = _mm256_hadd_ps(a0, a1), s23 = _mm256_hadd_ps(a2, a3);
+  const __m256 s45 = _mm256_hadd_ps(a4, a5), s67 = _mm256_hadd_ps(a6, a7);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+#endif
+
+// q . k over head_size elements.
 template <typename T>
 inline float dot(const float* q, const T* k, int head_size) {
-#ifdef TANDEM_AVX2
-  if (head_size % 16 == 0) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    for (int d = 0; d < head_size; d += 16) {
-      a0 = _mm256_fmadd_ps(load8(q + d), load8(k + d), a0);
-      a1 = _mm256_fmadd_ps(load8(q + d + 8), load8(k + d + 8), a1);
-    }
-    return hsum(_mm256_add_ps(a0, a1));
-  }
-#endif
   float sum = 0.0f;
   for (int d = 0; d < head_size; ++d) sum += q[d] * load1(k + d);
   return sum;
+}
+
+// One sequence's blocks in the cache: block j of its context starts at
+// cache + table[j] * block_stride and holds block_size tokens of token_stride elements
+// (every KV head's row, head after head).
+struct Blocks {
+  const int32_t* table;
+  int64_t token_stride, block_stride;
+  template <typename T>
+  const T* start(const T* cache, int t0, int block_size) const {
+    return cache + table[t0 / block_size] * block_stride;
+  }
+};
+
+// Fetch the next block's rows of heads [h0, h1) while this block computes: a sequence's
+// blocks lie anywhere in the cache, where the hardware prefetchers do not look.
+template <typename T>
+inline void prefetch_block(const T* block, int n, int64_t token_stride, int h0, int h1,
+                           int head_size) {
+  const char* first = reinterpret_cast<const char*>(block + h0 * head_size);
+  const int64_t span = static_cast<int64_t>(h1 - h0) * head_size * sizeof(T);
+  const int64_t stride = token_stride * static_cast<int64_t>(sizeof(T));
+  for (int t = 0; t < n; ++t)
+    for (int64_t b = 0; b < span; b += 64) __builtin_prefetch(first + t * stride + b);
+}
+
+// The heads [h0, h1) of one sequence, block after block (each block read once, while it is
+// in L1): scores[i][t] = (q_i . k_t) * scale for each query head i of those KV heads.
+template <typename T>
+void scores_for_heads(const Args& a, const Blocks& blocks, int ctx, int h0, int h1,
+                      const float* q, float* scores) {
+  const T* k_cache = static_cast<const T*>(a.k_cache);
+  const int group = a.num_heads / a.num_kv_heads, hs = a.head_size, bs = a.block_size;
+  const int64_t ts = blocks.token_stride;
+  const bool bf16 = a.dtype == kBFloat16;
+  for (int t0 = 0; t0 < ctx; t0 += bs) {
+    const T* block = blocks.start(k_cache, t0, bs);
+    const int n = std::min(bs, ctx - t0);
+    if (t0 + bs < ctx)
+      prefetch_block(blocks.start(k_cache, t0 + bs, bs), std::min(bs, ctx - t0 - bs), ts, h0,
+                     h1, hs);
+    int t = 0;
+#ifdef TANDEM_AVX2
+    // Eight tokens at a time: eight independent FMA chains per query head.
+    for (; hs % 8 == 0 && t + 8 <= n; t += 8) {
+      for (int h = h0; h < h1; ++h) {
+        const T* k = block + t * ts + h * hs;
+        for (int g = 0; g < group; ++g) {
+          const int i = (h - h0) * group + g;
+          const float* qi = q + i * hs;
+          __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0,
+                 c6 = c0, c7 = c0;
+          for (int d = 0; d < hs; d += 8) {
+            const __m256 qv = _mm256_loadu_ps(qi + d);
+            const T* kt = k + d;  // one pointer stepping token to token
+            c0 = _mm256_fmadd_ps(qv, load8(kt), c0);
+            c1 = _mm256_fmadd_ps(qv, load8(kt += ts), c1);
+            c2 = _mm256_fmadd_ps(qv, load8(kt += ts), c2);
+            c3 = _mm256_fmadd_ps(qv, load8(kt += ts), c3);
+            c4 = _mm256_fmadd_ps(qv, load8(kt += ts), c4);
+            c5 = _mm256_fmadd_ps(qv, load8(kt += ts), c5);
+            c6 = _mm256_fmadd_ps(qv, load8(kt += ts), c6);
+            c7 = _mm256_fmadd_ps(qv, load8(kt += ts), c7);
+          }
+          float* out = scores + static_cast<int64_t>(i) * ctx + t0 + t;
+          const __m256 sums = hsum8(c0, c1, c2, c3, c4, c5, c6, c7);
+          if (bf16) {
+            alignas(32) float lanes[8];
+            _mm256_store_ps(lanes, sums);
+            for (int j = 0; j < 8; ++j) out[j] = round_bf16(lanes[j]) * a.scale;
+          } else {
+            _mm256_storeu_ps(out, _mm256_mul_ps(sums, _mm256_set1_ps(a.scale)));
+          }
+        }
+      }
+    }
+#endif
+    for (; t < n; ++t) {
+      for (int h = h0; h < h1; ++h) {
+        for (int g = 0; g < group; ++g) {
+          const int i = (h - h0) * group + g;
+          const float s = dot(q + i * hs, block + t * ts + h * hs, hs);
+          scores[static_cast<int64_t>(i) * ctx + t0 + t] = (bf16 ? round_bf16(s) : s) * a.scale;
+        }
+      }
+    }
+  }
 }
 
 // Softmax of x[0 .. n) in place, in float32 (the scale is already applied).
@@ -147,108 +236,113 @@ inline void softmax(float* x, int n) {
   for (int j = 0; j < n; ++j) x[j] *= inv;
 }
 
-// out[0 .. head_size) = sum over the context of p[t] * v[t], v read block by block.
+// acc[i][0 .. head_size) += sum over the block's n tokens of p[i][t] * v_t, for the query
+// heads i of KV heads [h0, h1); weights p[i] start at the block's first token.
 template <typename T>
-void weighted_values(const Args& a, const float* p, const int32_t* table, int ctx, int kv_head,
-                     float* out) {
-  const T* v_cache = static_cast<const T*>(a.v_cache);
-  const int64_t token_stride = static_cast<int64_t>(a.num_kv_heads) * a.head_size;
-  const int64_t block_stride = token_stride * a.block_size;
-  const int hs = a.head_size;
-  int d0 = 0;
+void accumulate_block(const Args& a, const T* block, int n, int64_t ts, int h0, int h1,
+                      const float* p, int64_t p_stride, float* acc) {
+  const int group = a.num_heads / a.num_kv_heads, hs = a.head_size;
+  for (int h = h0; h < h1; ++h) {
+    for (int g = 0; g < group; ++g) {
+      const int i = (h - h0) * group + g;
+      const float* w = p + i * p_stride;
+      float* out = acc + static_cast<int64_t>(i) * hs;
+      const T* rows = block + h * hs;
+      int d0 = 0;
 #ifdef TANDEM_AVX2
-  // 32 columns at a time: four accumulators stay in registers across the whole context.
-  for (; d0 + 32 <= hs; d0 += 32) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-    for (int t0 = 0; t0 < ctx; t0 += a.block_size) {
-      const T* block = v_cache + table[t0 / a.block_size] * block_stride +
-                       static_cast<int64_t>(kv_head) * hs + d0;
-      const int n = std::min(a.block_size, ctx - t0);
-      for (int t = 0; t < n; ++t) {
-        const T* v = block + t * token_stride;
-        const __m256 w = _mm256_set1_ps(p[t0 + t]);
-        acc0 = _mm256_fmadd_ps(w, load8(v), acc0);
-        acc1 = _mm256_fmadd_ps(w, load8(v + 8), acc1);
-        acc2 = _mm256_fmadd_ps(w, load8(v + 16), acc2);
-        acc3 = _mm256_fmadd_ps(w, load8(v + 24), acc3);
+      // 64 columns at a time: eight accumulators, eight independent FMA chains.
+      for (; d0 + 64 <= hs; d0 += 64) {
+        __m256 c0 = _mm256_loadu_ps(out + d0), c1 = _mm256_loadu_ps(out + d0 + 8),
+               c2 = _mm256_loadu_ps(out + d0 + 16), c3 = _mm256_loadu_ps(out + d0 + 24),
+               c4 = _mm256_loadu_ps(out + d0 + 32), c5 = _mm256_loadu_ps(out + d0 + 40),
+               c6 = _mm256_loadu_ps(out + d0 + 48), c7 = _mm256_loadu_ps(out + d0 + 56);
+        const T* v = rows + d0;
+        for (int t = 0; t < n; ++t, v += ts) {
+          const __m256 wt = _mm256_set1_ps(w[t]);
+          c0 = _mm256_fmadd_ps(wt, load8(v), c0);
+          c1 = _mm256_fmadd_ps(wt, load8(v + 8), c1);
+          c2 = _mm256_fmadd_ps(wt, load8(v + 16), c2);
+          c3 = _mm256_fmadd_ps(wt, load8(v + 24), c3);
+          c4 = _mm256_fmadd_ps(wt, load8(v + 32), c4);
+          c5 = _mm256_fmadd_ps(wt, load8(v + 40), c5);
+          c6 = _mm256_fmadd_ps(wt, load8(v + 48), c6);
+          c7 = _mm256_fmadd_ps(wt, load8(v + 56), c7);
+        }
+        _mm256_storeu_ps(out + d0, c0);
+        _mm256_storeu_ps(out + d0 + 8, c1);
+        _mm256_storeu_ps(out + d0 + 16, c2);
+        _mm256_storeu_ps(out + d0 + 24, c3);
+        _mm256_storeu_ps(out + d0 + 32, c4);
+        _mm256_storeu_ps(out + d0 + 40, c5);
+        _mm256_storeu_ps(out + d0 + 48, c6);
+        _mm256_storeu_ps(out + d0 + 56, c7);
       }
-    }
-    _mm256_storeu_ps(out + d0, acc0);
-    _mm256_storeu_ps(out + d0 + 8, acc1);
-    _mm256_storeu_ps(out + d0 + 16, acc2);
-    _mm256_storeu_ps(out + d0 + 24, acc3);
-  }
 #endif
-  for (int d = d0; d < hs; ++d) out[d] = 0.0f;
-  if (d0 == hs) return;
-  for (int t0 = 0; t0 < ctx; t0 += a.block_size) {
-    const T* block = v_cache + table[t0 / a.block_size] * block_stride +
-                     static_cast<int64_t>(kv_head) * hs;
-    const int n = std::min(a.block_size, ctx - t0);
-    for (int t = 0; t < n; ++t) {
-      const T* v = block + t * token_stride;
-      for (int d = d0; d < hs; ++d) out[d] += p[t0 + t] * load1(v + d);
+      for (int t = 0; t < n; ++t)
+        for (int d = d0; d < hs; ++d) out[d] += w[t] * load1(rows + t * ts + d);
     }
   }
 }
 
-// One (sequence, KV head): its query heads against the sequence's whole context.
+// The KV heads [h0, h1) of one sequence: their query heads against its whole context.
 template <typename T>
-void attend(const Args& a, int seq, int kv_head, std::vector<float>& scratch) {
-  const int group = a.num_heads / a.num_kv_heads;
-  const int hs = a.head_size;
+void attend(const Args& a, int seq, int h0, int h1, std::vector<float>& scratch) {
+  const int group = a.num_heads / a.num_kv_heads, hs = a.head_size, bs = a.block_size;
+  const int heads = (h1 - h0) * group;
   const int ctx = a.seq_lens[seq];
   const int64_t row = a.query_start_loc ? a.query_start_loc[seq] : seq;
-  const size_t needed = static_cast<size_t>(group) * (2 * hs + ctx);
+  const size_t needed = static_cast<size_t>(heads) * (2 * hs + ctx);
   if (scratch.size() < needed) scratch.resize(needed);
-  float* q = scratch.data();              // [group][hs], float32
-  float* acc = q + group * hs;            // [hs] per head, then written out
-  float* scores = acc + group * hs;       // [group][ctx]
+  float* q = scratch.data();      // [heads][hs], float32
+  float* acc = q + heads * hs;    // [heads][hs]: the outputs before they are stored
+  float* scores = acc + heads * hs;  // [heads][ctx]
   const T* query = static_cast<const T*>(a.query);
-  for (int g = 0; g < group; ++g) {
-    const T* src = query + row * a.q_token_stride + (kv_head * group + g) * a.q_head_stride;
-    for (int d = 0; d < hs; ++d) q[g * hs + d] = load1(src + d);
+  for (int i = 0; i < heads; ++i) {
+    const T* src = query + row * a.q_token_stride + (h0 * group + i) * a.q_head_stride;
+    for (int d = 0; d < hs; ++d) q[i * hs + d] = load1(src + d);
   }
-  const T* k_cache = static_cast<const T*>(a.k_cache);
-  const int64_t token_stride = static_cast<int64_t>(a.num_kv_heads) * hs;
-  const int64_t block_stride = token_stride * a.block_size;
-  const int32_t* table = a.block_tables + seq * a.block_table_stride;
-  const bool bf16 = a.dtype == kBFloat16;
-  for (int t0 = 0; t0 < ctx; t0 += a.block_size) {
-    const T* block = k_cache + table[t0 / a.block_size] * block_stride +
-                     static_cast<int64_t>(kv_head) * hs;
-    const int n = std::min(a.block_size, ctx - t0);
-    for (int t = 0; t < n; ++t) {
-      for (int g = 0; g < group; ++g) {
-        const float s = dot(q + g * hs, block + t * token_stride, hs);
-        scores[g * ctx + t0 + t] = (bf16 ? round_bf16(s) : s) * a.scale;
-      }
-    }
-  }
-  T* out = static_cast<T*>(a.out);
-  for (int g = 0; g < group; ++g) {
-    float* p = scores + g * ctx;
+  const int64_t ts = static_cast<int64_t>(a.num_kv_heads) * hs;
+  const Blocks blocks{a.block_tables + seq * a.block_table_stride, ts, ts * bs};
+  scores_for_heads<T>(a, blocks, ctx, h0, h1, q, scores);
+  for (int i = 0; i < heads; ++i) {
+    float* p = scores + static_cast<int64_t>(i) * ctx;
     softmax(p, ctx);
-    if (bf16) {
+    if (a.dtype == kBFloat16) {
       for (int t = 0; t < ctx; ++t) p[t] = round_bf16(p[t]);
     }
-    weighted_values<T>(a, p, table, ctx, kv_head, acc);
-    T* dst = out + row * a.out_token_stride + (kv_head * group + g) * a.out_head_stride;
-    for (int d = 0; d < hs; ++d) store1(dst + d, acc[d]);
+  }
+  std::fill(acc, acc + heads * hs, 0.0f);
+  const T* v_cache = static_cast<const T*>(a.v_cache);
+  for (int t0 = 0; t0 < ctx; t0 += bs) {
+    if (t0 + bs < ctx)
+      prefetch_block(blocks.start(v_cache, t0 + bs, bs), std::min(bs, ctx - t0 - bs), ts, h0,
+                     h1, hs);
+    accumulate_block(a, blocks.start(v_cache, t0, bs), std::min(bs, ctx - t0), ts, h0, h1,
+                     scores + t0, ctx, acc);
+  }
+  T* out = static_cast<T*>(a.out);
+  for (int i = 0; i < heads; ++i) {
+    T* dst = out + row * a.out_token_stride + (h0 * group + i) * a.out_head_stride;
+    for (int d = 0; d < hs; ++d) store1(dst + d, acc[i * hs + d]);
   }
 }
 
+// Work items: whole sequences when there are enough to share among the threads (each
+// block then streams through once), else (sequence, KV head) pairs.
 template <typename T>
 void run(const Args& a, int num_items) {
-  const int work = num_items * a.num_kv_heads;
-#pragma omp parallel if (work > 1 && omp_get_max_threads() > 1)
+  const int threads = omp_get_max_threads();
+  const int split = num_items >= 4 * threads ? 1 : a.num_kv_heads;
+  const int work = num_items * split;
+#pragma omp parallel if (work > 1 && threads > 1)
   {
     std::vector<float> scratch;
-#pragma omp for schedule(dynamic, 2)
+#pragma omp for schedule(dynamic, 1)
     for (int w = 0; w < work; ++w) {
-      const int item = w / a.num_kv_heads;
+      const int item = w / split;
       const int seq = a.seqs ? a.seqs[item] : item;
-      attend<T>(a, seq, w % a.num_kv_heads, scratch);
+      const int h0 = split == 1 ? 0 : w % split;
+      attend<T>(a, seq, h0, split == 1 ? a.num_kv_heads : h0 + 1, scratch);
     }
   }
 }
