@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.local_ca import make_suite_certificates
 from engine_common.config import CacheConfig, EngineConfig
@@ -28,8 +29,9 @@ from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 from services.replica.callers import CallerScopes
 from services.suite_tls import CHANNEL_NAME_OPTION, SuiteTls, channel
 from tandem import Client
-from tests.replica_process import gateway_before, start_replicas
+from tests.replica_process import free_port, gateway_before, start_replicas
 
+HEALTH_PORT = free_port()
 ARGS = ["--num-kv-blocks", "128", "--max-num-seqs", "8", "--dtype", "float32"]
 
 
@@ -45,7 +47,8 @@ def cluster(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory,
             certs: tuple[Path, Path]):
     suite, impostor = certs
     replicas = start_replicas(tiny_llama_dir, tmp_path_factory.mktemp("tls-logs"), {
-        "prefill": ["--role", "prefill", "--tls-dir", str(suite), *ARGS],
+        "prefill": ["--role", "prefill", "--tls-dir", str(suite),
+                    "--health-port", str(HEALTH_PORT), *ARGS],
         "decode": ["--role", "decode", "--tls-dir", str(suite), "--kv-pull-timeout", "5", *ARGS],
         "impostor": ["--role", "prefill", "--tls-dir", str(impostor), *ARGS],
     })
@@ -144,3 +147,13 @@ def test_one_caller_cannot_release_abort_or_outpin_another() -> None:
     scopes.check_pin("198.18.0.3", 3)  # another caller's own budget
     scopes.pin("p-old", "198.18.0.3", 10, lease_deadline=1.0)  # a lease long over
     scopes.check_pin("198.18.0.3", 10)
+
+
+def test_probes_without_a_certificate_get_health_and_nothing_else(cluster) -> None:
+    """A kubelet's gRPC probe has no certificate: --health-port answers it in plaintext."""
+    with grpc.insecure_channel(f"127.0.0.1:{HEALTH_PORT}") as ch:
+        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as refused:
+            get_info(ch)
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED

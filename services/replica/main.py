@@ -164,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="P/D: when the prefill replica or the transfer fails, recompute the "
                         "prefill here, or fail the request (default: %(default)s)")
     add_tls_args(p)
+    p.add_argument("--health-port", type=int, default=options.health_port,
+                   help="also answer grpc.health.v1, and only that, in plaintext on this port: "
+                        "for probes without the suite's certificate, such as a kubelet's "
+                        "(default: none)")
     add_observability_args(p)  # --log-level, --log-format, --otlp-traces-endpoint
     return p
 
@@ -228,7 +232,7 @@ def options_from_args(args: argparse.Namespace) -> ReplicaOptions:
         metrics_port=args.metrics_port, served_model_name=args.served_model_name,
         max_waiting=args.max_waiting, shutdown_grace_s=args.shutdown_grace,
         max_stored_responses=args.max_stored_responses, tls=tls_from_args(args),
-        max_pinned_fraction=args.kv_max_pinned_fraction)
+        max_pinned_fraction=args.kv_max_pinned_fraction, health_port=args.health_port)
 
 
 def _ngram_range(text: str) -> tuple[int, int]:

@@ -32,6 +32,7 @@ from services.frontend.grpc_server import new_server
 from services.frontend.responses.store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from services.frontend.routing_headers import PREFILL_PEER_HEADER, prefill_peer_of
 from services.frontend.served_model import ServedModel
+from services.health_port import HealthPort
 from services.observability.observed_engine import observed
 from services.observability.request_log import RequestLogInterceptor
 from services.observability.throughput_log import ThroughputLog
@@ -77,6 +78,9 @@ class ReplicaOptions:
     # A prefill replica lets one caller (a decode replica) keep at most this fraction of its
     # KV blocks pinned for pulls.
     max_pinned_fraction: float = 0.75
+    # A plaintext port answering grpc.health.v1 only, for probes without the suite's
+    # certificate (a kubelet's); 0: none.
+    health_port: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -126,6 +130,8 @@ class ReplicaServer:
                                         .services_by_name["Health"].full_name))
         self.port = add_port(self.server, f"{options.host}:{options.port}", options.tls)
         self._metrics_http: WSGIServer | None = None
+        self.health_port = (HealthPort(self.health, options.host, options.health_port)
+                            if options.health_port else None)
         self._forced = asyncio.Event()
         self._watchdog: asyncio.Task[None] | None = None
         self._throughput_log: asyncio.Task[None] | None = None
@@ -158,6 +164,8 @@ class ReplicaServer:
                 self.options.metrics_port, addr=self.options.host,
                 registry=self.llm.metrics.registry)
         await self.server.start()
+        if self.health_port is not None:
+            await self.health_port.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self._watchdog = asyncio.create_task(self._watch_engine())
         self._throughput_log = asyncio.create_task(
@@ -199,6 +207,8 @@ class ReplicaServer:
         idle.cancel()
         forced.cancel()
         await self.server.stop(0 if self._forced.is_set() else _FINAL_GRACE_S)
+        if self.health_port is not None:
+            await self.health_port.stop()
         for task in (self._watchdog, self._throughput_log):
             if task is not None:
                 task.cancel()
