@@ -483,7 +483,8 @@ def test_metrics_endpoint(replica, client):
                  "vllm:request_queue_time_seconds_count", "vllm:request_decode_time_seconds_sum",
                  "vllm:iteration_tokens_total_bucket",
                  "vllm:request_time_per_output_token_seconds_count",
-                 "vllm:request_params_max_tokens_count", "process_cpu_seconds_total",
+                 "vllm:request_params_max_tokens_count", "vllm:request_params_n_count",
+                 "process_cpu_seconds_total",
                  "process_resident_memory_bytes", "python_info"):
         assert name in body, name
     assert 'engine="svc"' in body

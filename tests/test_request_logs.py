@@ -15,10 +15,12 @@ import json
 import logging
 import re
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine_common.metrics import EngineMetrics
 from engine_common.outputs import SchedulerStats
@@ -27,7 +29,7 @@ from services.observability.request_record import RequestRecord
 from services.observability.throughput_log import ThroughputLog
 from tandem.client import Client
 from tandem.errors import TandemError
-from tests.replica_process import GatewayStack, replica_behind_gateway, wait_until
+from tests.replica_process import GatewayStack, free_port, replica_behind_gateway, wait_until
 
 JSON_ARGS = ["--log-format", "json"]
 
@@ -35,9 +37,11 @@ JSON_ARGS = ["--log-format", "json"]
 @pytest.fixture(scope="module")
 def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("json-logs")
+    metrics_port = free_port()
     with replica_behind_gateway(tiny_llama_dir, logs, [
             "--dtype", "float32", "--kv-cache-memory", "16MiB", *JSON_ARGS],
-            JSON_ARGS) as stack:
+            [*JSON_ARGS, "--metrics-port", str(metrics_port)]) as stack:
+        stack.gateway_metrics_port = metrics_port  # type: ignore[attr-defined]
         yield stack, logs
 
 
@@ -103,6 +107,16 @@ def test_choices_and_refusals_are_one_line_each(stack) -> None:
     assert choices["request_id"].startswith("cmpl-") and "," not in choices["request_id"]
     assert refused["status"] == grpc.StatusCode.INVALID_ARGUMENT.name
     assert refused["sequences"] == 0 and refused["ttft_s"] is None
+    # vLLM's n, once per request where its choices fan out (here: the gateway), and only
+    # for requests that ran: the chat (n=1) and the completion (n=2).
+    url = f"http://127.0.0.1:{stack.gateway_metrics_port}/metrics"
+    families = {f.name: f for f in text_string_to_metric_families(
+        urllib.request.urlopen(url, timeout=10).read().decode())}
+    samples = {s.name: s for s in families["vllm:request_params_n"].samples}
+    assert samples["vllm:request_params_n_count"].value == 2
+    assert samples["vllm:request_params_n_sum"].value == 3
+    assert samples["vllm:request_params_n_count"].labels == {
+        "model_name": "tiny", "engine": "gateway"}
 
 
 def test_text_lines_carry_the_same_fields() -> None:

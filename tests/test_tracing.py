@@ -11,9 +11,12 @@ decode}, parent and child across the processes. Without the flag a process sends
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -26,7 +29,15 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from engine_common.finished_requests import FinishedRequests
 from engine_common.metrics import FinishedRequestStats
 from tandem.client import Client
-from tests.replica_process import gateway_before, start_replicas, stop_all
+from tests.replica_process import (
+    envoy_answers,
+    free_port,
+    gateway_before,
+    spawn_module,
+    start_replicas,
+    stop_all,
+    wait_until,
+)
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"
@@ -207,6 +218,32 @@ def test_a_request_without_a_traceparent_starts_a_trace_at_the_gateway(suite: Su
     assert root.parent_span_id == "" and root.service == "tandem-gateway"
     spans = wait_for_spans(collector, root.trace_id, {"tandem.v1.Engine/Prefill"})
     assert {s.service for s in spans} == {"tandem-gateway", "tandem-replica"}
+
+
+def test_an_http_clients_traceparent_passes_through_envoy(suite: Suite, collector) -> None:
+    """Envoy's JSON transcoder forwards the HTTP request's headers as gRPC metadata: an
+    OpenAI-style POST with a ``traceparent`` joins the caller's trace at the gateway."""
+    collector, _ = collector
+    port = free_port()
+    envoy = spawn_module(suite.logs, "envoy", [
+        "deploy.envoy_runner", "--http-port", str(port), "--upstream", suite.gateway])
+    try:
+        wait_until(lambda: envoy_answers(port), time.monotonic() + 60, "envoy", suite.logs)
+        trace_id, span_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", method="POST",
+            data=json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 2}).encode(),
+            headers={"content-type": "application/json",
+                     "traceparent": f"00-{trace_id}-{span_id}-01"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            assert json.loads(response.read())["usage"]["completion_tokens"] == 2
+        spans = wait_for_spans(collector, trace_id, {"tandem.v1.Generation/Complete",
+                                                     "tandem.v1.Engine/Prefill"})
+        gateway = only(spans, "tandem-gateway", "tandem.v1.Generation/Complete")
+        assert gateway.parent_span_id == span_id
+    finally:
+        os.killpg(envoy.pid, signal.SIGTERM)
+        envoy.wait(30)
 
 
 def test_finished_request_statistics_are_read_once_and_bounded() -> None:
