@@ -31,7 +31,7 @@ from protos.tandem.v1 import engine_pb2, generation_pb2
 
 # Examples per fuzz test: a quick run in make test, a long one in make fuzz, which also
 # draws them afresh each time (make test's are the same on every run: no flaky CI).
-EXAMPLES = int(os.environ.get("TANDEM_FUZZ_EXAMPLES", "80"))
+EXAMPLES = int(os.environ.get("TANDEM_FUZZ_EXAMPLES", "150"))
 RANDOM = os.environ.get("TANDEM_FUZZ_RANDOM") == "1"
 TIMEOUT_S = max(900, EXAMPLES * 4)
 FUZZ_SETTINGS = settings(

@@ -1,9 +1,12 @@
 """What the fuzz suite checks a running stack (``tests.openai_http``) for, after hostile
 requests: every process alive, every replica idle (nothing running or waiting, every KV block
-it had free free again) and a normal request still served, over gRPC and over HTTP.
+it had free free again), no traceback or ERROR line in any process's log (a client's mistake
+is logged in one line at most, and not as an error), and a normal request still served, over
+gRPC and over HTTP.
 
-``Baseline`` is the replicas' free blocks before the fuzzing; ``assert_whole`` waits (a
-background response may still be finishing) and then fails with what is wrong.
+``Baseline`` is the replicas' free blocks and the logs' lengths before the fuzzing;
+``assert_whole`` waits (a background response may still be finishing) and then fails with
+what is wrong.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import json
 import time
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -30,15 +34,28 @@ def load_of(target: str) -> engine_pb2.LoadReport:
 
 @dataclass(frozen=True)
 class Baseline:
-    """Each replica's free KV blocks when it was idle before the fuzzing."""
+    """Each replica's free KV blocks when it was idle before the fuzzing, and how long each
+    process's log was."""
 
     free_blocks: dict[str, int]
+    log_sizes: dict[Path, int]
 
     @classmethod
     def of(cls, stack: Stack) -> Baseline:
         wait_idle(stack, {})
         return cls({name: load_of(r.target).num_free_blocks
-                    for name, r in stack.replicas.items()})
+                    for name, r in stack.replicas.items()},
+                   {log: log.stat().st_size for log in stack.logs.glob("*.log")})
+
+    def new_log_lines(self, stack: Stack) -> list[str]:
+        """What the processes logged since."""
+        lines = []
+        for log in sorted(stack.logs.glob("*.log")):
+            with open(log, "rb") as text:
+                text.seek(self.log_sizes.get(log, 0))
+                lines += [f"{log.name}: {line}" for line in
+                          text.read().decode(errors="replace").splitlines()]
+        return lines
 
 
 def _problems(stack: Stack, free_blocks: dict[str, int]) -> list[str]:
@@ -77,6 +94,9 @@ def assert_whole(stack: Stack, baseline: Baseline) -> None:
     """Alive, idle as before, and serving a normal request over gRPC and HTTP."""
     assert_alive(stack)
     wait_idle(stack, baseline.free_blocks)
+    alarming = [line[:300] for line in baseline.new_log_lines(stack)
+                if "Traceback" in line or " ERROR " in line]
+    assert not alarming, "the processes logged errors:\n" + "\n".join(alarming[:20])
     with grpc.insecure_channel(stack.gateway) as channel:
         chat = generation_pb2.ChatCompletionRequest(model="tiny", max_tokens=3, temperature=0)
         chat.messages.add(role="user").content.string_value = "hello"
