@@ -56,6 +56,9 @@ IMAGE_DEFAULT_MODEL = "/opt/tandem/cache/models/SmolLM2-135M-Instruct"
 REPLICA_PORT = 50051
 REPLICA_METRICS_PORT = 9400
 REPLICA_KV_PORT = 50052  # a prefill replica's UCX listener (KV pulls by decode replicas)
+# grpc.health.v1 only, in plaintext, for the kubelet's probes (the gRPC port wants the suite's
+# certificate, which a probe cannot present).
+REPLICA_HEALTH_PORT = 50053
 PICKER_PORT = 9002
 PICKER_METRICS_PORT = 9090
 ENVOY_HTTP_PORT = 8080
@@ -66,6 +69,7 @@ ENVOY_TEMPLATE_DIR = "/etc/envoy-template"
 API_KEYS_DIR = "/etc/tandem-api-keys"
 API_KEYS_ENTRY = "api-keys"
 TLS_DIR = "/etc/tandem/tls"
+SUITE_TLS_DIR = "/etc/tandem/suite-tls"  # the suite's certificate (services.suite_tls)
 # Writable (an emptyDir): the CPU attention kernel each node builds for its own CPU, and the
 # default model's conversion when an image does not carry it.
 CACHE_DIR = "/var/cache/tandem"
@@ -116,6 +120,10 @@ class K8sOptions:
     drain_seconds: int = 30
     # A kubernetes.io/tls Secret: Envoy also serves HTTPS on ENVOY_HTTPS_PORT.
     tls_secret: str | None = None
+    # Mutual TLS between the suite's pods (replicas, pickers, Envoy toward the replicas), with
+    # the certificate in the Secret ``<name>-suite-tls`` (tls.crt, tls.key, ca.crt: ``tandem
+    # tls init DIR``, or cert-manager). False: plaintext inside the cluster.
+    suite_tls: bool = True
     # A Secret whose API_KEYS_ENTRY lists API keys; Envoy then requires one on every request.
     api_key_secret: str | None = None
     gateway_name: str = "inference-gateway"
@@ -139,6 +147,23 @@ class K8sOptions:
         if self.lora_syncer and not self.model_settings.allow_runtime_lora_updating:
             raise ValueError("the LoRA syncer loads adapters while the replicas serve: add "
                              "--allow-runtime-lora-updating")
+
+
+def suite_tls_secret(options: K8sOptions) -> str:
+    return f"{options.name}-suite-tls"
+
+
+def _suite_tls(options: K8sOptions) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The suite certificate's volume and mount (none without suite TLS)."""
+    if not options.suite_tls:
+        return [], []
+    return ([{"name": "suite-tls", "secret": {"secretName": suite_tls_secret(options),
+                                               "defaultMode": 0o440}}],
+            [{"name": "suite-tls", "mountPath": SUITE_TLS_DIR, "readOnly": True}])
+
+
+def _suite_tls_args(options: K8sOptions) -> list[str]:
+    return ["--tls-dir", SUITE_TLS_DIR] if options.suite_tls else []
 
 
 def _labels(options: K8sOptions, component: str) -> dict[str, str]:
@@ -235,6 +260,8 @@ def _replica_args(options: K8sOptions, role: str) -> list[str]:
             "--shutdown-grace", str(options.drain_seconds)]
     if role == "prefill":  # the only role that serves KV pulls
         args += ["--kv-port", str(REPLICA_KV_PORT)]
+    if options.suite_tls:
+        args += [*_suite_tls_args(options), "--health-port", str(REPLICA_HEALTH_PORT)]
     if options.served_model_name:
         args += ["--served-model-name", options.served_model_name]
     if options.gpus:
@@ -256,9 +283,12 @@ def _replica_resources(options: K8sOptions) -> dict[str, Any]:
     return resources
 
 
-def _replica_ports(role: str) -> list[dict[str, Any]]:
+def _replica_ports(options: K8sOptions, role: str) -> list[dict[str, Any]]:
     ports = [{"name": "grpc", "containerPort": REPLICA_PORT, "protocol": "TCP"},
              {"name": "metrics", "containerPort": REPLICA_METRICS_PORT, "protocol": "TCP"}]
+    if options.suite_tls:
+        ports.append({"name": "health", "containerPort": REPLICA_HEALTH_PORT,
+                      "protocol": "TCP"})
     if role == "prefill":
         ports.append({"name": "kv", "containerPort": REPLICA_KV_PORT, "protocol": "TCP"})
     return ports
@@ -266,6 +296,7 @@ def _replica_ports(role: str) -> list[dict[str, Any]]:
 
 def _replica_container(options: K8sOptions, role: str,
                        mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    probe_port = REPLICA_HEALTH_PORT if options.suite_tls else REPLICA_PORT
     return {
         "name": "replica",
         "image": options.image,
@@ -279,11 +310,11 @@ def _replica_container(options: K8sOptions, role: str,
             "valueFrom": {"resourceFieldRef": {"containerName": "replica",
                                                "resource": "requests.cpu", "divisor": "1"}},
         }],
-        "ports": _replica_ports(role),
+        "ports": _replica_ports(options, role),
         # Loading the model takes a while; after that, health must answer within seconds.
-        "startupProbe": _grpc_probe(REPLICA_PORT, periodSeconds=5, failureThreshold=120),
-        "readinessProbe": _grpc_probe(REPLICA_PORT, periodSeconds=5, failureThreshold=2),
-        "livenessProbe": _grpc_probe(REPLICA_PORT, periodSeconds=10, failureThreshold=3),
+        "startupProbe": _grpc_probe(probe_port, periodSeconds=5, failureThreshold=120),
+        "readinessProbe": _grpc_probe(probe_port, periodSeconds=5, failureThreshold=2),
+        "livenessProbe": _grpc_probe(probe_port, periodSeconds=10, failureThreshold=3),
         # SIGTERM (after the preStop sleep) drains: NOT_SERVING, new requests refused,
         # in-flight streams finish within --shutdown-grace.
         "lifecycle": policy.pre_stop_sleep(PRE_STOP_S),
@@ -297,6 +328,8 @@ def replica_deployment(options: K8sOptions, role: str, replicas: int) -> dict[st
     if role in DECODE_CAPABLE:
         labels[POOL_LABEL] = options.name
     volumes, mounts = _model_volumes(options)
+    tls_volumes, tls_mounts = _suite_tls(options)
+    volumes, mounts = volumes + tls_volumes, mounts + tls_mounts
     pod: dict[str, Any] = {"containers": [_replica_container(options, role, mounts)],
                            "volumes": volumes}
     if options.lora_syncer:
@@ -335,12 +368,12 @@ def _lora_syncer(options: K8sOptions) -> dict[str, Any]:
         "restartPolicy": "Always",
         "command": ["tandem"],
         "args": ["lora", "sync", "--config", f"{LORA_CONFIG_DIR}/{LORA_CONFIG_ENTRY}",
-                 "--target", f"127.0.0.1:{REPLICA_PORT}"],
+                 "--target", f"127.0.0.1:{REPLICA_PORT}", *_suite_tls_args(options)],
         "env": [*policy.tmp_env(), {"name": "PYTHONUNBUFFERED", "value": "1"}],
         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"},
                       "limits": {"memory": "256Mi"}},
         "volumeMounts": [{"name": "lora-adapters", "mountPath": LORA_CONFIG_DIR,
-                          "readOnly": True}, policy.tmp_mount()],
+                          "readOnly": True}, policy.tmp_mount(), *_suite_tls(options)[1]],
     }
 
 
@@ -372,6 +405,8 @@ def _roles(options: K8sOptions) -> list[tuple[str, int]]:
 def picker_deployment(options: K8sOptions) -> dict[str, Any]:
     labels = _labels(options, "endpoint-picker")
     volumes, mounts = _model_volumes(options)
+    tls_volumes, tls_mounts = _suite_tls(options)
+    volumes, mounts = volumes + tls_volumes, mounts + tls_mounts
     dns = [arg for role, _ in _roles(options)
            for arg in ("--dns", f"{options.name}-{role}:{REPLICA_PORT}")]
     container = {
@@ -380,7 +415,7 @@ def picker_deployment(options: K8sOptions) -> dict[str, Any]:
         "imagePullPolicy": options.image_pull_policy,
         "command": ["tandem"],
         "args": ["picker", *_model_args(options), "--host", "0.0.0.0", "--port", str(PICKER_PORT),
-                 "--metrics-port", str(PICKER_METRICS_PORT), *dns],
+                 "--metrics-port", str(PICKER_METRICS_PORT), *_suite_tls_args(options), *dns],
         "env": _env(),
         "ports": [
             {"name": "grpc", "containerPort": PICKER_PORT, "protocol": "TCP"},
@@ -426,7 +461,10 @@ def envoy_bootstrap(options: K8sOptions, descriptor: bytes) -> dict[str, Any]:
            if options.tls_secret else None)
     return render_picker_bootstrap(
         ENVOY_HTTP_PORT, f"{options.name}-epp:{PICKER_PORT}", admin_port=ENVOY_ADMIN_PORT,
-        listen_host="0.0.0.0", descriptor=descriptor, tls=tls)
+        listen_host="0.0.0.0", descriptor=descriptor, tls=tls,
+        # /metrics on Envoy's port answers the picker's (routing decisions, replicas).
+        metrics=f"{options.name}-epp:{PICKER_METRICS_PORT}",
+        upstream_tls_dir=SUITE_TLS_DIR if options.suite_tls else None)
 
 
 def envoy_config_map(options: K8sOptions, bootstrap_yaml: str) -> dict[str, Any]:
@@ -474,7 +512,8 @@ def _envoy_volumes(options: K8sOptions) -> tuple[list[dict[str, Any]], list[dict
     if options.tls_secret:
         volumes.append({"name": "tls", "secret": {"secretName": options.tls_secret}})
         mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
-    return volumes, mounts
+    tls_volumes, tls_mounts = _suite_tls(options)
+    return volumes + tls_volumes, mounts + tls_mounts
 
 
 def envoy_deployment(options: K8sOptions) -> dict[str, Any]:

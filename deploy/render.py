@@ -106,6 +106,10 @@ def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         "streams in flight (default: %(default)s)")
     p.add_argument("--tls-secret", default=None,
                    help="a kubernetes.io/tls Secret: Envoy also serves HTTPS on 8443")
+    p.add_argument("--no-suite-tls", dest="suite_tls", action="store_false",
+                   help="plaintext between the suite's pods (default: mutual TLS with the "
+                        "certificate in the Secret NAME-suite-tls: tandem tls init DIR, then "
+                        "kubectl create secret generic NAME-suite-tls --from-file=DIR)")
     p.add_argument("--api-key-secret", default=None,
                    help="a Secret whose 'api-keys' entry lists API keys (one per line): "
                         "Envoy requires one on every request")
@@ -190,6 +194,7 @@ def _render_k8s(args: argparse.Namespace) -> int:
             envoy_replicas=args.envoy_replicas, picker_replicas=args.picker_replicas,
             drain_seconds=args.drain_seconds,
             tls_secret=args.tls_secret, api_key_secret=args.api_key_secret,
+            suite_tls=args.suite_tls,
             gateway_name=args.gateway_name, lora_syncer=args.lora_syncer)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -1,6 +1,7 @@
 """Tandem's Python SDK (``Client``, ``AsyncClient``, the records they return and the errors
 they raise) and, in ``tandem.cli``, the ``tandem`` command."""
 
+from tandem.channel_security import TlsConfig
 from tandem.client import AsyncClient, Client
 from tandem.errors import (
     AuthenticationError,
@@ -58,6 +59,7 @@ __all__ = [
     "ResponseOptions",
     "ResponseUsage",
     "TandemError",
+    "TlsConfig",
     "TokenLogprob",
     "ToolCall",
     "UnavailableError",

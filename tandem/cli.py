@@ -166,12 +166,14 @@ def cmd_lora_sync(args: argparse.Namespace) -> int:
     import signal
     import threading
 
+    from tandem.channel_security import TlsConfig
     from tandem.client import Client
     from tandem.errors import TandemError
     from tandem.lora_sync import LoraSyncer, parse_wanted_adapters
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    with Client(args.target, timeout=args.timeout) as client:
+    tls = TlsConfig.from_dir(args.tls_dir) if args.tls_dir else False
+    with Client(args.target, timeout=args.timeout, tls=tls) as client:
         syncer = LoraSyncer(client)
         if not args.once:
             stop = threading.Event()
@@ -194,6 +196,15 @@ def cmd_lora_sync(args: argparse.Namespace) -> int:
     for name, why in outcome.failed.items():
         print(f"error: {name}: {why}", file=sys.stderr)
     return 1 if outcome.failed else 0
+
+
+def cmd_tls_init(args: argparse.Namespace) -> int:
+    from deploy.local_ca import make_suite_certificates
+
+    directory = make_suite_certificates(args.directory)
+    print(f"wrote a throwaway suite CA and certificate to {directory} (ca.crt, tls.crt, tls.key); "
+          f"for Kubernetes: kubectl create secret generic NAME-suite-tls --from-file={directory}")
+    return 0
 
 
 def cmd_prepare_model(args: argparse.Namespace) -> int:
@@ -271,11 +282,21 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(default: %(default)s)")
     lora_sync.add_argument("--timeout", type=float, default=120.0,
                            help="seconds one load or unload may take (default: %(default)s)")
+    lora_sync.add_argument("--tls-dir", type=Path, default=None,
+                           help="mutual TLS with a replica started with --tls-dir: the suite's "
+                                "tls.crt, tls.key and ca.crt")
     lora_sync.add_argument("--once", action="store_true",
                            help="sync once and exit (1 if anything failed)")
     for action, run in ((lora_load, cmd_lora), (lora_unload, cmd_lora), (lora_sync, cmd_lora_sync)):
         action.add_argument("--target", default="127.0.0.1:50051")
         action.set_defaults(func=run)
+    tls = sub.add_parser("tls", help="the suite's mutual-TLS certificates")
+    tls_actions = tls.add_subparsers(dest="tls_action", required=True)
+    tls_init = tls_actions.add_parser(
+        "init", help="write a throwaway CA and a suite certificate (ca.crt, tls.crt, tls.key) "
+                     "for --tls-dir")
+    tls_init.add_argument("directory", type=Path)
+    tls_init.set_defaults(func=cmd_tls_init)
     prep = sub.add_parser("prepare-model", help="convert the default model once; print its directory")
     prep.set_defaults(func=cmd_prepare_model)
     return parser

@@ -25,6 +25,7 @@ import grpc.aio
 
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
+from tandem.channel_security import TlsConfig, open_aio_channel, open_channel, resolve_tls
 from tandem.errors import error_from_rpc
 from tandem.request_builders import (
     ChatMessages,
@@ -72,34 +73,24 @@ def _metadata_pairs(metadata: Metadata | None,
     return tuple((key, value) for key, value in pairs) or None
 
 
-def _credentials(tls: bool, root_certificates: bytes | None) -> grpc.ChannelCredentials | None:
-    """TLS credentials when asked for (root_certificates implies TLS), else None (plaintext)."""
-    if not tls and root_certificates is None:
-        return None
-    return grpc.ssl_channel_credentials(root_certificates=root_certificates)
-
-
 class Client:
     """A blocking client. ``timeout`` (seconds) bounds each call, a whole stream included;
     ``metadata`` is sent with every call, and ``api_key`` as ``authorization: Bearer KEY``
-    (Envoy's edge checks it when started with API keys)."""
+    (Envoy's edge checks it when started with API keys). ``tls``: ``True`` for TLS with the
+    system's CAs (or ``root_certificates``), or a ``TlsConfig``, e.g. ``TlsConfig.from_dir``
+    for mutual TLS with a suite's replicas."""
 
     def __init__(
         self,
         target: str,
         *,
-        tls: bool = False,
+        tls: bool | TlsConfig = False,
         root_certificates: bytes | None = None,
         timeout: float | None = None,
         metadata: Metadata | None = None,
         api_key: str | None = None,
     ) -> None:
-        credentials = _credentials(tls, root_certificates)
-        self._channel = (
-            grpc.insecure_channel(target)
-            if credentials is None
-            else grpc.secure_channel(target, credentials)
-        )
+        self._channel = open_channel(target, resolve_tls(tls, root_certificates))
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._timeout = timeout
         self._metadata = _metadata_pairs(metadata, api_key)
@@ -308,18 +299,13 @@ class AsyncClient:
         self,
         target: str,
         *,
-        tls: bool = False,
+        tls: bool | TlsConfig = False,
         root_certificates: bytes | None = None,
         timeout: float | None = None,
         metadata: Metadata | None = None,
         api_key: str | None = None,
     ) -> None:
-        credentials = _credentials(tls, root_certificates)
-        self._channel = (
-            grpc.aio.insecure_channel(target)
-            if credentials is None
-            else grpc.aio.secure_channel(target, credentials)
-        )
+        self._channel = open_aio_channel(target, resolve_tls(tls, root_certificates))
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._timeout = timeout
         self._metadata = _metadata_pairs(metadata, api_key)

@@ -92,6 +92,7 @@ def _mount_volumes(spec: dict[str, Any], container: dict[str, Any],
     """Each mount path -> its local directory. ``given``: secrets and claims by name."""
     volumes = {v["name"]: v for v in spec.get("volumes", [])}
     mounts: dict[str, Path] = {}
+    files: list[Path] = []  # config files, which may name other mounts' paths
     for mount in container.get("volumeMounts", []):
         if mount["mountPath"] in _SKIPPED_MOUNTS:
             continue
@@ -106,7 +107,19 @@ def _mount_volumes(spec: dict[str, Any], container: dict[str, Any],
             local.mkdir(parents=True, exist_ok=True)
             for key, text in config["data"].items():
                 (local / key).write_text(text)
+                files.append(local / key)
         else:
             local.mkdir(parents=True, exist_ok=True)
         mounts[mount["mountPath"]] = local
+    # A config file names the paths the container sees (a Secret's mount, say): here those
+    # are the local directories.
+    mounted = {path: local for path, local in mounts.items()
+               if any(m["mountPath"] == path and ("secret" in volumes[m["name"]]
+                                                  or "configMap" in volumes[m["name"]])
+                      for m in container.get("volumeMounts", []))}
+    for file in files:
+        text = file.read_text()
+        for path, local in sorted(mounted.items(), key=lambda item: -len(item[0])):
+            text = text.replace(path.rstrip("/") + "/", f"{local}/")
+        file.write_text(text)
     return mounts

@@ -13,9 +13,11 @@ checked against the flags the real processes parse.
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +34,18 @@ from deploy.k8s import (
     PICKER_PORT,
     POOL_LABEL,
     PRE_STOP_S,
+    REPLICA_HEALTH_PORT,
     REPLICA_KV_PORT,
     REPLICA_METRICS_PORT,
     REPLICA_PORT,
     ROLE_LABEL,
+    SUITE_TLS_DIR,
     TLS_DIR,
     K8sOptions,
     render_k8s_manifests,
 )
 from deploy.k8s_pod_policy import ENVOY_UID, TANDEM_UID
+from deploy.local_ca import make_suite_certificates
 from deploy.render import write_manifests
 from engine_common.config import ModelSettings
 from gateway.endpoint_picker_main import build_parser as picker_parser
@@ -80,6 +85,26 @@ KIND = re.compile(r"^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$")
 # RegularExpression, values starting with "/").
 PATH_TYPES = {"Exact", "PathPrefix", "RegularExpression"}
 MAX_RULES, MAX_MATCHES, MAX_BACKENDS = 16, 64, 16
+
+
+@functools.cache
+def _suite_secret() -> str:
+    """The suite's Secret as a pod sees it mounted (the options read the files)."""
+    return str(make_suite_certificates(Path(tempfile.mkdtemp(prefix="suite-tls-"))))
+
+
+def _mounted(args: list[str]) -> list[str]:
+    return [_suite_secret() if arg == SUITE_TLS_DIR else arg for arg in args]
+
+
+def parsed_replica(args: list[str]) -> Any:
+    """What ``tandem serve`` makes of rendered args."""
+    return replica_options(replica_parser().parse_args(_mounted(args)))
+
+
+def parsed_picker(args: list[str]) -> Any:
+    """What ``tandem picker`` makes of rendered args."""
+    return picker_options(picker_parser().parse_args(_mounted(args)))
 
 
 def render(**overrides: Any) -> list[dict[str, Any]]:
@@ -123,8 +148,10 @@ def test_replicas_have_roles_probes_model_and_headless_services() -> None:
         threads = next(e for e in container["env"] if e["name"] == "OMP_NUM_THREADS")
         assert threads["valueFrom"]["resourceFieldRef"] == {
             "containerName": container["name"], "resource": "requests.cpu", "divisor": "1"}
+        # The gRPC port wants the suite's certificate; the kubelet probes the health port.
+        assert args[args.index("--health-port") + 1] == str(REPLICA_HEALTH_PORT)
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"] == {"port": REPLICA_PORT}
+            assert container[probe]["grpc"] == {"port": REPLICA_HEALTH_PORT}
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
         # Every mount names a declared volume; the model is the claim, read-only.
         volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
@@ -231,8 +258,9 @@ def test_envoy_config_map_is_a_valid_bootstrap_with_tls(tmp_path: Path) -> None:
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
                     "-subj", "/CN=tandem", "-keyout", str(key), "-out", str(cert)],
                    check=True, capture_output=True, timeout=60)
+    suite = make_suite_certificates(tmp_path / "suite-tls")  # the suite's Secret, likewise
     local = bootstrap.replace(f"{TLS_DIR}/tls.crt", str(cert)).replace(
-        f"{TLS_DIR}/tls.key", str(key))
+        f"{TLS_DIR}/tls.key", str(key)).replace(SUITE_TLS_DIR, str(suite))
     path = tmp_path / "envoy.yaml"
     path.write_text(local)
     result = subprocess.run([str(find_envoy()), "--mode", "validate", "-c", str(path),
@@ -276,11 +304,11 @@ def test_replicas_and_picker_parse_their_args_and_agree_on_the_template() -> Non
     replica_args = deployments["tandem-decode"]["spec"]["template"]["spec"]["containers"][0][
         "args"]
     assert replica_args[0] == "serve"
-    engine = replica_options(replica_parser().parse_args(replica_args[1:])).engine
+    engine = parsed_replica(replica_args[1:]).engine
     assert engine.model_settings == settings
     picker_args = deployments["tandem-epp"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert picker_args[0] == "picker"
-    assert picker_options(picker_parser().parse_args(picker_args[1:])).model_settings == (
+    assert parsed_picker(picker_args[1:]).model_settings == (
         settings)
 
 
@@ -592,7 +620,7 @@ def test_a_stopping_replica_gets_its_whole_drain_before_sigkill(drain: int) -> N
         pod = _pods(render(drain_seconds=drain))[f"tandem-{role}"]
         (container,) = pod["containers"]
         args = container["args"]
-        parsed = replica_options(replica_parser().parse_args(args[1:]))
+        parsed = parsed_replica(args[1:])
         assert parsed.shutdown_grace_s == drain
         pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
         assert pre_stop == PRE_STOP_S
@@ -626,7 +654,7 @@ def test_replicas_advertise_their_pod_ip_for_kv_and_prefill_listens_on_a_declare
         args = [arg.replace("$(POD_IP)", "198.18.0.7").replace("$(POD_NAME)", "pod-0")
                 for arg in container["args"]]
         assert container["args"][container["args"].index("--kv-host") + 1] == "$(POD_IP)"
-        kv = replica_options(replica_parser().parse_args(args[1:])).engine.kv_transfer
+        kv = parsed_replica(args[1:]).engine.kv_transfer
         assert kv.host == "198.18.0.7"
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         if role == "prefill":
@@ -640,12 +668,12 @@ def test_every_port_a_process_listens_on_is_a_declared_container_port() -> None:
     pods = _pods(render(prefill=1, decode=1, tls_secret="tls"))
     for name in ("tandem-prefill", "tandem-decode"):
         (container,) = pods[name]["containers"]
-        options = replica_options(replica_parser().parse_args(container["args"][1:]))
+        options = parsed_replica(container["args"][1:])
         declared = {p["containerPort"] for p in container["ports"]}
         assert {options.port, options.metrics_port} <= declared
         assert {options.port, options.metrics_port} == {REPLICA_PORT, REPLICA_METRICS_PORT}
     (picker,) = pods["tandem-epp"]["containers"]
-    parsed = picker_options(picker_parser().parse_args(picker["args"][1:]))
+    parsed = parsed_picker(picker["args"][1:])
     assert {p["containerPort"] for p in picker["ports"]} == {parsed.port, parsed.metrics_port}
     assert (parsed.port, parsed.metrics_port) == (PICKER_PORT, PICKER_METRICS_PORT)
     (envoy,) = pods["tandem-envoy"]["containers"]
@@ -680,3 +708,29 @@ def test_the_default_image_and_model_are_the_ones_make_image_builds() -> None:
                 args = container["args"]
                 assert args[args.index("--model") + 1] == (
                     "/opt/tandem/cache/models/SmolLM2-135M-Instruct")
+
+
+def _mounts_suite_tls(deployment: dict) -> bool:
+    spec = deployment["spec"]["template"]["spec"]
+    secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+    return any(m["mountPath"] == SUITE_TLS_DIR and secrets.get(m["name"]) == "tandem-suite-tls"
+               for c in spec["containers"] for m in c.get("volumeMounts", []))
+
+
+def test_the_suites_pods_speak_mutual_tls_by_default() -> None:
+    deployments = by_kind(render(prefill=1, decode=1), "Deployment")
+    for name in ("tandem-prefill", "tandem-decode", "tandem-epp", "tandem-envoy"):
+        assert _mounts_suite_tls(deployments[name]), name
+    for name in ("tandem-prefill", "tandem-decode", "tandem-epp"):
+        args = deployments[name]["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--tls-dir") + 1] == SUITE_TLS_DIR, name
+    envoy = yaml.safe_load(by_kind(render(prefill=1, decode=1), "ConfigMap")[
+        "tandem-envoy"]["data"]["envoy.yaml"])
+    picked = next(c for c in envoy["static_resources"]["clusters"]
+                  if c["type"] == "ORIGINAL_DST")
+    assert SUITE_TLS_DIR in str(picked["transport_socket"])
+    plain = by_kind(render(prefill=1, decode=1, suite_tls=False), "Deployment")
+    for name, deployment in plain.items():
+        assert not _mounts_suite_tls(deployment), name
+        args = deployment["spec"]["template"]["spec"]["containers"][0].get("args", [])
+        assert "--tls-dir" not in args

@@ -157,3 +157,16 @@ def test_probes_without_a_certificate_get_health_and_nothing_else(cluster) -> No
         with pytest.raises(grpc.RpcError) as refused:
             get_info(ch)
         assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_the_sdk_speaks_mutual_tls_with_a_suites_replica(cluster, certs) -> None:
+    """What the LoRA syncer sidecar does (``tandem lora sync --tls-dir``): the gRPC SDK with
+    the suite's files reaches a replica that refuses everyone else."""
+    from tandem import TlsConfig
+
+    with Client(cluster["decode"].target, tls=TlsConfig.from_dir(certs[0]),
+                timeout=30) as client:
+        assert [m.id for m in client.models()]
+    with Client(cluster["decode"].target, tls=TlsConfig.from_dir(certs[1]),
+                timeout=10) as impostor, pytest.raises(Exception, match="UNAVAILABLE"):
+        impostor.models()
