@@ -113,6 +113,9 @@ def _deep(levels: int) -> Any:
     (engine_pb2.GenerateRequest(sampling_params=engine_pb2.SamplingParams(stop=["s"] * 65)),
      "sampling_params.stop holds 65 entries; at most 64"),
     (engine_pb2.AbortRequest(request_ids=["x" * 257]), "request_ids[0] is 257 characters"),
+    (engine_pb2.GenerateRequest(sampling_params=engine_pb2.SamplingParams(
+        bad_words_token_ids=[engine_pb2.TokenIds(ids=[1])] * 2049)),
+     "sampling_params.bad_words_token_ids holds 2,049 entries; at most 2,048"),
     (_chat(temperature="NaN"), "temperature is nan; give a finite number"),
     (_chat(logit_bias={"5": "Infinity"}), "logit_bias[5] is inf; give a finite number"),
 ])
@@ -172,6 +175,12 @@ def test_json_too_deep_to_decode_is_named_by_its_field() -> None:
     assert isinstance(refused, Refused)
     assert refused.message == ("chat_template_kwargs nests JSON objects and lists more than 32 "
                                "levels deep; flatten it")
+    in_a_message = _chat(messages=[{"role": "user", "content": "hi"}] * 3)
+    json_format.ParseDict({"content": [{"type": "text", "text": _deep(60)}]},
+                          in_a_message.messages[2], max_recursion_depth=500)
+    refused = guarded(generation_pb2.ChatCompletionRequest.FromString, "/x/Chat")(
+        in_a_message.SerializeToString())
+    assert isinstance(refused, Refused) and refused.message.startswith("messages nests JSON")
 
 
 def test_echoed_values_and_status_messages_are_bounded() -> None:

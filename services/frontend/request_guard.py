@@ -78,18 +78,22 @@ def undecodable(raw: bytes, deserialize: Deserializer, error: Exception) -> str:
 
 
 def _too_deep_field(raw: bytes, deserialize: Deserializer) -> str | None:
-    """The top-level field whose removal lets ``raw`` decode: the one nested too deep."""
-    fields = _top_level_fields(raw)
+    """The top-level field that does not decode alone for its depth: each message-typed
+    field's bytes are decoded on their own, so the whole request is read once more at most."""
     owner = getattr(deserialize, "__self__", None)
     descriptor = getattr(owner, "DESCRIPTOR", None)
+    if descriptor is None:
+        return None
+    fields = _top_level_fields(raw)
     for number in dict.fromkeys(number for number, _, _ in fields):
-        rest = b"".join(raw[start:end] for n, start, end in fields if n != number)
-        try:
-            deserialize(rest)
-        except Exception:  # noqa: BLE001, S112 - still too deep: another field is
+        field = descriptor.fields_by_number.get(number)
+        if field is None or field.message_type is None:
             continue
-        field = descriptor.fields_by_number.get(number) if descriptor is not None else None
-        return field.name if field is not None else f"field {number}"
+        try:
+            deserialize(b"".join(raw[start:end] for n, start, end in fields if n == number))
+        except Exception as error:  # noqa: BLE001 - the decoder's reason is all we want
+            if _TOO_DEEP in str(error):
+                return str(field.name)
     return None
 
 

@@ -94,7 +94,8 @@ FIELD_LIMITS: dict[str, FieldLimit] = {
     "request_ids": FieldLimit(chars=NAME_CHARS, items=MAX_ABORTED_IDS),
     "stop": FieldLimit(chars=STOP_CHARS, items=MAX_STOP_STRINGS),  # the Engine API's
     "bad_words": FieldLimit(chars=STOP_CHARS, items=MAX_BAD_WORDS),
-    "bad_words_token_ids": FieldLimit(items=MAX_BAD_WORDS),
+    # Each bad word is banned as written and after a space: up to two sequences a word.
+    "bad_words_token_ids": FieldLimit(items=2 * MAX_BAD_WORDS),
     "choice": FieldLimit(chars=STOP_CHARS, items=MAX_CHOICES_LISTED),
     "regex": FieldLimit(chars=GRAMMAR_CHARS),
     "grammar": FieldLimit(chars=GRAMMAR_CHARS),
