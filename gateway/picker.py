@@ -7,8 +7,17 @@ share it. It owns no I/O and no state; building the snapshot is ``snapshot``'s j
 Scoring, per candidate, each scorer in [0, 1] and weighted:
 
 - prefix: the fraction of the prompt's tokens the replica already holds in its prefix cache;
-- kv_usage: ``1 - kv_cache_usage`` (room for the request's blocks without evicting);
+- kv_usage: room for the request's blocks without preempting: 1 up to ``kv_usage_floor`` of
+  the cache in use, falling linearly to 0 at a full cache;
 - queue: ``1 / (1 + queue_depth / queue_scale)`` (requests running or waiting there).
+
+Why KV usage counts only above a floor: a replica reports its usage as its last engine step
+left it, and a step allocates its prompts' blocks when it starts, so a replica in the middle
+of a long prefill reports its usage from before that prompt arrived. Below the floor the
+differences between replicas say more about whose report is stale than about room, and as
+the tie-breaker among equally queued replicas they sent new requests to the ones busiest
+prefilling (the routing simulation measured it: ``docs/routing-simulation.md``). Near a full
+cache, where preemption and admission stalls begin, they are what matters.
 
 The decode side (the replica that streams the answer: role ``decode`` or ``both``) is the
 best-scoring candidate. When prefill replicas exist, the P/D decider adds a prefill replica,
@@ -52,6 +61,9 @@ class PickerConfig:
     queue_weight: float = 1.0
     # Queue depth at which the queue score halves.
     queue_scale: float = 4.0
+    # KV-cache usage up to this fraction scores as full room (see the module docstring); in
+    # [0, 1), 0 scores every block.
+    kv_usage_floor: float = 0.5
     # A replica whose last load report is older than this is left out (it may be hung), unless
     # every candidate is in that state.
     max_load_age_s: float = 2.0
@@ -59,6 +71,10 @@ class PickerConfig:
     prefill_skip_fraction: float = 0.5
     # Fewer uncached prompt tokens than this are not worth a prefill hop.
     prefill_min_uncached_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.kv_usage_floor < 1.0:
+            raise ValueError(f"kv_usage_floor must be in [0, 1), got {self.kv_usage_floor}")
 
 
 @dataclass(frozen=True)
@@ -102,7 +118,7 @@ def score_replica(
     kv_usage = min(max(replica.load.kv_cache_usage, 0.0), 1.0)
     scores = {
         "prefix": prefix_fraction,
-        "kv_usage": 1.0 - kv_usage,
+        "kv_usage": min(1.0, (1.0 - kv_usage) / (1.0 - config.kv_usage_floor)),
         "queue": 1.0 / (1.0 + queue_depth / config.queue_scale),
     }
     total = (

@@ -71,6 +71,28 @@ def test_kv_usage_scorer_and_weights() -> None:
             for i in range(2)} == {"a", "b"}
 
 
+def test_kv_usage_below_the_floor_leaves_ties_to_rotation() -> None:
+    """Reports lag a step: the replica mid-prefill reports its usage from before that
+    prompt's blocks. Below kv_usage_floor, usage breaks no tie between equally queued
+    replicas (rotation does, as with least-load); above it, the emptier cache wins."""
+    mid_prefill = replica("mid-prefill", running=1, kv=0.05)  # stale: its prompt's blocks
+    decoding = replica("decoding", running=1, kv=0.30)
+    chosen = {pick([mid_prefill, decoding], 40, BS, tie_break=i).decode.address
+              for i in range(2)}
+    assert chosen == {"mid-prefill", "decoding"}
+    # The scorer before the floor: the stale-looking report wins every tie.
+    no_floor = PickerConfig(kv_usage_floor=0.0)
+    assert {pick([mid_prefill, decoding], 40, BS, no_floor, tie_break=i).decode.address
+            for i in range(2)} == {"mid-prefill"}
+    # Near a full cache usage still counts, linearly from the floor to 0 at full.
+    near_full = pick([replica("a", kv=0.95), replica("b", kv=0.7)], 40, BS)
+    assert near_full.decode.address == "b"
+    assert near_full.decode.scores["kv_usage"] == pytest.approx(0.6)
+    assert near_full.candidates[1].scores["kv_usage"] == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="kv_usage_floor"):
+        PickerConfig(kv_usage_floor=1.0)
+
+
 def test_ties_rotate_with_tie_break() -> None:
     replicas = [replica(x) for x in "abc"]
     chosen = [pick(replicas, 10, BS, tie_break=i).decode.address for i in range(6)]
