@@ -83,6 +83,9 @@ bench-peer-setup:
 bench-gpu: setup
 	$(PY) bench/gpu_benchmark.py
 
+bench-routing-sim: setup
+	$(PY) bench/routing_simulation.py
+
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache
 
