@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export TANDEM_CACHE_DIR ?= $(CURDIR)/.cache/tandem
 
-.PHONY: help setup demo serve test lint typecheck protos protos-check bench bench-serving bench-scoring bench-speculative bench-lora bench-cpu-dtype bench-peer-setup bench-gpu clean fuzz
+.PHONY: help setup demo serve test lint typecheck protos protos-check bench bench-serving bench-scoring bench-speculative bench-lora bench-cpu-dtype bench-peer-setup bench-gpu bench-routing-sim clean fuzz
 
 help:
 	@echo "make demo   - set up, start the suite on the default model, serve real requests"
