@@ -29,7 +29,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
+from engine_common.input_processor import InputProcessor
+from engine_common.tokenizer import load_tokenizer
 from protos.tandem.v1 import engine_pb2, generation_pb2
+from services.frontend.chat.request import chat_to_engine_request
 from services.frontend.errors import (
     MAX_STATUS_MESSAGE_BYTES,
     InvalidArgument,
@@ -114,8 +117,8 @@ def _deep(levels: int) -> Any:
      "sampling_params.stop holds 65 entries; at most 64"),
     (engine_pb2.AbortRequest(request_ids=["x" * 257]), "request_ids[0] is 257 characters"),
     (engine_pb2.GenerateRequest(sampling_params=engine_pb2.SamplingParams(
-        bad_words_token_ids=[engine_pb2.TokenIds(ids=[1])] * 2049)),
-     "sampling_params.bad_words_token_ids holds 2,049 entries; at most 2,048"),
+        bad_words_token_ids=[engine_pb2.TokenIds(ids=[1])] * 513)),
+     "sampling_params.bad_words_token_ids holds 513 entries; at most 512"),
     (_chat(temperature="NaN"), "temperature is nan; give a finite number"),
     (_chat(logit_bias={"5": "Infinity"}), "logit_bias[5] is inf; give a finite number"),
 ])
@@ -147,6 +150,31 @@ def test_json_fields_are_bounded_in_depth_size_and_numbers() -> None:
     long_prompt = generation_pb2.CompletionRequest()
     json_format.ParseDict({"prompt": list(range(MAX_JSON_VALUES + 1))}, long_prompt)
     check_request(long_prompt)
+
+
+def test_what_is_compiled_or_tokenized_is_bounded_before(tiny_llama_dir: Path) -> None:
+    """Output constraints compile in time superlinear in their size, and texts are tokenized
+    on the event loop: both are refused by their size before either happens."""
+    # A template that prints a variable of chat_template_kwargs (as real ones print tools).
+    template = "{{ preamble }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer = load_tokenizer(tiny_llama_dir, template)
+    inputs = InputProcessor(tokenizer, 512, len(tokenizer), {})
+    with pytest.raises(InvalidArgument, match="the chat as rendered by the template .* is "
+                                              "4000.* characters long"):
+        chat_to_engine_request(_chat(chat_template_kwargs={"preamble": "d" * 4_000_000}), inputs)
+    many = _chat(structured_outputs={"choice": ["c" * 200] * 100})
+    with pytest.raises(InvalidArgument, match="the output's choice constraint is 20,.* at most "
+                                              "16,384"):
+        chat_to_engine_request(many, inputs)
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(4000)}}
+    with pytest.raises(InvalidArgument, match="the JSON schema the output must follow is"):
+        chat_to_engine_request(_chat(response_format={"type": "json_schema", "json_schema": {
+            "name": "s", "schema": schema}}), inputs)
+    forced = _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": schema}}],
+                   tool_choice="required")
+    with pytest.raises(InvalidArgument, match="the JSON schema the output must follow is"):
+        chat_to_engine_request(forced, inputs)
+    assert "bad_words holds 257 entries; at most 256" in _refusal(_chat(bad_words=["w"] * 257))
 
 
 def test_bytes_that_are_no_message_are_refused_naming_the_message(

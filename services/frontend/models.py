@@ -14,7 +14,11 @@ from services.frontend.chat.request import call_format_of, chat_messages
 from services.frontend.errors import InvalidArgument, NotFound, quoted
 from services.frontend.request_params import optional_flag
 from services.frontend.served_model import ServedModel
-from services.frontend.validation import chat_template_kwargs, check_text_length
+from services.frontend.validation import (
+    RENDERED_CHAT,
+    chat_template_kwargs,
+    check_text_length,
+)
 
 
 def models_response(model: ServedModel) -> pb.ListModelsResponse:
@@ -44,10 +48,12 @@ def tokenize_response(request: pb.TokenizeRequest, inputs: InputProcessor) -> pb
         messages = chat_messages(request.messages, inputs.max_model_len, call_format_of(inputs))
         # Counting a conversation as it stands needs the template without the assistant's
         # turn header that generation appends.
-        tokens = inputs.tokenize_rendered(inputs.render_chat(
+        rendered = inputs.render_chat(
             messages, template_kwargs=chat_template_kwargs(request),
             add_generation_prompt=optional_flag(request, "add_generation_prompt", True),
-            continue_final_message=optional_flag(request, "continue_final_message", False)))
+            continue_final_message=optional_flag(request, "continue_final_message", False))
+        check_text_length(len(rendered), inputs.max_model_len, RENDERED_CHAT)
+        tokens = inputs.tokenize_rendered(rendered)
     elif request.prompt:
         check_text_length(len(request.prompt), inputs.max_model_len, "prompt")
         add_special_tokens = (request.add_special_tokens

@@ -42,11 +42,17 @@ NAME_CHARS = 256
 MODEL_CHARS = 1024
 # A file system path (PATH_MAX).
 PATH_CHARS = 4096
-# A stop string, a bad word, a choice of structured_outputs.choice.
+# A stop string, a choice of structured_outputs.choice.
 STOP_CHARS = 1024
 MAX_STOP_STRINGS = 64
-# A regular expression or grammar of structured outputs: compiled before the request runs.
-GRAMMAR_CHARS = 65536
+# A regular expression or grammar of structured outputs, and the choices of one request
+# together. Compiling one costs time superlinear in its length, and the engine core compiles
+# it between two steps of every running request: bench/constraint_compile_cost.py measures
+# 8x (regex, choices) to 40x (grammar) the time at 4x this length.
+GRAMMAR_CHARS = 16384
+# A JSON schema (response_format, structured_outputs.json, a forced tool call's
+# parameters), as JSON text: compiled too (bench/constraint_compile_cost.py).
+SCHEMA_CHARS = 32768
 # OpenAI's limits on the Responses API's metadata.
 MAX_METADATA_PAIRS = 16
 METADATA_KEY_CHARS = 64
@@ -57,8 +63,10 @@ MAX_MESSAGES = 4096
 MAX_TOOLS = 128  # OpenAI's
 MAX_TOOL_CALLS = 128  # in one assistant message
 MAX_INCLUDES = 16
-MAX_CHOICES_LISTED = 1024  # structured_outputs.choice
-MAX_BAD_WORDS = 1024
+MAX_CHOICES_LISTED = 256  # structured_outputs.choice
+# Bad words are tokenized on the event loop, twice each (as written and after a space).
+MAX_BAD_WORDS = 256
+BAD_WORD_CHARS = 256
 # Token ids the engine tests every new token against (stop_token_ids) on each step.
 MAX_STOP_TOKEN_IDS = 1024
 MAX_ABORTED_IDS = 1024  # Engine.Abort's request_ids
@@ -93,7 +101,7 @@ FIELD_LIMITS: dict[str, FieldLimit] = {
     "include": FieldLimit(chars=NAME_CHARS, items=MAX_INCLUDES),
     "request_ids": FieldLimit(chars=NAME_CHARS, items=MAX_ABORTED_IDS),
     "stop": FieldLimit(chars=STOP_CHARS, items=MAX_STOP_STRINGS),  # the Engine API's
-    "bad_words": FieldLimit(chars=STOP_CHARS, items=MAX_BAD_WORDS),
+    "bad_words": FieldLimit(chars=BAD_WORD_CHARS, items=MAX_BAD_WORDS),
     # Each bad word is banned as written and after a space: up to two sequences a word.
     "bad_words_token_ids": FieldLimit(items=2 * MAX_BAD_WORDS),
     "choice": FieldLimit(chars=STOP_CHARS, items=MAX_CHOICES_LISTED),

@@ -16,6 +16,7 @@ from protos.tandem.v1 import generation_pb2 as pb
 from services.frontend.errors import InvalidArgument
 from services.frontend.tools.plan import ToolPlan
 from services.frontend.validation import (
+    check_constraint_size,
     check_seed_for_choices,
     stop_from_value,
     structured_output_from_request,
@@ -41,9 +42,13 @@ def sampling_params_of(request: pb.CompletionRequest | pb.ChatCompletionRequest,
               **{name: getattr(request, name) for name in _SAMPLING_FIELDS
                  if request.HasField(name)}}
     stop = stop_from_value(request.stop if request.HasField("stop") else None)
-    structured_output = (tools.constraint() if tools is not None and tools.forced else
-                         structured_output_from_request(request.response_format,
-                                                        request.structured_outputs))
+    if tools is not None and tools.forced:  # the schema of the call: the tools' parameters
+        structured_output = tools.constraint()
+        if structured_output is not None:
+            check_constraint_size(structured_output.kind, structured_output.value)
+    else:
+        structured_output = structured_output_from_request(request.response_format,
+                                                           request.structured_outputs)
     params = SamplingParams(
         max_tokens=max_tokens, logprobs=logprobs, stop=stop,
         stop_token_ids=list(request.stop_token_ids),

@@ -21,7 +21,12 @@ from google.protobuf import json_format, struct_pb2
 from engine_common.structured_output.spec import StructuredOutputError, StructuredOutputSpec
 from protos.tandem.v1 import generation_pb2 as pb
 from services.frontend.errors import InvalidArgument, quoted
-from services.frontend.request_limits import MAX_STOP_STRINGS, STOP_CHARS
+from services.frontend.request_limits import (
+    GRAMMAR_CHARS,
+    MAX_STOP_STRINGS,
+    SCHEMA_CHARS,
+    STOP_CHARS,
+)
 
 # gRPC's receive limit for one request message; a bigger one fails with RESOURCE_EXHAUSTED
 # before any handler runs.
@@ -182,10 +187,22 @@ def structured_output_from_request(
                               "and grammar")
     if not found:
         return None
+    check_constraint_size(*found[0])
     try:
         return StructuredOutputSpec.parse(*found[0])
     except StructuredOutputError as error:
         raise InvalidArgument(str(error)) from error
+
+
+def check_constraint_size(kind: str, text: str) -> None:
+    """An output constraint no bigger than compiles in a moment (see ``request_limits``):
+    a JSON schema of at most ``SCHEMA_CHARS`` characters as JSON, choices of at most
+    ``GRAMMAR_CHARS`` in all (a regex or grammar is held to that by the request guard)."""
+    limit, what = (SCHEMA_CHARS, "the JSON schema the output must follow") \
+        if kind == "json_schema" else (GRAMMAR_CHARS, f"the output's {kind} constraint")
+    if len(text) > limit:
+        raise InvalidArgument(f"{what} is {len(text):,} characters long (as JSON); at most "
+                              f"{limit:,} are allowed: it is compiled before the request runs")
 
 
 def _schema_text(schema: struct_pb2.Struct) -> str:
@@ -219,7 +236,15 @@ def struct_to_dict(struct: struct_pb2.Struct) -> dict[str, Any]:
     return dict(canonical(json_format.MessageToDict(struct)))
 
 
+# How a rendered chat is named when it is too long: its messages are checked on their own
+# first, so what made it long is the rest (tool definitions, the template's text).
+RENDERED_CHAT = "the chat as rendered by the template (messages, tools and all)"
+
+
 def check_text_length(num_chars: int, max_model_len: int, field: str) -> None:
+    """A text that will be tokenized on the event loop every stream shares: one far longer
+    than the context would hold it there for seconds (4 MB: ~3-10 s), so it is refused by
+    its length first."""
     if num_chars > max_model_len * MAX_CHARS_PER_TOKEN:
         raise InvalidArgument(
             f"{field} is {num_chars} characters long, far more than fits this model's context "

@@ -33,7 +33,12 @@ from services.frontend.tools.parsers import (
     mistral_call_id,
 )
 from services.frontend.tools.plan import ToolPlan, template_tool_calls, tool_plan
-from services.frontend.validation import chat_template_kwargs, check_text_length, content_from_value
+from services.frontend.validation import (
+    RENDERED_CHAT,
+    chat_template_kwargs,
+    check_text_length,
+    content_from_value,
+)
 
 
 def new_chat_completion_id() -> str:
@@ -104,6 +109,7 @@ def chat_to_engine_request(request: pb.ChatCompletionRequest, inputs: InputProce
         chat_template_kwargs(request),
         add_generation_prompt=optional_flag(request, "add_generation_prompt", True),
         continue_final_message=optional_flag(request, "continue_final_message", False))
+    check_text_length(len(prompt), inputs.max_model_len, RENDERED_CHAT)  # before tokenizing
     prompt_token_ids = truncated_prompt(inputs.tokenize_rendered(prompt), request, params, inputs)
     inputs.validate_prompt(prompt_token_ids, params.max_tokens)
     if max_tokens is None:
