@@ -1,7 +1,8 @@
 """What `tandem up` starts: the suite's processes, their flags and ports.
 
 Owns the process plan (which replicas, gateway and Envoy to start, on which ports, with which
-flags and CPU shares) as ``ProcessSpec``s, and the endpoints to print. It does not start
+flags and CPU shares) as ``ProcessSpec``s, with the ports each will listen on and how the
+supervisor tells it is ready, and the endpoints to print. It does not start
 anything (``supervisor``) or own what the processes do: each is a normal `python -m ...`
 entry point.
 """

@@ -234,14 +234,15 @@ class Supervisor:
         deadline = time.monotonic() + grace_s
         first = [m for m in self._managed.values() if m.spec.drains_first]
         rest = [m for m in self._managed.values() if not m.spec.drains_first]
-        for group in (first, rest):
-            for managed in group:
-                managed.restart_at = None
-                _signal_group(managed, signal.SIGTERM)
-            # What drains last gets a moment even when the first stage used the grace up.
-            stage_deadline = max(deadline, time.monotonic() + _LAST_STAGE_GRACE_S)
-            for managed in group:
-                self._wait_or_kill(managed, stage_deadline)
+        with self._stop_signals():  # a Ctrl-C now cuts the drain short, never the stop
+            for group in (first, rest):
+                for managed in group:
+                    managed.restart_at = None
+                    _signal_group(managed, signal.SIGTERM)
+                # What drains last gets a moment even when the first stage used the grace.
+                stage_deadline = max(deadline, time.monotonic() + _LAST_STAGE_GRACE_S)
+                for managed in group:
+                    self._wait_or_kill(managed, stage_deadline)
         for managed in self._managed.values():
             if managed.channel is not None:
                 managed.channel.close()
