@@ -113,6 +113,14 @@ class EngineCore:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if core_request.hold_kv and (self.remote_kv is None or self.remote_kv.producer is None):
             raise ValueError("this engine is not a KV producer (prefill role)")
+        if core_request.request_id in self.scheduler.held and self.remote_kv is not None:
+            for released in self.remote_kv.take_released():  # a release may be on its way
+                self.scheduler.release_held(released)
+        if core_request.request_id in self.scheduler.held:
+            # Its blocks are still pinned for a consumer under that id: a second prefill
+            # under it would pin over them.
+            raise ValueError(f"request id {core_request.request_id!r} still holds pinned "
+                             "blocks")
         if core_request.remote_prefill is not None and (
                 self.remote_kv is None or self.remote_kv.consumer is None):
             raise ValueError("this engine is not a KV consumer (decode role)")

@@ -423,7 +423,7 @@ SPEC_TOKENS = 40
 
 
 def accepted_drafts(llm: LLM, model_dir: Path) -> float:
-    labels = {"model_name": str(model_dir), "engine": "engine-0"}
+    labels = {"model_name": model_dir.name, "engine": "engine-0"}
     return llm.metrics.registry.get_sample_value(
         "vllm:spec_decode_num_accepted_tokens_total", labels) or 0.0
 

@@ -68,7 +68,7 @@ def test_prefix_cache_hits_match_hf(model_and_prompts):
     # The 24-token shared prefix is 6 blocks of 4: every later request reuses all of them.
     assert [r.num_cached_tokens for r in results] == [24, 24, 24]
     hits = llm.metrics.registry.get_sample_value(
-        "vllm:prefix_cache_hits_total", {"model_name": str(model_dir), "engine": "engine-0"})
+        "vllm:prefix_cache_hits_total", {"model_name": model_dir.name, "engine": "engine-0"})
     assert hits == 24 * 3
 
 
@@ -80,6 +80,6 @@ def test_preemption_matches_hf(model_and_prompts):
     results = llm.generate(prompts, GREEDY)
     assert [r.token_ids for r in results] == expected[: len(prompts)]
     preemptions = llm.metrics.registry.get_sample_value(
-        "vllm:num_preemptions_total", {"model_name": str(model_dir), "engine": "engine-0"})
+        "vllm:num_preemptions_total", {"model_name": model_dir.name, "engine": "engine-0"})
     assert preemptions is not None and preemptions > 0
     assert llm.core.kv_cache_manager.num_free_blocks == 24

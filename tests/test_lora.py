@@ -33,6 +33,7 @@ from engine_common.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from engine_common.generation_request import GenerationRequest
 from engine_common.llm import LLM
 from engine_common.lora.linear_delta import (
     LoraLinearWeights,
@@ -208,7 +209,7 @@ def test_preemption_keeps_the_adapter(tiny_llama_dir, adapters, prompts_and_expe
     results = llm.generate(batch, GREEDY, lora_name=names)
     assert [r.token_ids for r in results] == expected_of(expected, batch, names, prompts)
     preemptions = llm.metrics.registry.get_sample_value(
-        "vllm:num_preemptions_total", {"model_name": str(tiny_llama_dir), "engine": "engine-0"})
+        "vllm:num_preemptions_total", {"model_name": tiny_llama_dir.name, "engine": "engine-0"})
     assert preemptions and preemptions > 0
 
 
@@ -226,7 +227,7 @@ def test_speculative_drafts_run_their_requests_adapter(tiny_llama_dir, adapters)
     assert [r.token_ids for r in results] == expected_of(expected, batch, names, prompts)
     drafted = llm.metrics.registry.get_sample_value(
         "vllm:spec_decode_num_draft_tokens_total",
-        {"model_name": str(tiny_llama_dir), "engine": "engine-0"})
+        {"model_name": tiny_llama_dir.name, "engine": "engine-0"})
     assert drafted and drafted > 0
 
 
@@ -277,7 +278,8 @@ def test_unknown_adapter_names_are_refused(tiny_llama_dir, adapters):
                                          r"alpha, beta"):
         llm.add_request([5, 6, 7], GREEDY, lora_name="gamma")
     with pytest.raises(ValueError, match="unknown LoRA adapter 'gamma'"):
-        llm.core.add_request(EngineCoreRequest("r", [5, 6, 7], GREEDY, 0.0, lora_name="gamma"))
+        llm.core.add_request(EngineCoreRequest(
+            "r", GenerationRequest([5, 6, 7], GREEDY, lora_name="gamma"), 0.0))
     # A list naming one unknown adapter queues nothing.
     with pytest.raises(ValueError, match="'gamma'"):
         llm.generate([[5, 6], [7, 8]], GREEDY, lora_name=["alpha", "gamma"])

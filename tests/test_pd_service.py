@@ -299,3 +299,23 @@ def test_the_prefill_header_is_ignored_by_a_prefill_replica(pd, offline):
     assert tokens == want and "x-tandem-prefill" not in headers
     assert metric(prefill.metrics_url, "tandem:kv_transfer_fallbacks_total") == before
     wait_all_free(prefill.target)
+
+
+def test_a_second_prefill_under_a_pinned_id_is_refused_and_harms_nothing(pd):
+    """A decode replica that retries a Prefill (or a confused caller) must not pin over the
+    blocks still held under that id: ALREADY_EXISTS, and the replica keeps serving."""
+    prefill, _ = pd
+    message = epb.PrefillRequest(request_id="twice", prompt_token_ids=list(range(5, 40)),
+                                 sampling_params=epb.SamplingParams(temperature=0))
+    first = stub(prefill.target).Prefill(message, timeout=60)
+    assert first.HasField("kv_handle")
+    with pytest.raises(grpc.RpcError) as error:
+        stub(prefill.target).Prefill(message, timeout=60)
+    assert error.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert prefill.health() == 1  # SERVING
+    stub(prefill.target).ReleaseKv(epb.ReleaseKvRequest(
+        request_id="twice", engine_id=first.kv_handle.engine_id), timeout=10)
+    again = stub(prefill.target).Prefill(message, timeout=60)  # the id is free again
+    stub(prefill.target).ReleaseKv(epb.ReleaseKvRequest(
+        request_id="twice", engine_id=again.kv_handle.engine_id), timeout=10)
+    wait_all_free(prefill.target)

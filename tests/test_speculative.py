@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from deploy.cli import add_suite_args, suite_config
 from deploy.suite_plan import plan_suite
 from engine_common.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine_common.llm import LLM
@@ -28,7 +29,6 @@ from engine_common.ngram_drafter import NgramDrafter
 from engine_common.sampling_params import SamplingParams
 from engine_common.structured_output.spec import StructuredOutputSpec
 from services.replica.main import build_parser, options_from_args
-from tandem.cli import add_suite_args, suite_config
 from tandem.client import Client
 from tests.hf_reference import hf_greedy, random_prompts
 from tests.replica_process import start_replicas
@@ -68,7 +68,7 @@ def engine(model_dir: Path, speculative: SpeculativeConfig | None = None, *,
 
 
 def spec_counts(llm: LLM, model_dir: Path) -> tuple[float, float]:
-    labels = {"model_name": str(model_dir), "engine": "engine-0"}
+    labels = {"model_name": model_dir.name, "engine": "engine-0"}
     get = llm.metrics.registry.get_sample_value
     return (get("vllm:spec_decode_num_draft_tokens_total", labels) or 0.0,
             get("vllm:spec_decode_num_accepted_tokens_total", labels) or 0.0)

@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorL
 
 from engine_common.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_common.engine_core import EngineCore
+from engine_common.generation_request import GenerationRequest
 from engine_common.llm import LLM
 from engine_common.outputs import EngineCoreRequest
 from engine_common.sampling_params import SamplingParams
@@ -272,7 +273,7 @@ def test_preempted_requests_keep_their_grammar_state(tiny_llama_dir, prompts, hf
     results = small.generate(prompts, greedy(JSON_SPEC))
     assert [r.token_ids for r in results] == hf_expected["json_schema"]
     preemptions = small.metrics.registry.get_sample_value(
-        "vllm:num_preemptions_total", {"model_name": str(tiny_llama_dir), "engine": "engine-0"})
+        "vllm:num_preemptions_total", {"model_name": tiny_llama_dir.name, "engine": "engine-0"})
     assert preemptions is not None and preemptions > 0
     assert small.core.kv_cache_manager.num_free_blocks == 24
 
@@ -292,23 +293,23 @@ def test_resumed_output_is_accepted_first(llm, prompts, hf_expected) -> None:
     for k in (1, 4):
         params = greedy(JSON_SPEC, max_tokens=MAX_TOKENS - k)
         rest: list[int] = []
-        core.add_request(EngineCoreRequest(f"resumed-{k}", prompt + full[:k], params,
-                                           time.monotonic(), num_resumed_tokens=k))
+        core.add_request(EngineCoreRequest(f"resumed-{k}", GenerationRequest(
+            prompt + full[:k], params, num_resumed_tokens=k), time.monotonic()))
         while core.has_unfinished_requests():
             rest += [t for o in core.step().outputs for t in o.new_token_ids]
         assert full[:k] + rest == full
     # Resumed after the grammar's end (EOS, under ignore_eos): it ends at once, with "stop".
-    core.add_request(EngineCoreRequest("resumed-done", prompt + full,
-                                       greedy(JSON_SPEC, ignore_eos=True), time.monotonic(),
-                                       num_resumed_tokens=len(full)))
+    core.add_request(EngineCoreRequest("resumed-done", GenerationRequest(
+        prompt + full, greedy(JSON_SPEC, ignore_eos=True), num_resumed_tokens=len(full)),
+        time.monotonic()))
     (done,) = core.step().outputs
     assert done.finish_reason == "stop" and done.new_token_ids == []
     assert not core.has_unfinished_requests()
     # Without them, the tokens would restart the grammar: here they are refused.
     bad = load_tokenizer(llm.config.model)("hello", add_special_tokens=False).input_ids
     with pytest.raises(StructuredOutputError, match="does not follow the json schema"):
-        core.add_request(EngineCoreRequest("resumed-bad", prompt + bad, greedy(JSON_SPEC),
-                                           time.monotonic(), num_resumed_tokens=len(bad)))
+        core.add_request(EngineCoreRequest("resumed-bad", GenerationRequest(
+            prompt + bad, greedy(JSON_SPEC), num_resumed_tokens=len(bad)), time.monotonic()))
     assert not core.has_unfinished_requests()
 
 
@@ -348,11 +349,10 @@ def test_a_constraint_that_starts_after_a_token_lets_the_output_run_free_until_t
     # Resumed past the trigger: the matcher replays the tokens and constrains what follows.
     core = llm.core
     k = start + 1
-    core.add_request(EngineCoreRequest("resumed-after-trigger", prompt + result.token_ids[:k],
-                                       greedy(StructuredOutputSpec.parse(
-                                           "regex", REGEX, starts_after=(trigger,)),
-                                           max_tokens=40 - k, ignore_eos=True), time.monotonic(),
-                                       num_resumed_tokens=k))
+    core.add_request(EngineCoreRequest("resumed-after-trigger", GenerationRequest(
+        prompt + result.token_ids[:k],
+        greedy(StructuredOutputSpec.parse("regex", REGEX, starts_after=(trigger,)),
+               max_tokens=40 - k, ignore_eos=True), num_resumed_tokens=k), time.monotonic()))
     rest: list[int] = []
     while core.has_unfinished_requests():
         rest += [t for o in core.step().outputs for t in o.new_token_ids]
@@ -382,9 +382,9 @@ def test_a_first_token_may_choose_to_wait_for_the_trigger(llm, prompts) -> None:
     # Token ids outside the vocabulary are refused before the request runs.
     vocab = llm.core.arch.vocab_size
     with pytest.raises(StructuredOutputError, match=rf"must be in \[0, {vocab}\)"):
-        llm.core.add_request(EngineCoreRequest("bad-opener", prompt, greedy(
+        llm.core.add_request(EngineCoreRequest("bad-opener", GenerationRequest(prompt, greedy(
             StructuredOutputSpec.parse("regex", REGEX, starts_after=(trigger,),
-                                       waits_if_first=vocab)), time.monotonic()))
+                                       waits_if_first=vocab))), time.monotonic()))
     assert not llm.core.has_unfinished_requests()
 
 

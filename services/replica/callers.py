@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.frontend.errors import Overloaded, ServiceError
+from services.frontend.errors import AlreadyExists, Overloaded, ServiceError
 from services.replica.kv_address import caller_host
 
 LOCAL_CALLER = "local"
@@ -71,6 +71,13 @@ class CallerScopes:
                 f"this caller holds {held} pinned KV blocks on this prefill replica and the "
                 f"prompt needs {blocks} more; one caller may hold {self.max_pinned_blocks} "
                 "(release pulled blocks with ReleaseKv, or retry later)")
+
+    def check_new(self, request_id: str) -> None:
+        """Refuse (ALREADY_EXISTS) a prefill under an id whose blocks are still pinned."""
+        pinned = self._pinned.get(request_id)
+        if pinned is not None and pinned.lease_deadline > time.time():
+            raise AlreadyExists("this request id's blocks are still pinned here; release them "
+                                "(ReleaseKv) or use a new id")
 
     def pin(self, request_id: str, caller: str, blocks: int, lease_deadline: float) -> None:
         self._pinned[request_id] = _Pinned(caller, blocks, lease_deadline)

@@ -135,6 +135,7 @@ class EngineServicer(epb_grpc.EngineServicer):
         self.llm.inputs.check_sampling_token_ids(params)
         await self.llm.check_structured_output(params)
         caller, blocks = caller_of(context.peer()), -(-len(prompt) // self.llm.info.block_size)
+        self.callers.check_new(request.request_id)
         self.callers.check_pin(caller, blocks)
         with self.engine.admission.admit(request.request_id):
             output, handle = await self.llm.prefill(request.request_id, GenerationRequest(

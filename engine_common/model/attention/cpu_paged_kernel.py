@@ -33,6 +33,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,7 +48,7 @@ _PROFILE_NAME = "tandem::paged_decode_attention"
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _I32 = ctypes.c_int
-_ARGTYPES = [_I32, _P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _P, _I32, _P, _I64, _I64,
+_ARGTYPES: list[Any] = [_I32, _P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _P, _I32, _P, _I64, _I64,
              _I32, _I32, _I32, _I32, ctypes.c_float]
 
 
@@ -146,9 +147,11 @@ def _check(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if k_cache.dtype not in _DTYPES or k_cache.device.type != "cpu":
         raise ValueError(f"the kernel runs float32 or bfloat16 on the CPU, not "
                          f"{k_cache.dtype} on {k_cache.device}")
-    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens),
-                    ("query_start_loc", query_start_loc), ("seqs", seqs)):
-        if t is not None and (t.dtype != torch.int32 or t.stride(-1) != 1):
+    indices: dict[str, torch.Tensor | None] = {
+        "block_tables": block_tables, "seq_lens": seq_lens,
+        "query_start_loc": query_start_loc, "seqs": seqs}
+    for name, index in indices.items():
+        if index is not None and (index.dtype != torch.int32 or index.stride(-1) != 1):
             raise ValueError(f"{name} must be int32 with unit stride in its last dimension")
 
 
