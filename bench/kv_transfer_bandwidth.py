@@ -1,17 +1,26 @@
-"""KV transfer bandwidth: the UCX connector end to end against raw ucxx, same bytes.
+"""KV transfer bandwidth: the UCX connector against raw ucxx, on shared memory and on TCP, by stage.
 
 For each transfer size (SmolLM2-135M's KV layout: 30 layers, 3 KV heads, head size 64,
-16-token blocks, bf16: 360 KiB a block) it measures, with the producer in another process:
+16-token blocks, bf16: 360 KiB a block; 64 blocks are a 1k-token prompt) and each transport
+(``shm``: the producer is on this host, so UCX uses posix/sysv + cma; ``tcp``: the consumer
+asks for TCP, as it does for a producer on another host), with the producer in another
+process, it measures, interleaved round by round:
 
-  (a) connector: ``UcxKvConsumer.pull`` of n scattered remote blocks into n shuffled
-      local blocks: request header, status, gather, one payload message, scatter;
-  (b) raw: a request of 8 bytes answered by ``ep.send`` of one pre-allocated buffer of
-      the same byte count, received into one pre-allocated buffer: the network floor.
+  connector_direct  ``UcxKvConsumer.pull`` of n blocks consecutive on both sides: the
+                    plan sends each (layer, K/V) run from cache to cache, no staging
+  connector_staged  a pull of n scattered blocks into n shuffled ones: gather, layer
+                    chunks on the wire, scatter (overlapped)
+  raw               the network floor: one pre-allocated buffer of the same byte count,
+                    one tagged message, same UCX runtime and transport as the connector
+  raw_direct_shape  the same bytes cut as a direct pull cuts them (2 * layers messages):
+                    what the message count alone costs
+  gather, scatter   the staged pull's two copies alone (``BlockCopier``), in this process
 
-Both run on the same UCX runtime (thread progress, Python futures), are timed the same
-way (from the calling thread, submit to result) and alternate within every iteration so
-that machine load hits both alike. It prints GB/s for both and the ratio (goal >= 0.8)
-and writes ``bench/results/kv_transfer_bandwidth.json``.
+The wire stage is ``raw``. Every variant is timed the same way (from the calling thread,
+submit to result) and the order rotates every round, so that this shared machine's load
+hits all alike. It prints GB/s and the ratios to raw (goal: >= 0.8, and >= 5 GB/s on
+shared memory at 64 blocks) and writes ``bench/results/kv_transfer_bandwidth.json`` with
+the machine and settings, including the lanes UCX chose for each endpoint.
 
 Run from the repository root: ``python -m bench.kv_transfer_bandwidth [--iters N]``.
 """
@@ -19,6 +28,7 @@ Run from the repository root: ``python -m bench.kv_transfer_bandwidth [--iters N
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import functools
 import json
@@ -40,14 +50,15 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import machine as report_machine  # noqa: E402
+from kv_transfer.block_copy import BlockCopier, StagingBuffer  # noqa: E402
 from kv_transfer.connector import KvHandle  # noqa: E402
 from kv_transfer.layout import KvLayout  # noqa: E402
-from kv_transfer.ucx_connector import (  # noqa: E402
-    DEFAULT_CHUNK_BYTES,  # noqa: E402
-    UcxKvConsumer,
-    UcxKvProducer,
-)
+from kv_transfer.transfer_plan import DIRECT_MIN_MESSAGE_BYTES, plan_transfer  # noqa: E402
+from kv_transfer.ucp_introspection import endpoint_lanes, transport_label  # noqa: E402
+from kv_transfer.ucx_connector import UcxKvConsumer, UcxKvProducer  # noqa: E402
+from kv_transfer.ucx_io import open_endpoint, post  # noqa: E402
 from kv_transfer.ucx_runtime import UcxRuntime  # noqa: E402
+from kv_transfer.wire import TransportKind  # noqa: E402
 
 LAYOUT = KvLayout(
     model="HuggingFaceTB/SmolLM2-135M-Instruct",
@@ -58,22 +69,16 @@ LAYOUT = KvLayout(
     block_size=16,
 )
 SIZES = [8, 32, 64, 128, 256]
-# connector variants, by the producer's chunk_bytes: the default (layer chunks, pipelined)
-# and the whole payload as one message
-VARIANTS = {"connector": DEFAULT_CHUNK_BYTES, "one_message": 2**62}
-CACHE_BLOCKS = 320  # per side; > the largest pull so that ids scatter
+CACHE_BLOCKS = 320  # per side; > the largest pull so that scattered ids spread out
+HOST = "127.0.0.1"
+TRANSPORTS: tuple[TransportKind, ...] = ("shm", "tcp")
+RAW_REQUEST_TAG = 7  # raw requests: [transport index, nbytes, messages, first tag]
 RESULTS = Path(__file__).resolve().parent / "results" / "kv_transfer_bandwidth.json"
 
 
 def make_cache(num_blocks: int, seed: int) -> torch.Tensor:
-    shape = (
-        LAYOUT.num_layers,
-        2,
-        num_blocks,
-        LAYOUT.block_size,
-        LAYOUT.num_kv_heads,
-        LAYOUT.head_size,
-    )
+    shape = (LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,
+             LAYOUT.head_size)
     generator = torch.Generator().manual_seed(seed)
     bits = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=generator)
     return bits.view(torch.bfloat16)
@@ -82,45 +87,44 @@ def make_cache(num_blocks: int, seed: int) -> torch.Tensor:
 # -- producer process -----------------------------------------------------------------
 
 
-async def _serve_raw(endpoint: Any, buffer: np.ndarray) -> None:
-    size = np.empty(1, dtype=np.uint64)
-    while True:
-        try:
-            await endpoint.recv(size)
-        except Exception:
-            return  # the consumer closed
-        await endpoint.send(buffer[: int(size[0])])
-
-
-async def _listen_raw(buffer: np.ndarray) -> Any:
+async def _serve_raw(runtime: UcxRuntime, endpoint: Any, buffer: np.ndarray) -> None:
     import ucxx
 
-    async def handler(endpoint: Any) -> None:
-        await _serve_raw(endpoint, buffer)
+    request = np.empty(3, dtype=np.uint64)
+    while True:
+        await ucxx.recv(request, tag=RAW_REQUEST_TAG)
+        nbytes, count, tag = (int(x) for x in request)
+        step = nbytes // count
+        messages = [(buffer[i * step:(i + 1) * step], tag + i) for i in range(count)]
+        sends = post(endpoint, messages, receive=False)  # held: it keeps the requests alive
+        await asyncio.gather(*sends.futures)
 
-    return ucxx.create_listener(handler, port=0)
+
+async def _open_raw(runtime: UcxRuntime, address: bytes, buffer: np.ndarray) -> asyncio.Task[None]:
+    """Serve raw requests (the task holds the endpoint: keep it)."""
+    return asyncio.ensure_future(_serve_raw(runtime, await open_endpoint(address), buffer))
 
 
-def _producer_main(conn: Connection, variants: dict[str, int]) -> None:
-    cache = make_cache(CACHE_BLOCKS, seed=1)
-    producers = {
-        name: UcxKvProducer(cache, LAYOUT, engine_id=name, chunk_bytes=chunk_bytes)
-        for name, chunk_bytes in variants.items()
-    }
-    for producer in producers.values():
-        producer.start()
+def _producer_main(conn: Connection, kind: TransportKind) -> None:
+    """A producer process for one transport (as a deployment reaches each producer one way),
+    with a raw server beside its connector."""
+    producer = UcxKvProducer(make_cache(CACHE_BLOCKS, seed=1), LAYOUT, f"bench-{kind}",
+                             host=HOST)
+    producer.start()
+    runtime = UcxRuntime.shared(HOST)
+    conn.send(runtime.worker_address(kind))
     raw_buffer = np.ones(max(SIZES) * LAYOUT.bytes_per_block, dtype=np.uint8)
-    listener = UcxRuntime.shared().call(_listen_raw(raw_buffer))
-    conn.send(listener.port)
+    raw_server = runtime.call(_open_raw(runtime, conn.recv(), raw_buffer))
+    conn.send(None)
     while True:
         command, args = conn.recv()
-        if command == "pin":  # the same blocks, pinned in every variant
-            conn.send({name: p.pin(*args) for name, p in producers.items()})
+        if command == "pin":
+            conn.send(producer.pin(*args))
         elif command == "release":
-            conn.send([p.release(*args) for p in producers.values()])
+            conn.send(producer.release(*args))
         else:
-            for producer in producers.values():
-                producer.close()
+            raw_server.cancel()
+            producer.close()
             conn.send(None)
             return
 
@@ -129,43 +133,160 @@ def _producer_main(conn: Connection, variants: dict[str, int]) -> None:
 
 
 class RawClient:
-    def __init__(self, runtime: UcxRuntime, port: int, max_bytes: int):
+    """Fetches n bytes cut into k messages from each producer's raw server."""
+
+    def __init__(self, runtime: UcxRuntime, addresses: dict[TransportKind, bytes],
+                 max_bytes: int):
         self._runtime = runtime
         self._buffer = np.zeros(max_bytes, dtype=np.uint8)
-        self._endpoint = runtime.call(self._connect(port))
+        self._tag = 1 << 32
+        self.endpoints = runtime.call(self._connect(addresses))
 
     @staticmethod
-    async def _connect(port: int) -> Any:
-        import ucxx
+    async def _connect(addresses: dict[TransportKind, bytes]) -> dict[TransportKind, Any]:
+        return {kind: await open_endpoint(address) for kind, address in addresses.items()}
 
-        return await ucxx.create_endpoint("127.0.0.1", port)
+    async def _fetch(self, kind: TransportKind, nbytes: int, count: int) -> None:
+        self._tag += count
+        step = nbytes // count
+        receives = post(self.endpoints[kind], [
+            (self._buffer[i * step:(i + 1) * step], self._tag + i) for i in range(count)],
+            receive=True)
+        request = np.array([nbytes, count, self._tag], dtype=np.uint64)
+        await self.endpoints[kind].send(request, tag=RAW_REQUEST_TAG, force_tag=True)
+        await asyncio.gather(*receives.futures)
 
-    async def _roundtrip(self, nbytes: int) -> None:
-        await self._endpoint.send(np.array([nbytes], dtype=np.uint64))
-        await self._endpoint.recv(self._buffer[:nbytes])
-
-    def fetch(self, nbytes: int) -> float:
+    def fetch(self, kind: TransportKind, nbytes: int, count: int) -> float:
         started = time.perf_counter()
-        self._runtime.call(self._roundtrip(nbytes))
+        self._runtime.call(self._fetch(kind, nbytes, count))
         return time.perf_counter() - started
 
-    def close(self) -> None:
-        async def close() -> None:
-            await self._endpoint.close()
-
-        self._runtime.call(close())
+    def lanes(self, kind: TransportKind) -> list[tuple[str, str]]:
+        return endpoint_lanes(self.endpoints[kind].ucp_endpoint)
 
 
-def time_pull(
-    consumer: UcxKvConsumer, handle: KvHandle, remote: list[int], local: list[int]
-) -> float:
+def time_pull(consumer: UcxKvConsumer, handle: KvHandle, remote: list[int], local: list[int],
+              expect: tuple[str, str]) -> float:
     started = time.perf_counter()
-    consumer.pull(handle, remote, local, timeout=120).result()
+    result = consumer.pull(handle, remote, local, timeout=120).result()
+    elapsed = time.perf_counter() - started
+    assert (result.transport, result.mode) == expect, (result, expect)
+    return elapsed
+
+
+def time_copy(copy: Callable[[], None]) -> float:
+    started = time.perf_counter()
+    copy()
     return time.perf_counter() - started
 
 
-def gbps(nbytes: int, seconds: list[float]) -> float:
-    return nbytes / statistics.median(seconds) / 1e9
+@dataclasses.dataclass
+class Bench:
+    """Everything one size's rounds use."""
+
+    producers: dict[TransportKind, Connection]  # to the producer process of each transport
+    consumers: dict[TransportKind, dict[str, UcxKvConsumer]]  # transport -> mode -> consumer
+    raw: RawClient
+    copier: BlockCopier
+    staging: StagingBuffer
+    rng: random.Random
+
+    def runs(self, num_blocks: int
+             ) -> tuple[dict[str, Callable[[], float]], list[tuple[TransportKind, str]]]:
+        """The timed variants of one size, and the requests they pinned."""
+        nbytes = num_blocks * LAYOUT.bytes_per_block
+        contiguous = list(range(num_blocks))
+        contiguous_local = list(range(CACHE_BLOCKS - num_blocks, CACHE_BLOCKS))
+        scattered_remote = self.rng.sample(range(CACHE_BLOCKS), num_blocks)
+        scattered_local = self.rng.sample(range(CACHE_BLOCKS), num_blocks)
+        pinned: list[tuple[TransportKind, str]] = []
+        runs: dict[str, Callable[[], float]] = {}
+        for kind in TRANSPORTS:
+            for mode, remote, local in (("direct", contiguous, contiguous_local),
+                                        ("staged", scattered_remote, scattered_local)):
+                request_id = f"bench-{num_blocks}-{kind}-{mode}"
+                self.producers[kind].send(("pin", (request_id, remote, num_blocks * 16, 600.0)))
+                handle = self.producers[kind].recv()
+                pinned.append((kind, request_id))
+                runs[f"{kind}_connector_{mode}"] = functools.partial(
+                    time_pull, self.consumers[kind][mode], handle, remote, local, (kind, mode))
+            runs[f"{kind}_raw"] = functools.partial(self.raw.fetch, kind, nbytes, 1)
+            runs[f"{kind}_raw_direct_shape"] = functools.partial(
+                self.raw.fetch, kind, nbytes, 2 * LAYOUT.num_layers)
+        out = self.staging.blocks(num_blocks)
+        runs["gather"] = functools.partial(time_copy, functools.partial(
+            self.copier.gather, scattered_remote, out, 0, LAYOUT.num_layers))
+        runs["scatter"] = functools.partial(time_copy, functools.partial(
+            self.copier.scatter, out, scattered_local, 0, LAYOUT.num_layers))
+        return runs, pinned
+
+
+def measure(bench: Bench, num_blocks: int, iters: int, warmup: int) -> dict[str, Any]:
+    runs, pinned = bench.runs(num_blocks)
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    order = list(runs)
+    for i in range(warmup + iters):
+        # Rotate who goes first, so that no variant always follows another.
+        for name in order[i % len(order):] + order[:i % len(order)]:
+            elapsed = runs[name]()
+            if i >= warmup:
+                seconds[name].append(elapsed)
+    for kind, request_id in pinned:
+        bench.producers[kind].send(("release", (request_id,)))
+        bench.producers[kind].recv()
+    nbytes = num_blocks * LAYOUT.bytes_per_block
+    default = plan_transfer(LAYOUT, list(range(num_blocks)), list(range(num_blocks)))
+    row: dict[str, Any] = {"num_blocks": num_blocks, "bytes": nbytes,
+                           "default_mode_for_consecutive_blocks": default.mode}
+    for name, values in seconds.items():
+        row[f"{name}_ms_median"] = round(statistics.median(values) * 1e3, 3)
+        row[f"{name}_ms_min"] = round(min(values) * 1e3, 3)
+        row[f"{name}_gbps"] = round(nbytes / statistics.median(values) / 1e9, 3)
+    for kind in TRANSPORTS:
+        raw = statistics.median(seconds[f"{kind}_raw"])
+        for variant in ("connector_direct", "connector_staged", "raw_direct_shape"):
+            name = f"{kind}_{variant}"
+            row[f"{name}_ratio"] = round(raw / statistics.median(seconds[name]), 3)
+            # Best case against best case: less exposed to other tenants' load.
+            row[f"{name}_ratio_of_min"] = round(min(seconds[f"{kind}_raw"]) /
+                                                min(seconds[name]), 3)
+            # Round by round: the variants of a round ran seconds apart.
+            per_round = [r / v for r, v in zip(seconds[f"{kind}_raw"], seconds[name],
+                                               strict=True)]
+            row[f"{name}_ratio_per_round_median"] = round(statistics.median(per_round), 3)
+    return row
+
+
+def report_line(row: dict[str, Any]) -> str:
+    parts = [f"{row['num_blocks']:4d} blocks {row['bytes'] / 2**20:6.1f} MiB"]
+    for kind in TRANSPORTS:
+        parts.append(
+            f"{kind}: raw {row[f'{kind}_raw_gbps']:5.2f} direct "
+            f"{row[f'{kind}_connector_direct_gbps']:5.2f} (x{row[f'{kind}_connector_direct_ratio']:.2f})"
+            f" staged {row[f'{kind}_connector_staged_gbps']:5.2f} "
+            f"(x{row[f'{kind}_connector_staged_ratio']:.2f}) GB/s")
+    parts.append(f"gather {row['gather_ms_median']:.1f} ms scatter {row['scatter_ms_median']:.1f} ms")
+    return "  ".join(parts)
+
+
+def start_bench(producers: dict[TransportKind, Connection]) -> Bench:
+    runtime = UcxRuntime.shared(HOST)
+    kv = make_cache(CACHE_BLOCKS, seed=2)
+    consumers = {
+        # Each mode forced, to see both at every size (the default policy's choice is
+        # recorded with the results).
+        kind: {mode: UcxKvConsumer(kv, LAYOUT, host=HOST,
+                                   transport="auto" if kind == "shm" else "tcp",
+                                   direct_min_message_bytes=0 if mode == "direct" else 2**62)
+               for mode in ("direct", "staged")}
+        for kind in TRANSPORTS}
+    addresses = {kind: conn.recv() for kind, conn in producers.items()}
+    raw = RawClient(runtime, addresses, max(SIZES) * LAYOUT.bytes_per_block)
+    for kind, conn in producers.items():
+        conn.send(runtime.worker_address(kind))
+        conn.recv()
+    copier = BlockCopier(kv, LAYOUT)
+    return Bench(producers, consumers, raw, copier, StagingBuffer(kv), random.Random(0))
 
 
 def main() -> None:
@@ -177,71 +298,34 @@ def main() -> None:
     machine = report_machine()
 
     ctx = mp.get_context("spawn")
-    conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=_producer_main, args=(child_conn, VARIANTS), daemon=True)
-    child.start()
-    raw_port = conn.recv()
+    producers: dict[TransportKind, Connection] = {}
+    children = []
+    for kind in TRANSPORTS:
+        producers[kind], child_conn = ctx.Pipe()
+        children.append(ctx.Process(target=_producer_main, args=(child_conn, kind), daemon=True))
+        children[-1].start()
 
     import ucxx
 
-    runtime = UcxRuntime.shared()
-    kv = make_cache(CACHE_BLOCKS, seed=2)
-    consumer = UcxKvConsumer(kv, LAYOUT)
-    raw = RawClient(runtime, raw_port, max(SIZES) * LAYOUT.bytes_per_block)
-    rng = random.Random(0)
+    bench = start_bench(producers)
     results = []
     try:
         for num_blocks in SIZES:
-            nbytes = num_blocks * LAYOUT.bytes_per_block
-            remote = rng.sample(range(CACHE_BLOCKS), num_blocks)
-            local = rng.sample(range(CACHE_BLOCKS), num_blocks)
-            request_id = f"bench-{num_blocks}"
-            conn.send(("pin", (request_id, remote, num_blocks * 16, 600.0)))
-            handles: dict[str, KvHandle] = conn.recv()
-
-            runs: dict[str, Callable[[], float]] = {
-                name: functools.partial(time_pull, consumer, handle, remote, local)
-                for name, handle in handles.items()
-            }
-            runs["raw"] = functools.partial(raw.fetch, nbytes)
-            seconds: dict[str, list[float]] = {name: [] for name in runs}
-            order = list(runs)
-            for i in range(args.warmup + args.iters):
-                # Rotate who goes first, so that no variant always follows another.
-                for name in order[i % len(order) :] + order[: i % len(order)]:
-                    elapsed = runs[name]()
-                    if i >= args.warmup:
-                        seconds[name].append(elapsed)
-            conn.send(("release", (request_id,)))
-            conn.recv()
-            raw_gbps = gbps(nbytes, seconds["raw"])
-            row: dict[str, Any] = {"num_blocks": num_blocks, "bytes": nbytes}
-            for name in runs:
-                row[f"{name}_gbps"] = round(gbps(nbytes, seconds[name]), 3)
-                row[f"{name}_ms_median"] = round(statistics.median(seconds[name]) * 1e3, 2)
-                row[f"{name}_ms_min"] = round(min(seconds[name]) * 1e3, 2)
-            for name in handles:
-                row[f"{name}_ratio"] = round(gbps(nbytes, seconds[name]) / raw_gbps, 3)
-                # Best case against best case: less exposed to other tenants' load.
-                row[f"{name}_ratio_of_min"] = round(min(seconds["raw"]) / min(seconds[name]), 3)
+            row = measure(bench, num_blocks, args.iters, args.warmup)
             results.append(row)
-            print(
-                f"{num_blocks:4d} blocks {nbytes / 2**20:6.1f} MiB  raw {raw_gbps:5.2f} GB/s  "
-                + "  ".join(
-                    f"{name} {row[f'{name}_gbps']:5.2f} GB/s (x{row[f'{name}_ratio']:.2f}, "
-                    f"min x{row[f'{name}_ratio_of_min']:.2f})"
-                    for name in handles
-                ),
-                flush=True,
-            )
-        transports = sorted(ucxx.get_active_transports())
+            print(report_line(row), flush=True)
+        lanes = {kind: bench.raw.lanes(kind) for kind in TRANSPORTS}
     finally:
-        raw.close()
-        consumer.close()
-        conn.send(("stop", ()))
-        conn.recv()
-        child.join(10)
+        for by_mode in bench.consumers.values():
+            for consumer in by_mode.values():
+                consumer.close()
+        for conn in producers.values():
+            conn.send(("stop", ()))
+            conn.recv()
+        for child in children:
+            child.join(10)
 
+    runtime = UcxRuntime.shared(HOST)
     report = {
         "benchmark": "kv_transfer_bandwidth",
         "machine": machine,
@@ -249,20 +333,23 @@ def main() -> None:
             "layout": dataclasses.asdict(LAYOUT),
             "bytes_per_block": LAYOUT.bytes_per_block,
             "sizes_blocks": SIZES,
-            "variants_chunk_bytes": VARIANTS,
             "iters": args.iters,
             "warmup": args.warmup,
-            "statistic": "median seconds per transfer, submit to result; GB = 1e9 bytes; "
-            "ratio = variant GB/s / raw GB/s (medians); ratio_of_min = raw min s / variant "
-            "min s",
+            "host": HOST,
+            "statistic": "median seconds per transfer, submit to result, from the calling "
+            "thread; GB = 1e9 bytes; ratio = raw median s / variant median s on the same "
+            "transport; ratio_of_min = raw min s / variant min s; ratio_per_round_median = "
+            "median over rounds of raw s / variant s in that round",
+            "direct_min_message_bytes": DIRECT_MIN_MESSAGE_BYTES,
             "ucxx": ucxx.__version__,
             "ucx": ".".join(map(str, ucxx.get_ucx_version())),
-            "active_transports": transports,
-            "transport_used": "tcp over loopback: with endpoint error handling (peer-failure "
-            "detection) UCX cannot use posix/sysv shared memory",
+            "ucx_options": runtime.options,
+            "lanes": {kind: [f"{t}/{d}" for t, d in lanes[kind]] for kind in TRANSPORTS},
+            "transports": {kind: transport_label(lanes[kind]) for kind in TRANSPORTS},
             "ucx_env": {k: v for k, v in os.environ.items() if k.startswith(("UCX", "UCXPY"))},
         },
         "results": results,
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")

@@ -66,8 +66,14 @@ class KvTransferConfig:
     """P/D: this engine's side of KV transfer (see ``remote_kv``)."""
 
     role: str | None = None  # "producer" (prefill replica), "consumer" (decode replica), None
-    host: str = "127.0.0.1"  # address advertised to consumers in KV handles
-    port: int = 0  # UCX listener port; 0 picks a free one
+    # This replica's KV address, an IP of this host (never a wildcard): a producer binds its
+    # KV listener to exactly it and advertises it in handles; on both roles UCX's TCP
+    # transport listens only on its interface, so it must reach the peers (loopback
+    # reaches this host only). See kv_transfer.local_addresses.check_bind_address.
+    host: str = "127.0.0.1"
+    port: int = 0  # KV listener port of a producer; 0 picks a free one
+    # "auto": shared memory with producers on this host, TCP with others; "tcp": TCP always.
+    transport: str = "auto"
     lease_seconds: float = 30.0  # pinned blocks nobody pulls are freed after this
     pull_timeout_seconds: float = 10.0
     fallback: str = "recompute"  # on a failed pull: "recompute" locally, or "fail" the request

@@ -195,10 +195,13 @@ class EngineMetrics:
         # Each finished request's phases, for a while: tracing reads them (by request id).
         self.finished_requests = FinishedRequests()
         # P/D KV transfer (Tandem's own).
-        self.kv_transfer_bytes = counter(
-            "tandem:kv_transfer_bytes", "KV bytes pulled from prefill replicas.")
-        self.kv_transfer_seconds = histogram(
-            "tandem:kv_transfer_seconds", "Duration of one KV pull.", _ITL_BUCKETS)
+        # Pulls that worked, by the transport UCX used ("shm" on one host, "tcp", ...).
+        self._kv_transfer_bytes = Counter(
+            "tandem:kv_transfer_bytes", "KV bytes pulled from prefill replicas, by transport.",
+            [*names, "transport"], registry=reg)
+        self._kv_transfer_seconds = Histogram(
+            "tandem:kv_transfer_seconds", "Duration of one KV pull, by transport.",
+            [*names, "transport"], buckets=_ITL_BUCKETS, registry=reg)
         self.kv_transfer_blocks_local = counter(
             "tandem:kv_transfer_blocks_local",
             "Prompt blocks a decode replica already held and did not pull.")
@@ -267,8 +270,10 @@ class EngineMetrics:
             self._kv_transfer_failures.labels(**self._labels, reason=report.fallback_reason).inc()
             self.kv_transfer_fallbacks.inc()
             return
-        self.kv_transfer_bytes.inc(report.num_bytes)
-        self.kv_transfer_seconds.observe(report.seconds)
+        transport = report.transport or "unknown"
+        self._kv_transfer_bytes.labels(**self._labels, transport=transport).inc(report.num_bytes)
+        self._kv_transfer_seconds.labels(**self._labels, transport=transport).observe(
+            report.seconds)
 
     def record_finished(self, stats: FinishedRequestStats) -> None:
         self._request_success.labels(**self._labels, finished_reason=stats.finish_reason).inc()

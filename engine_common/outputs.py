@@ -49,6 +49,8 @@ class KvTransferReport:
     num_bytes: int = 0
     seconds: float = 0.0
     fallback_reason: str | None = None  # set when the prompt was recomputed here instead
+    # What carried the bytes of a pull that worked: "shm", "tcp", "self" (one process)...
+    transport: str | None = None
 
 
 @dataclass

@@ -41,6 +41,8 @@ class RemoteKv:
                  engine_id: str):
         if config.role not in ("producer", "consumer"):
             raise ValueError(f"KV transfer role must be 'producer' or 'consumer', got {config.role!r}")
+        if config.transport not in ("auto", "tcp"):
+            raise ValueError(f"KV transport must be 'auto' or 'tcp', got {config.transport!r}")
         if config.fallback not in ("recompute", "fail"):
             raise ValueError(f"KV transfer fallback must be 'recompute' or 'fail', got {config.fallback!r}")
         self.config = config
@@ -56,7 +58,8 @@ class RemoteKv:
                 on_release=lambda request_id, _blocks: self._released.put(request_id))
             self.address = self.producer.start()
         else:
-            self.consumer = UcxKvConsumer(kv_cache, self.layout)
+            self.consumer = UcxKvConsumer(kv_cache, self.layout, host=config.host,
+                                          transport=config.transport)
 
     # ------------------------------------------------------------------ producer
     def pin(self, request: Request, block_ids: list[int]) -> KvHandle:
@@ -121,6 +124,7 @@ class RemoteKv:
                 report.blocks_pulled = result.num_blocks
                 report.num_bytes = result.num_bytes
                 report.seconds = result.seconds
+                report.transport = result.transport
             except KvTransferError as exc:
                 report.fallback_reason = exc.reason
                 logger.warning("KV pull for %s failed (%s): %s", request_id, exc.reason, exc)

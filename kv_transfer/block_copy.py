@@ -1,10 +1,12 @@
-"""Copies between the paged KV cache and a contiguous staging buffer, layer range by range.
+"""The paged KV cache as a transfer sees it: stretches sent in place, or copies through staging.
 
-Owns the two copies of a transfer: gather (``staging = kv_cache[:, :, ids]``) on the
-producer and scatter (``kv_cache[:, :, ids] = staging``) on the consumer, each over a
-range of layers so that transfers can be pipelined, and the reusable staging buffer.
-It does not own what is copied when (``ucx_connector``) or which blocks are valid
-(``leases`` and the engine).
+Owns the two copies of a staged transfer: gather (``staging = kv_cache[:, :, ids]``) on
+the producer and scatter (``kv_cache[:, :, ids] = staging``) on the consumer, each over a
+range of layers so that transfers can be pipelined, and the reusable staging buffer; and
+the in-place views a direct transfer sends from and receives into (``run_view``: the
+rows of consecutive blocks of one layer's K or V, one contiguous stretch of the cache).
+It does not own what is copied when (``ucx_connector``, ``transfer_plan``) or which
+blocks are valid (``leases`` and the engine).
 
 Shapes: the cache is ``[num_layers, 2, num_blocks, block_size, heads, head_size]`` and
 the staging buffer ``[num_layers, 2, n, block_size, heads, head_size]``; layers are the
@@ -56,6 +58,9 @@ class BlockCopier:
         layout.check_cache(kv_cache)
         self._kv_cache = kv_cache
         self._row_bytes = layout.bytes_per_block // (2 * layout.num_layers)
+        num_layers, _, num_blocks = kv_cache.shape[:3]
+        # [num_layers * 2, num_blocks, row elements]: a (layer, K/V) group's rows in order
+        self._groups = kv_cache.view(num_layers * 2, num_blocks, -1)
         self._stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None
         self._cache_rows = None if kv_cache.is_cuda else self._rows(kv_cache)
 
@@ -64,6 +69,11 @@ class BlockCopier:
         rows = blocks.shape[0] * 2
         raw = blocks.view(torch.uint8).numpy().reshape(rows, -1)
         return raw.view(np.dtype((np.void, self._row_bytes)))
+
+    def run_view(self, group: int, start: int, count: int) -> torch.Tensor:
+        """Blocks ``[start, start + count)`` of (layer, K/V) group ``group`` (layer * 2 + kv),
+        in place: one contiguous stretch of the cache."""
+        return self._groups[group, start : start + count]
 
     def gather(self, block_ids: list[int], staging: torch.Tensor, start: int, stop: int) -> None:
         """staging[start:stop] = kv_cache[start:stop, :, block_ids]."""

@@ -66,6 +66,8 @@ class TransferResult:
     num_blocks: int
     num_bytes: int
     seconds: float
+    transport: str = ""  # what carried the bytes, e.g. "shm", "tcp" (see ucp_introspection)
+    mode: str = ""  # how: "direct" (cache to cache) or "staged" (see transfer_plan)
 
 
 class KvProducer(ABC):

@@ -4,7 +4,10 @@ Owns lease bookkeeping shared by the engine's thread (pin, release, expire) and 
 transport's threads (serving reads), and the rule that makes that sharing safe: a lease
 being read (its blocks copied into a staging buffer) is never ended under the reader.
 ``remove`` waits for readers to finish (a memory copy, not a network wait);
-``remove_expired`` skips leases being read and takes them on a later call.
+``remove_expired`` skips leases being read and takes them on a later call. A reader whose
+bytes leave by the network without a copy (a direct transfer, which the peer reads from
+the cache itself) does not hold the lease open meanwhile; it asks ``holds`` afterwards
+whether the lease stayed in force throughout.
 
 It does not own the blocks themselves or tell the engine anything: the producer calls
 its ``on_release`` hook with what this table returns.
@@ -84,6 +87,12 @@ class LeaseTable:
             with self._cond:
                 lease.readers -= 1
                 self._cond.notify_all()
+
+    def holds(self, lease: Lease) -> bool:
+        """Whether ``lease`` (as ``reading`` yielded it) is still in force: not released,
+        expired or replaced by a new pin of the same request id since."""
+        with self._cond:
+            return self._leases.get(lease.request_id) is lease
 
     def remove(self, request_id: str) -> list[int] | None:
         """End a lease once no one reads it; None when there is no such lease."""

@@ -1,57 +1,74 @@
-"""The KV transfer wire format: header messages and how a payload is cut into messages.
+"""The KV transfer wire format: control frames on the TCP connection, and payload tags.
 
-Owns the bytes on the wire: the consumer's request header, the producer's status
-header, their framing, and the payload chunking rule both sides must compute alike.
-It does not own who sends what when (``ucx_connector``).
+Owns the bytes both sides exchange: the control frames that travel on the consumer's TCP
+connection to the producer's listener (hello, welcome, request, status), their framing,
+and the UCX tag each payload message carries. It does not own who sends what when
+(``ucx_connector``) or how a payload is cut into messages (``transfer_plan``).
 
-Headers are one UCX message each: a 4-byte little-endian length, then that many bytes
-of UTF-8 JSON carrying ``"v": PROTOCOL_VERSION``. A receiver posts a buffer of
-``HEADER_CAPACITY`` bytes (UCX accepts a message shorter than the posted buffer) and
-reads the length, so a header costs one message, not a length message and a body.
-``HEADER_CAPACITY`` bounds a request to roughly 30,000 block ids.
+A frame is a 4-byte little-endian length, then that many bytes of UTF-8 JSON carrying
+``"v": PROTOCOL_VERSION``, at most ``MAX_FRAME_BYTES`` (which bounds a request to roughly
+30,000 block ids). Worker addresses travel base64-encoded.
 
-The payload is the staging buffer ``[num_layers, 2, n, block_size, heads, head_size]``
-sent as consecutive messages of ``layers_per_chunk`` layers each (the last may hold
-fewer), ``nbytes`` in all; layers are the outermost dimension, so each chunk is one
-contiguous slice.
+Payload messages travel over UCX, each under its own tag (``payload_tag``): a constant
+prefix, the consumer's connection number, the pull's sequence number on that connection,
+and the message's index in the pull. Tags are matched by the consumer's UCX worker, which
+every connection of that process shares, so a tag names one message of one pull of one
+connection: a late message of a pull that failed can never land in another pull's buffer.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import json
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-import numpy as np
 import torch
 
 from kv_transfer.connector import TRANSFER_FAILURES, KvTransferError
 
-PROTOCOL_VERSION = 1
-HEADER_CAPACITY = 256 * 1024
+PROTOCOL_VERSION = 2
+MAX_FRAME_BYTES = 256 * 1024
 STATUS_OK = "ok"
 _LENGTH = struct.Struct("<I")
 
+TransportKind = Literal["shm", "tcp"]
+TRANSPORT_KINDS: tuple[TransportKind, ...] = ("shm", "tcp")
 
-def header_buffer() -> np.ndarray:
-    """A buffer to receive any header into."""
-    return np.empty(HEADER_CAPACITY, dtype=np.uint8)
+_TAG_PREFIX = 0x4B56  # "KV": keeps these tags apart from any other user of the worker
+_CONNECTION_BITS, _SEQ_BITS, _INDEX_BITS = 16, 8, 24
 
 
-def _frame(message: dict[str, Any]) -> np.ndarray:
+def payload_tag(connection_id: int, seq: int, index: int) -> int:
+    """The UCX tag of message ``index`` of pull ``seq`` on connection ``connection_id``.
+
+    Connection numbers and sequence numbers wrap (16 and 8 bits): a number comes back
+    only after 65,536 connections or 256 pulls, long after its messages settled.
+    """
+    if not 0 <= index < 1 << _INDEX_BITS:
+        raise ValueError(f"message index {index} out of range")
+    connection = connection_id & ((1 << _CONNECTION_BITS) - 1)
+    return (((_TAG_PREFIX << _CONNECTION_BITS | connection) << _SEQ_BITS
+             | seq & ((1 << _SEQ_BITS) - 1)) << _INDEX_BITS) | index
+
+
+def encode_frame(message: dict[str, Any]) -> bytes:
     body = json.dumps({"v": PROTOCOL_VERSION, **message}, separators=(",", ":")).encode()
-    if _LENGTH.size + len(body) > HEADER_CAPACITY:
-        raise ValueError(f"header of {len(body)} bytes exceeds {HEADER_CAPACITY}")
-    return np.frombuffer(_LENGTH.pack(len(body)) + body, dtype=np.uint8)
+    if len(body) > MAX_FRAME_BYTES:
+        raise ValueError(f"control frame of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
+    return _LENGTH.pack(len(body)) + body
 
 
-def _unframe(buffer: np.ndarray, what: str) -> dict[str, Any]:
-    (length,) = _LENGTH.unpack(buffer[: _LENGTH.size].tobytes())
-    if length > HEADER_CAPACITY - _LENGTH.size:
+async def read_frame(reader: asyncio.StreamReader, what: str) -> dict[str, Any]:
+    """The next frame; asyncio.IncompleteReadError when the peer closed the connection."""
+    (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+    if length > MAX_FRAME_BYTES:
         raise KvTransferError("protocol", f"{what} claims {length} bytes")
+    body = await reader.readexactly(length)
     try:
-        message = json.loads(buffer[_LENGTH.size : _LENGTH.size + length].tobytes())
+        message = json.loads(body)
     except ValueError as exc:
         raise KvTransferError("protocol", f"{what} is not JSON: {exc}") from None
     if not isinstance(message, dict) or message.get("v") != PROTOCOL_VERSION:
@@ -59,89 +76,121 @@ def _unframe(buffer: np.ndarray, what: str) -> dict[str, Any]:
     return message
 
 
+def _field(message: dict[str, Any], name: str, kind: type, what: str) -> Any:
+    value = message.get(name)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise KvTransferError("protocol", f"{what}: bad or missing {name!r}")
+    return value
+
+
+def _address(text: Any, what: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (ValueError, TypeError):
+        raise KvTransferError("protocol", f"{what}: bad worker address") from None
+
+
+@dataclass(frozen=True)
+class Hello:
+    """Consumer -> producer, first frame: who it expects and how it can be reached."""
+
+    engine_id: str  # the producer the consumer's handle names
+    connection_id: int
+    prefer: TransportKind  # "shm" only when the producer's address is one of ours
+    addresses: dict[str, bytes]  # UCX worker address by transport kind ("tcp": network only)
+
+    def encode(self) -> bytes:
+        return encode_frame({
+            "hello": self.engine_id, "connection_id": self.connection_id,
+            "prefer": self.prefer,
+            "addresses": {k: base64.b64encode(v).decode() for k, v in self.addresses.items()}})
+
+    @classmethod
+    def decode(cls, message: dict[str, Any]) -> Hello:
+        what = "hello"
+        engine_id = _field(message, "hello", str, what)
+        connection_id = _field(message, "connection_id", int, what)
+        prefer = message.get("prefer")
+        addresses = _field(message, "addresses", dict, what)
+        if prefer not in TRANSPORT_KINDS or "tcp" not in addresses or not set(
+                addresses) <= set(TRANSPORT_KINDS):
+            raise KvTransferError("protocol", f"{what}: bad transport offer")
+        return cls(engine_id, connection_id, prefer,
+                   {k: _address(v, what) for k, v in addresses.items()})
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """Producer -> consumer, answering the hello: who it is and how to reach it."""
+
+    engine_id: str
+    transport: TransportKind
+    address: bytes
+
+    def encode(self) -> bytes:
+        return encode_frame({"welcome": self.engine_id, "transport": self.transport,
+                             "address": base64.b64encode(self.address).decode()})
+
+    @classmethod
+    def decode(cls, message: dict[str, Any]) -> Welcome:
+        what = "welcome"
+        transport = message.get("transport")
+        if transport not in TRANSPORT_KINDS:
+            raise KvTransferError("protocol", f"{what}: bad transport")
+        return cls(_field(message, "welcome", str, what), transport,
+                   _address(message.get("address"), what))
+
+
 @dataclass(frozen=True)
 class BlockRequest:
-    """Consumer -> producer: send me these blocks of this request."""
+    """Consumer -> producer: send me these blocks of this request, cut as planned."""
 
     request_id: str
     block_ids: list[int]
     fingerprint: str  # the consumer's KvLayout fingerprint
+    seq: int  # this pull's number on the connection (its payload tags carry it)
+    plan: dict[str, Any]  # TransferPlan.to_wire()
 
-    def encode(self) -> np.ndarray:
-        return _frame(
-            {
-                "request_id": self.request_id,
-                "block_ids": self.block_ids,
-                "fingerprint": self.fingerprint,
-            }
-        )
+    def encode(self) -> bytes:
+        return encode_frame({"request_id": self.request_id, "block_ids": self.block_ids,
+                             "fingerprint": self.fingerprint, "seq": self.seq,
+                             "plan": self.plan})
 
     @classmethod
-    def decode(cls, buffer: np.ndarray) -> BlockRequest:
-        message = _unframe(buffer, "request")
-        request_id = message.get("request_id")
-        block_ids = message.get("block_ids")
-        fingerprint = message.get("fingerprint")
-        if (
-            not isinstance(request_id, str)
-            or not isinstance(fingerprint, str)
-            or not isinstance(block_ids, list)
-            or not all(isinstance(b, int) for b in block_ids)
-        ):
-            raise KvTransferError("protocol", "malformed request header")
-        return cls(request_id, block_ids, fingerprint)
+    def decode(cls, message: dict[str, Any]) -> BlockRequest:
+        what = "request"
+        block_ids = _field(message, "block_ids", list, what)
+        if not all(isinstance(b, int) and not isinstance(b, bool) for b in block_ids):
+            raise KvTransferError("protocol", f"{what}: block ids must be integers")
+        return cls(_field(message, "request_id", str, what), block_ids,
+                   _field(message, "fingerprint", str, what), _field(message, "seq", int, what),
+                   _field(message, "plan", dict, what))
 
 
 @dataclass(frozen=True)
 class TransferStatus:
-    """Producer -> consumer: "ok" and how the payload comes, or why it does not."""
+    """Producer -> consumer, once per request: "ok" after every payload message of the pull
+    was delivered while the lease held, or why the pull failed."""
 
     status: str  # STATUS_OK or a KvTransferError reason
     nbytes: int = 0
-    layers_per_chunk: int = 0
     detail: str = ""
 
-    def encode(self) -> np.ndarray:
-        return _frame(
-            {
-                "status": self.status,
-                "nbytes": self.nbytes,
-                "layers_per_chunk": self.layers_per_chunk,
-                "detail": self.detail,
-            }
-        )
+    def encode(self) -> bytes:
+        return encode_frame({"status": self.status, "nbytes": self.nbytes,
+                             "detail": self.detail[:1000]})
 
     @classmethod
-    def decode(cls, buffer: np.ndarray) -> TransferStatus:
-        message = _unframe(buffer, "status")
+    def decode(cls, message: dict[str, Any]) -> TransferStatus:
         status = message.get("status")
-        nbytes = message.get("nbytes")
-        layers_per_chunk = message.get("layers_per_chunk")
-        if (
-            status not in TRANSFER_FAILURES | {STATUS_OK}
-            or not isinstance(nbytes, int)
-            or not isinstance(layers_per_chunk, int)
-        ):
-            raise KvTransferError("protocol", f"malformed status header {message!r}")
-        return cls(status, nbytes, layers_per_chunk, str(message.get("detail", "")))
+        if status not in TRANSFER_FAILURES | {STATUS_OK}:
+            raise KvTransferError("protocol", "status: unknown status")
+        return cls(status, _field(message, "nbytes", int, "status"),
+                   str(message.get("detail", ""))[:1000])
 
     def raise_for_failure(self) -> None:
         if self.status != STATUS_OK:
             raise KvTransferError(self.status, self.detail)  # type: ignore[arg-type]
-
-
-def layer_chunks(num_layers: int, layers_per_chunk: int) -> list[tuple[int, int]]:
-    """The [start, stop) layer ranges of the payload's messages."""
-    return [
-        (start, min(num_layers, start + layers_per_chunk))
-        for start in range(0, num_layers, layers_per_chunk)
-    ]
-
-
-def layers_per_chunk(num_layers: int, nbytes: int, chunk_bytes: int) -> int:
-    """The most whole layers that fit in ``chunk_bytes`` (at least one)."""
-    bytes_per_layer = max(1, nbytes // num_layers)
-    return max(1, min(num_layers, chunk_bytes // bytes_per_layer))
 
 
 def as_wire(chunk: torch.Tensor) -> Any:

@@ -26,13 +26,19 @@ import torch
 from kv_transfer.block_copy import BlockCopier, StagingBuffer
 from kv_transfer.connector import KvHandle, KvTransferError
 from kv_transfer.layout import ITEM_SIZES, KvLayout
+from kv_transfer.leases import LeaseTable
+from kv_transfer.transfer_plan import Run, TransferPlan, joint_runs, plan_transfer
 from kv_transfer.ucx_connector import UcxKvConsumer, UcxKvProducer
+from kv_transfer.wire import payload_tag
 
 MODEL = "test-model"
 PRODUCER_BLOCKS = 48
 CONSUMER_BLOCKS = 40
-# bf16 producers send a layer per message (pipelined), fp32 ones the payload in one.
+# Staged bf16 pulls come a layer per message (pipelined), fp32 ones in one message.
 CHUNK_BYTES = {"bfloat16": 4096, "float32": 2**40}
+# The smallest mean message size that sends a pull cache to cache (transfer_plan): 0 makes
+# every pull direct, a huge one every pull staged.
+DIRECT_MIN = {"direct": 0, "staged": 2**62}
 
 
 def make_layout(dtype: str) -> KvLayout:
@@ -83,7 +89,6 @@ def _producer_main(conn: Connection, seed: int) -> None:
             engine_id=f"prefill-{dtype}",
             port=port,
             on_release=lambda rid, ids: released.append((rid, ids)),
-            chunk_bytes=CHUNK_BYTES[dtype],
         )
         producer.start()
         producers[dtype] = producer
@@ -163,10 +168,13 @@ def producer() -> Iterator[ProducerProcess]:
     process.stop()
 
 
-def make_consumer(dtype: str, seed: int = 99) -> tuple[UcxKvConsumer, torch.Tensor]:
+def make_consumer(dtype: str, seed: int = 99, mode: str = "staged"
+                  ) -> tuple[UcxKvConsumer, torch.Tensor]:
     layout = make_layout(dtype)
     kv = kv_pattern(layout, CONSUMER_BLOCKS, seed)
-    return UcxKvConsumer(kv, layout), kv
+    consumer = UcxKvConsumer(kv, layout, chunk_bytes=CHUNK_BYTES[dtype],
+                             direct_min_message_bytes=DIRECT_MIN[mode])
+    return consumer, kv
 
 
 def pull_and_check(
@@ -176,6 +184,7 @@ def pull_and_check(
     remote: list[int],
     local: list[int],
     timeout: float = 10.0,
+    mode: str = "staged",
 ) -> None:
     layout = make_layout(str(kv.dtype).removeprefix("torch."))
     source = kv_pattern(layout, PRODUCER_BLOCKS, seed=1)
@@ -183,6 +192,8 @@ def pull_and_check(
     result = consumer.pull(handle, remote, local, timeout).result(timeout + 5)
     assert result.num_blocks == len(remote)
     assert result.num_bytes == len(remote) * layout.bytes_per_block
+    assert result.transport == "shm"  # producer and consumer share this host
+    assert result.mode == mode
     assert torch.equal(as_bits(kv[:, :, local]), as_bits(source[:, :, remote]))
     untouched = [b for b in range(kv.shape[2]) if b not in set(local)]
     assert torch.equal(as_bits(kv[:, :, untouched]), as_bits(before[:, :, untouched]))
@@ -235,22 +246,95 @@ def test_block_copier_gathers_and_scatters_layer_ranges(dtype: str) -> None:
     assert torch.equal(as_bits(target[:, :, others]), as_bits(before[:, :, others]))
 
 
+@pytest.mark.parametrize("mode", ["staged", "direct"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_pull_random_subset_into_shuffled_blocks_is_exact(
-    producer: ProducerProcess, dtype: str
+    producer: ProducerProcess, dtype: str, mode: str
 ) -> None:
     rng = random.Random(7)
     pinned = rng.sample(range(PRODUCER_BLOCKS), 24)
-    handle = producer.pin(dtype, f"exact-{dtype}", pinned)
-    consumer, kv = make_consumer(dtype)
+    handle = producer.pin(dtype, f"exact-{dtype}-{mode}", pinned)
+    consumer, kv = make_consumer(dtype, mode=mode)
     try:
         for size in (1, 5, 17):
             remote = rng.sample(pinned, size)
             local = rng.sample(range(CONSUMER_BLOCKS), size)
-            pull_and_check(consumer, kv, handle, remote, local)
+            pull_and_check(consumer, kv, handle, remote, local, mode=mode)
     finally:
         consumer.close()
-    assert producer.call("release", dtype, f"exact-{dtype}") == pinned
+    assert producer.call("release", dtype, f"exact-{dtype}-{mode}") == pinned
+
+
+@pytest.mark.parametrize("mode", ["staged", "direct"])
+def test_pull_of_runs_consecutive_on_both_sides_is_exact(producer: ProducerProcess,
+                                                         mode: str) -> None:
+    """Runs (a fresh prefill's blocks usually are one): direct pulls send each (layer, K/V,
+    run) in place, one message each; staged ones copy through the staging buffer."""
+    remote = [*range(4, 14), 30, 31, *range(20, 25)]
+    local = [*range(20, 30), 2, 3, *range(33, 38)]
+    handle = producer.pin("bfloat16", f"runs-{mode}", remote)
+    consumer, kv = make_consumer("bfloat16", mode=mode)
+    try:
+        pull_and_check(consumer, kv, handle, remote, local, mode=mode)
+    finally:
+        consumer.close()
+    producer.call("release", "bfloat16", f"runs-{mode}")
+
+
+def test_transfer_plan_goes_direct_only_for_long_runs() -> None:
+    layout = make_layout("bfloat16")  # 1 KiB per (layer, K/V) row of a block
+    assert joint_runs([5, 6, 7, 9, 10, 2], [0, 1, 2, 3, 4, 8]) == [
+        Run(5, 0, 3), Run(9, 3, 2), Run(2, 8, 1)]
+    assert joint_runs([3, 4], [7, 6]) == [Run(3, 7, 1), Run(4, 6, 1)]  # only one side runs
+    # 40 consecutive blocks: 6 messages of 40 KiB each
+    run = plan_transfer(layout, list(range(40)), list(range(8, 48)),
+                        direct_min_message_bytes=32 * 1024)
+    assert run.mode == "direct" and run.num_messages(layout) == 6
+    assert [(m.group, m.run) for m in run.direct_messages(layout)][:2] == [
+        (0, Run(0, 8, 40)), (1, Run(0, 8, 40))]
+    # the same blocks shuffled: 1 KiB messages, so staged, two layers (2 * 80 KiB) a chunk
+    shuffled = plan_transfer(layout, list(range(40)), list(range(47, 7, -1)),
+                             chunk_bytes=160 * 1024, direct_min_message_bytes=32 * 1024)
+    assert shuffled == TransferPlan("staged", layers_per_chunk=2)
+    assert shuffled.layer_chunks(layout) == [(0, 2), (2, 3)]
+    for plan in (run, shuffled):  # what the producer reads back is what was meant
+        assert TransferPlan.from_wire(plan.to_wire(), layout, list(range(40))) == plan
+
+
+@pytest.mark.parametrize("wire", [
+    {"mode": "direct", "runs": [[0, 0, 3]]},  # covers 0..2, the request asks 0..3
+    {"mode": "direct", "runs": [[0, 0, 4], [9, 9, 0]]},
+    {"mode": "direct", "runs": [[0, "0", 4]]},
+    {"mode": "staged", "layers_per_chunk": 0},
+    {"mode": "staged", "layers_per_chunk": 4},
+    {"mode": "teleport"},
+    [],
+])
+def test_a_producer_refuses_a_plan_that_does_not_fit_the_request(wire: object) -> None:
+    with pytest.raises(KvTransferError) as refused:
+        TransferPlan.from_wire(wire, make_layout("float32"), [0, 1, 2, 3])
+    assert refused.value.reason == "protocol"
+
+
+def test_payload_tags_name_one_message_of_one_pull_of_one_connection() -> None:
+    tags = {payload_tag(c, s, i) for c in (1, 2, 65_537) for s in (1, 2, 257) for i in (0, 5)}
+    # Connection 65,537 wraps to 1 and pull 257 to 1: 2 connections x 2 pulls x 2 indices.
+    assert len(tags) == 8
+    assert payload_tag(1, 1, 0) != payload_tag(1, 2, 0) != payload_tag(2, 1, 0)
+    with pytest.raises(ValueError):
+        payload_tag(1, 1, 1 << 24)
+
+
+def test_a_lease_read_in_place_is_known_to_have_ended_meanwhile() -> None:
+    table = LeaseTable()
+    table.add("r", [1, 2], 32, time.time() + 60)
+    with table.reading("r", [1], time.time()) as lease:
+        pass
+    assert table.holds(lease)
+    table.remove("r")
+    assert not table.holds(lease)
+    table.add("r", [1, 2], 32, time.time() + 60)  # pinned again: another lease
+    assert not table.holds(lease)
 
 
 # -- refusals ----------------------------------------------------------------------------

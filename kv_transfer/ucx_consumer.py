@@ -1,0 +1,371 @@
+"""The consumer side of the UCX connector: pull remote blocks into given local blocks.
+
+Owns the consumer's connections (one per producer address, reused, each a TCP control
+connection plus a UCX endpoint on the transport chosen for that producer) and running a
+pull: the plan, the receives, the scatters, and turning every way it can fail into a
+``KvTransferError``. The protocol, transports, copies and failure handling are described
+once, in ``ucx_connector``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kv_transfer.block_copy import BlockCopier, StagingBuffer
+from kv_transfer.connector import KvConsumer, KvHandle, KvTransferError, TransferResult
+from kv_transfer.layout import KvLayout
+from kv_transfer.local_addresses import check_bind_address, is_local_address, is_loopback
+from kv_transfer.transfer_plan import (
+    DEFAULT_CHUNK_BYTES,
+    DIRECT_MIN_MESSAGE_BYTES,
+    TransferPlan,
+    plan_transfer,
+)
+from kv_transfer.ucp_introspection import endpoint_lanes, transport_label
+from kv_transfer.ucx_io import (
+    abort_endpoint,
+    close_writer,
+    copy,
+    is_transport_error,
+    open_endpoint,
+    post,
+    settle,
+    tune_control_socket,
+)
+from kv_transfer.ucx_runtime import UcxRuntime
+from kv_transfer.wire import (
+    STATUS_OK,
+    BlockRequest,
+    Hello,
+    TransferStatus,
+    TransportKind,
+    Welcome,
+    as_wire,
+    payload_tag,
+    read_frame,
+)
+
+TRANSPORT_CHOICES = ("auto", "tcp")
+
+
+@dataclass
+class _Connection:
+    """A live link to one producer: control connection, UCX endpoint, what UCX chose."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    endpoint: Any
+    engine_id: str  # the producer that answered
+    connection_id: int
+    transport: str  # ucp_introspection.transport_label of the endpoint's lanes
+    lanes: list[tuple[str, str]]
+    seq: int = 0
+
+    def broken(self) -> bool:
+        """The producer hung up (seen by the loop, even with nobody reading)."""
+        return (self.writer.is_closing() or self.reader.at_eof()
+                or self.reader.exception() is not None or self.endpoint.closed)
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+
+@dataclass
+class _Peer:
+    """One producer address as a consumer sees it: its connection and staging buffer."""
+
+    staging: StagingBuffer
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    connection: _Connection | None = None
+
+
+class _StaleConnection(Exception):
+    """The request could not even be written: the connection died while idle."""
+
+
+class UcxKvConsumer(KvConsumer):
+    """Pulls blocks from UCX producers into ``kv_cache``.
+
+    ``host`` is this replica's KV address: UCX's TCP transport listens only on its
+    interface (``ucx_runtime``), so it must be an address that reaches the producers
+    (loopback reaches only producers on this host). ``transport="tcp"`` keeps same-host
+    pulls off shared memory (for comparison and as an operator's escape hatch).
+    ``chunk_bytes`` bounds a staged payload message; ``direct_min_message_bytes`` is the
+    mean message size from which a pull goes cache to cache (``transfer_plan``).
+    """
+
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        layout: KvLayout,
+        host: str = "127.0.0.1",
+        connect_timeout: float = 5.0,
+        transport: str = "auto",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        direct_min_message_bytes: int = DIRECT_MIN_MESSAGE_BYTES,
+    ):
+        if transport not in TRANSPORT_CHOICES:
+            raise ValueError(f"transport must be 'auto' or 'tcp', got {transport!r}")
+        self._copier = BlockCopier(kv_cache, layout)  # checks the cache against the layout
+        self._kv_cache = kv_cache
+        self._layout = layout
+        self._fingerprint = layout.fingerprint()
+        self.host = check_bind_address(host)
+        self._connect_timeout = connect_timeout
+        self._transport = transport
+        self._chunk_bytes = chunk_bytes
+        self._direct_min_message_bytes = direct_min_message_bytes
+        self._runtime = UcxRuntime.shared(self.host)
+        self._closed = threading.Event()
+        # Touched only on the runtime's loop.
+        self._peers: dict[tuple[str, int], _Peer] = {}
+
+    # -- engine-facing, any thread --------------------------------------------------
+
+    def pull(
+        self,
+        handle: KvHandle,
+        remote_block_ids: Sequence[int],
+        local_block_ids: Sequence[int],
+        timeout: float,
+    ) -> Future[TransferResult]:
+        if self._closed.is_set():
+            raise RuntimeError("consumer is closed")
+        remote = [int(b) for b in remote_block_ids]
+        local = [int(b) for b in local_block_ids]
+        if len(remote) != len(local):
+            raise ValueError(f"{len(remote)} remote blocks for {len(local)} local blocks")
+        num_blocks = self._kv_cache.shape[2]
+        if any(not 0 <= b < num_blocks for b in local) or len(set(local)) != len(local):
+            raise ValueError(f"local block ids must be distinct and in [0, {num_blocks})")
+        if handle.layout_fingerprint != self._fingerprint:
+            failed: Future[TransferResult] = Future()
+            failed.set_exception(
+                KvTransferError(
+                    "layout_mismatch",
+                    f"producer layout {handle.layout_fingerprint}, ours {self._fingerprint}",
+                )
+            )
+            return failed
+        return self._runtime.submit(self._pull(handle, remote, local, timeout))
+
+    @property
+    def num_connections(self) -> int:
+        """Producers this consumer holds a live connection (and UCX endpoint) to."""
+        return self._runtime.call(self._count_connections(), timeout=10)
+
+    def close(self) -> None:
+        if not self._closed.is_set():
+            self._closed.set()
+            self._runtime.call(self._drop_all(), timeout=30)
+
+    # -- the runtime's loop -----------------------------------------------------------
+
+    async def _count_connections(self) -> int:
+        return sum(peer.connection is not None for peer in self._peers.values())
+
+    async def _pull(self, handle: KvHandle, remote: list[int], local: list[int],
+                    timeout: float) -> TransferResult:
+        started = time.perf_counter()
+        try:
+            transport, plan = await asyncio.wait_for(
+                self._pull_from_peer(handle, remote, local), timeout)
+        except TimeoutError:
+            raise KvTransferError(
+                "timeout", f"pull from {handle.host}:{handle.port} exceeded {timeout}s"
+            ) from None
+        return TransferResult(len(local), len(local) * self._layout.bytes_per_block,
+                              time.perf_counter() - started, transport, plan.mode)
+
+    async def _pull_from_peer(self, handle: KvHandle, remote: list[int], local: list[int]
+                              ) -> tuple[str, TransferPlan]:
+        key = (handle.host, handle.port)
+        peer = self._peers.get(key)
+        if peer is None:
+            peer = self._peers[key] = _Peer(StagingBuffer(self._kv_cache))
+        async with peer.lock:
+            if peer.connection is not None and peer.connection.broken():
+                self._drop(peer)  # the producer went away (or restarted) since
+            for attempt in range(2):
+                if peer.connection is None:
+                    peer.connection = await self._connect(handle)
+                connection = peer.connection
+                if connection.engine_id != handle.engine_id:
+                    raise KvTransferError(
+                        "unreachable", f"{handle.host}:{handle.port} is KV engine "
+                        f"{connection.engine_id!r}, not {handle.engine_id!r}")
+                try:
+                    plan = await self._exchange(peer, handle, remote, local)
+                    return connection.transport, plan
+                except _StaleConnection:
+                    self._drop(peer)
+                    if attempt == 1:
+                        raise KvTransferError(
+                            "unreachable", f"{handle.host}:{handle.port} closed the connection"
+                        ) from None
+                except KvTransferError:
+                    raise  # the connection was dropped
+                except BaseException as exc:  # also CancelledError, from the timeout
+                    self._drop(peer)
+                    if not is_transport_error(exc):
+                        raise
+                    raise KvTransferError(
+                        "unreachable", f"{handle.host}:{handle.port} failed during the pull: "
+                        f"{_describe(exc)}") from None
+        raise AssertionError("unreachable code")
+
+    async def _connect(self, handle: KvHandle) -> _Connection:
+        """Control connection, hello, and a UCX endpoint on the transport agreed on."""
+        host, port = handle.host, handle.port
+        prefer: TransportKind = (
+            "shm" if self._transport == "auto" and is_local_address(host) else "tcp")
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port),
+                                                    self._connect_timeout)
+        except (OSError, TimeoutError) as exc:
+            raise KvTransferError("unreachable", f"{host}:{port}: {_describe(exc)}"
+                                  f"{_loopback_hint(host)}") from None
+        try:
+            tune_control_socket(writer)
+            connection_id = self._runtime.next_connection_id()
+            addresses = {kind: self._runtime.worker_address(kind)
+                         for kind in (("shm", "tcp") if prefer == "shm" else ("tcp",))}
+            writer.write(Hello(handle.engine_id, connection_id, prefer, addresses).encode())
+            welcome = Welcome.decode(await asyncio.wait_for(read_frame(reader, "welcome"),
+                                                            self._connect_timeout))
+            if welcome.engine_id != handle.engine_id:
+                raise KvTransferError(
+                    "unreachable", f"{host}:{port} is KV engine {welcome.engine_id!r}, not "
+                    f"{handle.engine_id!r}{_loopback_hint(host)}")
+            endpoint = await open_endpoint(welcome.address)
+            lanes = endpoint_lanes(endpoint.ucp_endpoint)
+        except BaseException as exc:
+            close_writer(writer)
+            if isinstance(exc, KvTransferError) or not (
+                    isinstance(exc, TimeoutError) or is_transport_error(exc)):
+                raise
+            raise KvTransferError(
+                "unreachable", f"{host}:{port}: {_describe(exc)} (this replica's KV address "
+                f"is {self.host}){_loopback_hint(host)}") from None
+        return _Connection(reader, writer, endpoint, welcome.engine_id, connection_id,
+                           transport_label(lanes), lanes)
+
+    async def _exchange(self, peer: _Peer, handle: KvHandle, remote: list[int],
+                        local: list[int]) -> TransferPlan:
+        """One pull on the peer's connection; returns its plan once the bytes are in place.
+
+        The payload's receives are posted before the request leaves, so the producer's
+        messages find them waiting; its one status per request comes after the payload
+        ("ok": every message was delivered while the lease held), or instead of it (a
+        refusal). Anything but "ok" drops the connection, receives posted and all: only
+        closing the endpoint withdraws them, and it makes sure UCX writes nothing more
+        into the buffers (the local blocks, in a direct pull) once the pull has failed."""
+        connection = peer.connection
+        assert connection is not None
+        seq = connection.next_seq()
+        plan = plan_transfer(self._layout, remote, local, self._chunk_bytes,
+                             self._direct_min_message_bytes)
+        staging = peer.staging.blocks(len(local)) if plan.mode == "staged" else None
+        receives = post(connection.endpoint, [
+            (buffer, payload_tag(connection.connection_id, seq, i))
+            for i, buffer in enumerate(self._receive_buffers(plan, staging))], receive=True)
+        scatters: list[asyncio.Future[None]] = []
+        final: asyncio.Future[dict[str, Any]] | None = None
+        try:
+            try:
+                connection.writer.write(BlockRequest(
+                    handle.request_id, remote, self._fingerprint, seq, plan.to_wire()).encode())
+                await connection.writer.drain()
+            except (ConnectionError, OSError) as exc:
+                raise _StaleConnection() from exc
+            final = asyncio.ensure_future(read_frame(connection.reader, "status"))
+            await self._await_payload(plan, receives.futures, final, staging, local, scatters)
+            status = TransferStatus.decode(await final)
+            await asyncio.gather(*scatters)
+            status.raise_for_failure()
+            nbytes = len(local) * self._layout.bytes_per_block
+            if status.nbytes != nbytes:
+                raise KvTransferError("protocol", f"producer sent {status.nbytes} bytes; "
+                                      f"expected {nbytes}")
+            return plan
+        except BaseException:
+            self._drop(peer)
+            raise
+        finally:
+            if final is not None:
+                final.cancel()
+            await settle(receives)
+            # A running copy cannot be cancelled, so scatters are waited for, not
+            # cancelled: no write into the local blocks may outlive the pull, whose
+            # failure lets the engine reuse them.
+            await asyncio.gather(*scatters, return_exceptions=True)
+
+    def _receive_buffers(self, plan: TransferPlan, staging: torch.Tensor | None) -> list[Any]:
+        if plan.mode == "direct":
+            return [as_wire(self._copier.run_view(m.group, m.run.local_start, m.run.count))
+                    for m in plan.direct_messages(self._layout)]
+        assert staging is not None
+        return [as_wire(staging[start:stop]) for start, stop in plan.layer_chunks(self._layout)]
+
+    async def _await_payload(self, plan: TransferPlan, receives: list[asyncio.Future[Any]],
+                             final: asyncio.Future[dict[str, Any]], staging: torch.Tensor | None,
+                             local: list[int], scatters: list[asyncio.Future[None]]) -> None:
+        """Until every receive completed (scattering staged chunks as they land), or the
+        final status came first: a failure, or the producer hung up (IncompleteReadError)."""
+        if staging is None:
+            together: asyncio.Future[Any] = asyncio.gather(*receives)
+            together.add_done_callback(lambda f: f.cancelled() or f.exception())
+            done, _ = await asyncio.wait({together, final}, return_when=asyncio.FIRST_COMPLETED)
+            if together not in done and TransferStatus.decode(final.result()).status != STATUS_OK:
+                return  # the producer gave up: what is still pending never comes
+            await together  # a transport error (the endpoint failed) propagates
+            return
+        chunks = plan.layer_chunks(self._layout)
+        index = {future: i for i, future in enumerate(receives)}
+        pending: set[asyncio.Future[Any]] = set(receives)
+        while pending:
+            waiting = pending if final.done() else pending | {final}
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for future in done & pending:
+                pending.discard(future)
+                future.result()  # a transport error (the endpoint failed) propagates
+                start, stop = chunks[index[future]]
+                scatter = functools.partial(self._copier.scatter, staging, local, start, stop)
+                scatters.append(asyncio.ensure_future(
+                    copy(self._runtime, staging[start:stop].nbytes, scatter)))
+            if final in done and TransferStatus.decode(final.result()).status != STATUS_OK:
+                return
+
+    def _drop(self, peer: _Peer) -> None:
+        connection, peer.connection = peer.connection, None
+        if connection is not None:
+            close_writer(connection.writer)
+            abort_endpoint(connection.endpoint)
+
+    async def _drop_all(self) -> None:
+        for peer in self._peers.values():
+            self._drop(peer)
+        self._peers.clear()
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.IncompleteReadError):
+        return "the producer closed the connection"
+    return repr(exc)
+
+
+def _loopback_hint(host: str) -> str:
+    if not is_loopback(host):
+        return ""
+    return (" (the producer advertised a loopback address, which reaches only this host: "
+            "a prefill replica on another host must advertise a routable KV address)")
