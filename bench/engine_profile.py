@@ -80,6 +80,12 @@ def part_of(name: str) -> str:
     return next((part for prefix, part in _PARTS if name.startswith(prefix)), "other ops")
 
 
+def paged_kernel_ran(llm: LLM) -> bool:
+    runner = llm.core.model_runner
+    kernel = getattr(runner.model.attention_backend, "paged_kernel", None)  # absent before it
+    return kernel is not None and kernel(runner.dtype, runner.device) is not None
+
+
 def build_engine(model: Path, num_prompts: int) -> LLM:
     return LLM(EngineConfig(
         model=str(model), dtype="auto",
@@ -98,19 +104,8 @@ def timed_step(llm: LLM) -> dict[str, float]:
             "minor_page_faults": after.ru_minflt - before.ru_minflt}
 
 
-def profile(llm: LLM, prompts: list[list[int]], steps: int) -> dict[str, object]:
-    params = SamplingParams(temperature=0.0, max_tokens=10 + 2 * steps, ignore_eos=True)
-    ids = [llm.add_request(p, params)[0] for p in prompts]
-    prefill = timed_step(llm)  # the whole prompt batch in one step at this budget
-    for _ in range(3):
-        llm.step()
-    decode = [timed_step(llm) for _ in range(steps)]
-    step_ms = [1000 * d["wall_s"] for d in decode]
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                record_shapes=True) as prof:
-        for _ in range(steps):
-            llm.step()
-    llm.abort(ids)
+def summarize(prof: torch.profiler.profile, steps: int) -> dict[str, object]:
+    """Operator self times per step, summed into the step's parts, and the top operators."""
     events = prof.key_averages(group_by_input_shape=True)
     total_us = sum(e.self_cpu_time_total for e in events)
     parts: dict[str, float] = {}
@@ -123,16 +118,41 @@ def profile(llm: LLM, prompts: list[list[int]], steps: int) -> dict[str, object]
                     "percent": 100 * e.self_cpu_time_total / total_us})
     ops.sort(key=lambda op: -float(op["self_ms_per_step"]))  # type: ignore[arg-type]
     return {
-        "prefill_step": prefill,
-        "decode_steps_unprofiled": decode,
-        "step_ms_unprofiled": {"median": statistics.median(step_ms), "all": step_ms},
-        "step_cpu_ms_unprofiled_median": 1000 * statistics.median(
-            d["user_s"] + d["system_s"] for d in decode),
         "profiled_self_ms_per_step": total_us / 1000 / steps,
         "parts_percent": {k: round(100 * v / total_us, 1)
                           for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
         "top_ops": ops[:25],
         "table": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20),
+    }
+
+
+def profile(llm: LLM, prompts: list[list[int]], steps: int) -> dict[str, object]:
+    """The prefill step and ``steps`` decode steps timed unprofiled, then profiled."""
+    params = SamplingParams(temperature=0.0, max_tokens=10 + 2 * steps, ignore_eos=True)
+    ids = [llm.add_request(p, params)[0] for p in prompts]
+    prefill = timed_step(llm)  # the whole prompt batch in one step at this budget
+    for _ in range(3):
+        llm.step()
+    decode = [timed_step(llm) for _ in range(steps)]
+    step_ms = [1000 * d["wall_s"] for d in decode]
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+        for _ in range(steps):
+            llm.step()
+    llm.abort(ids)
+    llm.core.kv_cache_manager.reset_prefix_cache()
+    ids = [llm.add_request(p, params)[0] for p in prompts]
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prefill_prof:
+        llm.step()
+    llm.abort(ids)
+    return {
+        "prefill_step": prefill,
+        "decode_steps_unprofiled": decode,
+        "step_ms_unprofiled": {"median": statistics.median(step_ms), "all": step_ms},
+        "step_cpu_ms_unprofiled_median": 1000 * statistics.median(
+            d["user_s"] + d["system_s"] for d in decode),
+        **summarize(prof, steps),
+        "prefill_profile": summarize(prefill_prof, 1),
     }
 
 
@@ -165,10 +185,16 @@ def main() -> None:
                      "profiled_decode_steps": args.steps, "dtype_requested": "auto",
                      "dtype_run": str(runner.dtype).removeprefix("torch."),
                      "weights_packed": runner.model.packed_lm_head is not None,
-                     "attention_backend": runner.model.attention_backend.name},
+                     "attention_backend": runner.model.attention_backend.name,
+                     "paged_decode_kernel": paged_kernel_ran(llm),
+                     "engine_root": str(ENGINE_ROOT)},
         **{k: v for k, v in result.items() if k != "table"},
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    prefill_profile = result["prefill_profile"]
+    assert isinstance(prefill_profile, dict)
+    prefill_parts = prefill_profile["parts_percent"]
+    report["prefill_profile"] = {k: v for k, v in prefill_profile.items() if k != "table"}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
     summary = (f"{name}: decode step, batch {args.num_prompts}, {len(cpus)} core(s), dtype "
@@ -179,7 +205,10 @@ def main() -> None:
                f"\nprefill step (64 x 128 tokens): {result['prefill_step']}\n"
                f"parts (% of profiled self time):\n" +
                "".join(f"  {k:34s} {v:5.1f}\n" for k, v in result["parts_percent"].items()) +
-               "\n" + str(result["table"]))
+               "\n" + str(result["table"]) +
+               "\n\nprefill step, parts (% of profiled self time):\n" +
+               "".join(f"  {k:34s} {v:5.1f}\n" for k, v in prefill_parts.items()) +
+               "\n" + str(prefill_profile["table"]))
     (args.out_dir / f"{name}.txt").write_text(summary)
     print(summary)
 

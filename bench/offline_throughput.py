@@ -95,7 +95,7 @@ def tandem_worker(config: dict[str, Any]) -> None:
 
 
 def run_tandem(model: Path, prompts: list[list[int]], out_len: int, cpus: list[int],
-               dtype: str, engine_root: Path | None = None) -> dict[str, Any] | None:
+               dtype: str, nice: int, engine_root: Path | None = None) -> dict[str, Any] | None:
     """One timed run in a fresh process; ``engine_root``: another checkout's engine."""
     config = {"model": str(model), "prompts": prompts, "out_len": out_len, "cpus": cpus,
               "dtype": dtype}
@@ -103,7 +103,7 @@ def run_tandem(model: Path, prompts: list[list[int]], out_len: int, cpus: list[i
         ENGINE_ROOT_VARIABLE: str(engine_root)})
     stdout, stderr = run_process_group(
         [sys.executable, __file__, "--tandem-worker", json.dumps(config)], env, None,
-        timeout_s=3600)
+        timeout_s=3600, nice=nice)
     for line in stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
             result: dict[str, Any] = json.loads(line.removeprefix(RESULT_PREFIX))
@@ -151,14 +151,14 @@ print("PEER_RESULT " + json.dumps({"elapsed": elapsed, "cpu_seconds": cpu_second
 
 
 def run_peer(model: Path, prompts: list[list[int]], out_len: int, cpus: list[int],
-             eager: bool, dtype: str) -> dict[str, Any] | None:
+             eager: bool, dtype: str, nice: int) -> dict[str, Any] | None:
     bind = ",".join(str(c) for c in cpus)
     result: dict[str, Any] | None = run_peer_script(
         PEER_SCRIPT, {"model": str(model), "prompts": prompts, "out_len": out_len,
                       "eager": eager, "dtype": dtype},
         f"vLLM-CPU ({'eager' if eager else 'compiled'}, CPUs {bind})",
         env={"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)},
-        cpus=cpus)
+        cpus=cpus, nice=nice)
     return result
 
 
@@ -188,16 +188,17 @@ def engines(args: argparse.Namespace) -> list[tuple[str, Any]]:
     """(name, run(cpus)) of every engine of a round, Tandem first."""
     model, prompts, out_len = args.model, args.prompts, args.output_len
     runs: list[tuple[str, Any]] = [
-        ("tandem", lambda cpus: run_tandem(model, prompts, out_len, cpus, args.tandem_dtype))]
+        ("tandem", lambda cpus: run_tandem(model, prompts, out_len, cpus, args.tandem_dtype,
+                                      args.nice))]
     if args.baseline_tree is not None:
         runs.append(("tandem_baseline", lambda cpus: run_tandem(
-            model, prompts, out_len, cpus, args.tandem_dtype, args.baseline_tree)))
+            model, prompts, out_len, cpus, args.tandem_dtype, args.nice, args.baseline_tree)))
     if peer_available() and not args.skip_peer:
         runs.append(("vllm_cpu_compiled", lambda cpus: run_peer(
-            model, prompts, out_len, cpus, False, args.vllm_dtype)))
+            model, prompts, out_len, cpus, False, args.vllm_dtype, args.nice)))
         if args.vllm_eager:
             runs.append(("vllm_cpu_eager", lambda cpus: run_peer(
-                model, prompts, out_len, cpus, True, args.vllm_dtype)))
+                model, prompts, out_len, cpus, True, args.vllm_dtype, args.nice)))
     return runs
 
 
@@ -269,6 +270,9 @@ def main() -> None:
     parser.add_argument("--baseline-tree", type=Path,
                         help="also run the engine of this checkout (e.g. a git worktree of an "
                              "earlier commit) as tandem_baseline")
+    parser.add_argument("--nice", type=int, default=0,
+                        help="niceness of every engine process (negative needs root): on a "
+                             "busy shared machine, -10 lets the engines have their cores")
     parser.add_argument("--skip-peer", action="store_true", help="run no vLLM")
     parser.add_argument("--check-prompts", type=int, default=16,
                         help="prompts checked against HF float32 greedy (0: none)")
@@ -322,7 +326,7 @@ def report(args: argparse.Namespace, runs: Runs, last: dict[str, dict[str, Any]]
                   "order": "per round, per core count: every engine, the first alternating",
                   "tandem_dtype_requested": args.tandem_dtype,
                   "vllm_dtype_requested": args.vllm_dtype,
-                  "hf_float32_check_prompts": args.check_prompts,
+                  "hf_float32_check_prompts": args.check_prompts, "nice": args.nice,
                   "baseline_tree": None if args.baseline_tree is None else str(args.baseline_tree),
                   "cpu_time": "user + system seconds of the engine's processes during the "
                               "timed generate (vLLM: its whole process tree)"},

@@ -26,15 +26,16 @@ def peer_available() -> bool:
 
 
 def run_peer_script(script: str, config: dict[str, Any], what: str = "vLLM-CPU",
-                    env: dict[str, str] | None = None,
-                    cpus: list[int] | None = None) -> Any | None:
+                    env: dict[str, str] | None = None, cpus: list[int] | None = None,
+                    nice: int = 0) -> Any | None:
     """What ``script`` printed after ``PEER_RESULT``; None (with the tail of its stderr
     printed, naming ``what``) if it printed nothing of the kind. ``env`` adds to the
     environment (``VLLM_CPU_OMP_THREADS_BIND``, ...); ``cpus`` confines the peer and every
-    process it starts to those CPUs (as ``taskset`` would)."""
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_TARGET_DEVICE="cpu", **(env or {}))
+    process it starts to those CPUs (as ``taskset`` would), ``nice`` sets their niceness."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_TARGET_DEVICE": "cpu", **(env or {})}
     stdout, stderr = run_process_group(
-        [str(PEER_PYTHON), "-c", script, json.dumps(config)], env, cpus, timeout_s=3600)
+        [str(PEER_PYTHON), "-c", script, json.dumps(config)], env, cpus, timeout_s=3600,
+        nice=nice)
     for line in stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
             return json.loads(line.removeprefix(RESULT_PREFIX))
@@ -43,14 +44,21 @@ def run_peer_script(script: str, config: dict[str, Any], what: str = "vLLM-CPU",
 
 
 def run_process_group(cmd: list[str], env: dict[str, str] | None, cpus: list[int] | None,
-                      timeout_s: float) -> tuple[str, str]:
-    """Runs ``cmd`` in a session of its own (on ``cpus`` if given) and returns its stdout
-    and stderr; whatever of its process group is left when it exits or times out (vLLM's
-    engine and worker processes outlive a killed parent) is killed with it."""
+                      timeout_s: float, nice: int = 0) -> tuple[str, str]:
+    """Runs ``cmd`` in a session of its own (on ``cpus`` if given, at niceness ``nice``:
+    its children inherit both) and returns its stdout and stderr; whatever of its process
+    group is left when it exits or times out (vLLM's engine and worker processes outlive a
+    killed parent) is killed with it."""
+
+    def confine() -> None:
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+        if nice:
+            os.nice(nice)
+
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        start_new_session=True,
-        preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
+        start_new_session=True, preexec_fn=confine)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
