@@ -1,12 +1,12 @@
 """The Tandem Python SDK: ``Client`` (blocking) and ``AsyncClient`` (asyncio) over the public
 ``tandem.v1.Generation`` gRPC service.
 
-Owns the channel, the per-call timeout and metadata, and the translation of failed calls into
-``tandem.errors``. Requests are built by ``request_builders`` and responses turned into the
-records of ``results``: a generation call returns its first choice, and all ``n`` of them in
-``choices`` (streams: each chunk names its choice's ``index``); the Responses API's requests
-and records are ``responses``'. It does not own the HTTP/OpenAI path (use the ``openai`` SDK
-against Envoy for that).
+Owns the channel, the per-call timeout and metadata, how each client invokes a stub (blocking
+or awaited) and the translation of failed calls into ``tandem.errors``. What each method sends
+and returns is ``calls``', written once for both clients: the methods here only pass their
+arguments on. A generation call returns its first choice, and all ``n`` of them in
+``choices`` (streams: each chunk names its choice's ``index``). It does not own the
+HTTP/OpenAI path (use the ``openai`` SDK against Envoy for that).
 
     with Client("localhost:50051") as client:
         print(client.complete("Once upon a time", max_tokens=16, temperature=0).text)
@@ -16,36 +16,25 @@ against Envoy for that).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar, Unpack
 
 import grpc
 import grpc.aio
 
-from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
+from tandem import calls
+from tandem.calls import Call
 from tandem.channel_security import TlsConfig, open_aio_channel, open_channel, resolve_tls
 from tandem.errors import error_from_rpc
-from tandem.request_builders import (
-    ChatMessages,
-    GenerationOptions,
-    Prompts,
-    chat_request,
-    completion_request,
-)
+from tandem.request_builders import ChatMessages, GenerationOptions, Prompts
 from tandem.responses import (
     Response,
     ResponseEvent,
     ResponseInput,
     ResponseItemPage,
     ResponseOptions,
-    follow_request,
-    input_items_request,
-    item_page_from_pb,
-    response_event_from_pb,
-    response_from_pb,
-    response_request,
 )
 from tandem.results import (
     ChatCompletion,
@@ -53,11 +42,6 @@ from tandem.results import (
     Completion,
     CompletionChunk,
     ModelInfo,
-    chat_chunk_from_pb,
-    chat_completion_from_pb,
-    completion_chunk_from_pb,
-    completion_from_pb,
-    model_from_pb,
 )
 from tandem.streams import AsyncResponseStream, ResponseStream
 
@@ -65,12 +49,13 @@ Metadata = Mapping[str, str] | Sequence[tuple[str, str]]
 R = TypeVar("R")
 
 
-def _metadata_pairs(metadata: Metadata | None,
-                    api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+def _call_options(timeout: float | None, metadata: Metadata | None,
+                  api_key: str | None) -> dict[str, Any]:
+    """The keywords every stub call takes: the timeout and the metadata (the API key last)."""
     pairs = list((metadata.items() if isinstance(metadata, Mapping) else metadata) or ())
     if api_key is not None:
         pairs.append(("authorization", f"Bearer {api_key}"))  # as Envoy's key check reads it
-    return tuple((key, value) for key, value in pairs) or None
+    return {"timeout": timeout, "metadata": tuple((key, value) for key, value in pairs) or None}
 
 
 class Client:
@@ -92,189 +77,123 @@ class Client:
     ) -> None:
         self._channel = open_channel(target, resolve_tls(tls, root_certificates))
         self._stub = pb_grpc.GenerationStub(self._channel)
-        self._timeout = timeout
-        self._metadata = _metadata_pairs(metadata, api_key)
+        self._options = _call_options(timeout, metadata, api_key)
 
-    def _unary(self, method: Callable[..., Any], request: Any) -> Any:
+    def _unary(self, call: Call[R]) -> R:
         try:
-            return method(request, timeout=self._timeout, metadata=self._metadata)
+            answer = getattr(self._stub, call.rpc)(call.request, **self._options)
         except grpc.RpcError as error:
             raise error_from_rpc(error) from error
+        return call.convert(answer)
 
-    def _stream(
-        self, method: Callable[..., Any], request: Any, convert: Callable[[Any], R]
-    ) -> ResponseStream[R]:
-        call = method(request, timeout=self._timeout, metadata=self._metadata)
-        return ResponseStream(call, convert)
+    def _stream(self, call: Call[R]) -> ResponseStream[R]:
+        # A stream's failure surfaces while iterating: ResponseStream maps it.
+        return ResponseStream(getattr(self._stub, call.rpc)(call.request, **self._options),
+                              call.convert)
 
-    def complete(
-        self,
-        prompt: Prompts,
-        *,
-        model: str | None = None,
-        logprobs: int | None = None,
-        **options: Unpack[GenerationOptions],
-    ) -> Completion:
+    def complete(self, prompt: Prompts, *, model: str | None = None,
+                 logprobs: int | None = None,
+                 **options: Unpack[GenerationOptions]) -> Completion:
         """Completes a text prompt (or a list of prompt token ids, or a list of several
         prompts: choice j of prompt i is ``choices[i * n + j]``)."""
-        request = completion_request(
-            prompt,
-            model=model,
-            logprobs=logprobs,
-            stream=False,
-            include_usage=False,
-            options=options,
-        )
-        return completion_from_pb(self._unary(self._stub.Complete, request))
+        return self._unary(calls.complete(prompt, model=model, logprobs=logprobs,
+                                          options=options))
 
-    def complete_stream(
-        self,
-        prompt: Prompts,
-        *,
-        model: str | None = None,
-        logprobs: int | None = None,
-        include_usage: bool = True,
-        **options: Unpack[GenerationOptions],
-    ) -> ResponseStream[CompletionChunk]:
+    def complete_stream(self, prompt: Prompts, *, model: str | None = None,
+                        logprobs: int | None = None, include_usage: bool = True,
+                        **options: Unpack[GenerationOptions],
+                        ) -> ResponseStream[CompletionChunk]:
         """Streams a completion; with ``include_usage`` the last chunk carries the usage.
         Leaving the loop early (or ``close()``) cancels the request on the server."""
-        request = completion_request(
-            prompt, model=model, logprobs=logprobs, stream=True, include_usage=include_usage,
-            options=options,
-        )  # fmt: skip
-        return self._stream(self._stub.CompleteStream, request, completion_chunk_from_pb)
+        return self._stream(calls.complete_stream(prompt, model=model, logprobs=logprobs,
+                                                  include_usage=include_usage,
+                                                  options=options))
 
-    def chat(
-        self,
-        messages: ChatMessages,
-        *,
-        model: str | None = None,
-        logprobs: bool = False,
-        top_logprobs: int | None = None,
-        **options: Unpack[GenerationOptions],
-    ) -> ChatCompletion:
+    def chat(self, messages: ChatMessages, *, model: str | None = None, logprobs: bool = False,
+             top_logprobs: int | None = None,
+             **options: Unpack[GenerationOptions]) -> ChatCompletion:
         """Answers OpenAI-style messages (``[{"role": "user", "content": "..."}]``)."""
-        request = chat_request(
-            messages, model=model, logprobs=logprobs, top_logprobs=top_logprobs, stream=False,
-            include_usage=False, options=options,
-        )  # fmt: skip
-        return chat_completion_from_pb(self._unary(self._stub.ChatComplete, request))
+        return self._unary(calls.chat(messages, model=model, logprobs=logprobs,
+                                      top_logprobs=top_logprobs, options=options))
 
-    def chat_stream(
-        self,
-        messages: ChatMessages,
-        *,
-        model: str | None = None,
-        logprobs: bool = False,
-        top_logprobs: int | None = None,
-        include_usage: bool = True,
-        **options: Unpack[GenerationOptions],
-    ) -> ResponseStream[ChatCompletionChunk]:
+    def chat_stream(self, messages: ChatMessages, *, model: str | None = None,
+                    logprobs: bool = False, top_logprobs: int | None = None,
+                    include_usage: bool = True, **options: Unpack[GenerationOptions],
+                    ) -> ResponseStream[ChatCompletionChunk]:
         """Streams a chat answer; see ``complete_stream`` for usage and cancellation."""
-        request = chat_request(
-            messages, model=model, logprobs=logprobs, top_logprobs=top_logprobs, stream=True,
-            include_usage=include_usage, options=options,
-        )  # fmt: skip
-        return self._stream(self._stub.ChatCompleteStream, request, chat_chunk_from_pb)
+        return self._stream(calls.chat_stream(messages, model=model, logprobs=logprobs,
+                                              top_logprobs=top_logprobs,
+                                              include_usage=include_usage, options=options))
 
-    def respond(
-        self,
-        input: ResponseInput,
-        *,
-        model: str | None = None,
-        **options: Unpack[ResponseOptions],
-    ) -> Response:
+    def respond(self, input: ResponseInput, *, model: str | None = None,
+                **options: Unpack[ResponseOptions]) -> Response:
         """OpenAI's Responses API: answers a string or a list of input items (messages,
         earlier ``function_call`` items and their ``function_call_output``), after the
         conversation of ``previous_response_id`` if given."""
-        request = response_request(input, model=model, options=options)
-        return response_from_pb(self._unary(self._stub.CreateResponse, request))
+        return self._unary(calls.respond(input, model=model, options=options))
 
-    def respond_stream(
-        self,
-        input: ResponseInput,
-        *,
-        model: str | None = None,
-        **options: Unpack[ResponseOptions],
-    ) -> ResponseStream[ResponseEvent]:
+    def respond_stream(self, input: ResponseInput, *, model: str | None = None,
+                       **options: Unpack[ResponseOptions]) -> ResponseStream[ResponseEvent]:
         """Streams a response's events, in OpenAI's order; the last ("response.completed" or
         "response.incomplete") carries the whole response. See ``complete_stream`` for
         cancellation."""
-        request = response_request(input, model=model, options=options)
-        return self._stream(self._stub.CreateResponseStream, request, response_event_from_pb)
+        return self._stream(calls.respond_stream(input, model=model, options=options))
 
     def get_response(self, response_id: str) -> Response:
         """A response the server stored (``respond`` without ``store=False``)."""
-        request = pb.GetResponseRequest(response_id=response_id)
-        return response_from_pb(self._unary(self._stub.GetResponse, request))
+        return self._unary(calls.get_response(response_id))
 
     def delete_response(self, response_id: str) -> None:
-        self._unary(self._stub.DeleteResponse, pb.DeleteResponseRequest(response_id=response_id))
+        self._unary(calls.delete_response(response_id))
 
     def cancel_response(self, response_id: str) -> Response:
         """Stops a background response (``respond(..., background=True)``); the response as
         it stands, "cancelled" (a finished one as it finished)."""
-        request = pb.CancelResponseRequest(response_id=response_id)
-        return response_from_pb(self._unary(self._stub.CancelResponse, request))
+        return self._unary(calls.cancel_response(response_id))
 
     def follow_response(self, response_id: str, *,
                         starting_after: int | None = None) -> ResponseStream[ResponseEvent]:
         """A background response's events: those after the one numbered ``starting_after``
         (all of them without), then each as it comes, to the last. Resumes a stream lost
         midway (``respond_stream(..., background=True)``)."""
-        request = follow_request(response_id, starting_after)
-        return self._stream(self._stub.GetResponseStream, request, response_event_from_pb)
+        return self._stream(calls.follow_response(response_id, starting_after))
 
-    def list_response_input_items(
-        self,
-        response_id: str,
-        *,
-        after: str | None = None,
-        limit: int | None = None,
-        order: str | None = None,
-        include: Sequence[str] | None = None,
-    ) -> ResponseItemPage:
+    def list_response_input_items(self, response_id: str, *, after: str | None = None,
+                                  limit: int | None = None, order: str | None = None,
+                                  include: Sequence[str] | None = None) -> ResponseItemPage:
         """One page of a stored response's input items, as OpenAI's ``input_items.list``:
         ``limit`` 1 to 100 (default 20), ``order`` "asc" or "desc" (the default, newest
         first), the page after the item ``after``; ``include`` may name
         "message.output_text.logprobs" to keep the logprobs of earlier output."""
-        request = input_items_request(response_id, after=after, limit=limit, order=order,
-                                      include=include)
-        return item_page_from_pb(self._unary(self._stub.ListResponseInputItems, request))
+        return self._unary(calls.list_response_input_items(
+            response_id, after=after, limit=limit, order=order, include=include))
 
     def models(self) -> list[ModelInfo]:
-        response = self._unary(self._stub.ListModels, pb.ListModelsRequest())
-        return [model_from_pb(m) for m in response.data]
+        return self._unary(calls.models())
 
     def model(self, model_id: str) -> ModelInfo:
         """One served model (the base model or a LoRA adapter); InvalidRequestError (NOT_FOUND)
         for another."""
-        return model_from_pb(self._unary(self._stub.GetModel, pb.GetModelRequest(model=model_id)))
+        return self._unary(calls.model(model_id))
 
-    def tokenize(
-        self, text: str, *, model: str | None = None, add_special_tokens: bool | None = None
-    ) -> list[int]:
-        request = pb.TokenizeRequest(model=model or "", prompt=text)
-        if add_special_tokens is not None:
-            request.add_special_tokens = add_special_tokens
-        return list(self._unary(self._stub.Tokenize, request).tokens)
+    def tokenize(self, text: str, *, model: str | None = None,
+                 add_special_tokens: bool | None = None) -> list[int]:
+        return self._unary(calls.tokenize(text, model=model,
+                                          add_special_tokens=add_special_tokens))
 
     def detokenize(self, token_ids: Sequence[int], *, model: str | None = None) -> str:
-        request = pb.DetokenizeRequest(model=model or "", tokens=token_ids)
-        return str(self._unary(self._stub.Detokenize, request).prompt)
+        return self._unary(calls.detokenize(token_ids, model=model))
 
     def load_lora_adapter(self, name: str, path: str) -> list[str]:
         """Loads the PEFT adapter in directory ``path`` (on the server) under ``name``, on
         every replica behind a gateway; the adapters served afterwards. The server must run
         with --allow-runtime-lora-updating."""
-        request = pb.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
-        return list(self._unary(self._stub.LoadLoraAdapter, request).lora_adapters)
+        return self._unary(calls.load_lora_adapter(name, path))
 
     def unload_lora_adapter(self, name: str) -> list[str]:
         """Stops serving adapter ``name`` (requests running with it finish); the adapters
         served afterwards."""
-        request = pb.UnloadLoraAdapterRequest(lora_name=name)
-        return list(self._unary(self._stub.UnloadLoraAdapter, request).lora_adapters)
+        return self._unary(calls.unload_lora_adapter(name))
 
     def close(self) -> None:
         self._channel.close()
@@ -282,18 +201,15 @@ class Client:
     def __enter__(self) -> Client:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.close()
 
 
 class AsyncClient:
     """The asyncio twin of ``Client``: the same methods, awaited; the ``*_stream`` methods
-    return async iterators (``async for chunk in client.complete_stream(...)``)."""
+    and ``follow_response`` return async iterators (``async for chunk in
+    client.complete_stream(...)``). Each method is documented on ``Client``."""
 
     def __init__(
         self,
@@ -307,171 +223,95 @@ class AsyncClient:
     ) -> None:
         self._channel = open_aio_channel(target, resolve_tls(tls, root_certificates))
         self._stub = pb_grpc.GenerationStub(self._channel)
-        self._timeout = timeout
-        self._metadata = _metadata_pairs(metadata, api_key)
+        self._options = _call_options(timeout, metadata, api_key)
 
-    async def _unary(self, method: Callable[..., Any], request: Any) -> Any:
+    async def _unary(self, call: Call[R]) -> R:
         try:
-            return await method(request, timeout=self._timeout, metadata=self._metadata)
-        except grpc.RpcError as error:
+            answer = await getattr(self._stub, call.rpc)(call.request, **self._options)
+        except grpc.RpcError as error:  # grpc.aio.AioRpcError
             raise error_from_rpc(error) from error
+        return call.convert(answer)
 
-    def _stream(
-        self, method: Callable[..., Any], request: Any, convert: Callable[[Any], R]
-    ) -> AsyncResponseStream[R]:
-        call = method(request, timeout=self._timeout, metadata=self._metadata)
-        return AsyncResponseStream(call, convert)
+    def _stream(self, call: Call[R]) -> AsyncResponseStream[R]:
+        return AsyncResponseStream(getattr(self._stub, call.rpc)(call.request, **self._options),
+                                   call.convert)
 
-    async def complete(
-        self,
-        prompt: Prompts,
-        *,
-        model: str | None = None,
-        logprobs: int | None = None,
-        **options: Unpack[GenerationOptions],
-    ) -> Completion:
-        request = completion_request(
-            prompt,
-            model=model,
-            logprobs=logprobs,
-            stream=False,
-            include_usage=False,
-            options=options,
-        )
-        return completion_from_pb(await self._unary(self._stub.Complete, request))
+    async def complete(self, prompt: Prompts, *, model: str | None = None,
+                       logprobs: int | None = None,
+                       **options: Unpack[GenerationOptions]) -> Completion:
+        return await self._unary(calls.complete(prompt, model=model, logprobs=logprobs,
+                                                options=options))
 
-    def complete_stream(
-        self,
-        prompt: Prompts,
-        *,
-        model: str | None = None,
-        logprobs: int | None = None,
-        include_usage: bool = True,
-        **options: Unpack[GenerationOptions],
-    ) -> AsyncResponseStream[CompletionChunk]:
-        request = completion_request(
-            prompt, model=model, logprobs=logprobs, stream=True, include_usage=include_usage,
-            options=options,
-        )  # fmt: skip
-        return self._stream(self._stub.CompleteStream, request, completion_chunk_from_pb)
+    def complete_stream(self, prompt: Prompts, *, model: str | None = None,
+                        logprobs: int | None = None, include_usage: bool = True,
+                        **options: Unpack[GenerationOptions],
+                        ) -> AsyncResponseStream[CompletionChunk]:
+        return self._stream(calls.complete_stream(prompt, model=model, logprobs=logprobs,
+                                                  include_usage=include_usage,
+                                                  options=options))
 
-    async def chat(
-        self,
-        messages: ChatMessages,
-        *,
-        model: str | None = None,
-        logprobs: bool = False,
-        top_logprobs: int | None = None,
-        **options: Unpack[GenerationOptions],
-    ) -> ChatCompletion:
-        request = chat_request(
-            messages, model=model, logprobs=logprobs, top_logprobs=top_logprobs, stream=False,
-            include_usage=False, options=options,
-        )  # fmt: skip
-        return chat_completion_from_pb(await self._unary(self._stub.ChatComplete, request))
+    async def chat(self, messages: ChatMessages, *, model: str | None = None,
+                   logprobs: bool = False, top_logprobs: int | None = None,
+                   **options: Unpack[GenerationOptions]) -> ChatCompletion:
+        return await self._unary(calls.chat(messages, model=model, logprobs=logprobs,
+                                            top_logprobs=top_logprobs, options=options))
 
-    def chat_stream(
-        self,
-        messages: ChatMessages,
-        *,
-        model: str | None = None,
-        logprobs: bool = False,
-        top_logprobs: int | None = None,
-        include_usage: bool = True,
-        **options: Unpack[GenerationOptions],
-    ) -> AsyncResponseStream[ChatCompletionChunk]:
-        request = chat_request(
-            messages, model=model, logprobs=logprobs, top_logprobs=top_logprobs, stream=True,
-            include_usage=include_usage, options=options,
-        )  # fmt: skip
-        return self._stream(self._stub.ChatCompleteStream, request, chat_chunk_from_pb)
+    def chat_stream(self, messages: ChatMessages, *, model: str | None = None,
+                    logprobs: bool = False, top_logprobs: int | None = None,
+                    include_usage: bool = True, **options: Unpack[GenerationOptions],
+                    ) -> AsyncResponseStream[ChatCompletionChunk]:
+        return self._stream(calls.chat_stream(messages, model=model, logprobs=logprobs,
+                                              top_logprobs=top_logprobs,
+                                              include_usage=include_usage, options=options))
 
-    async def respond(
-        self,
-        input: ResponseInput,
-        *,
-        model: str | None = None,
-        **options: Unpack[ResponseOptions],
-    ) -> Response:
-        request = response_request(input, model=model, options=options)
-        return response_from_pb(await self._unary(self._stub.CreateResponse, request))
+    async def respond(self, input: ResponseInput, *, model: str | None = None,
+                      **options: Unpack[ResponseOptions]) -> Response:
+        return await self._unary(calls.respond(input, model=model, options=options))
 
-    def respond_stream(
-        self,
-        input: ResponseInput,
-        *,
-        model: str | None = None,
-        **options: Unpack[ResponseOptions],
-    ) -> AsyncResponseStream[ResponseEvent]:
-        request = response_request(input, model=model, options=options)
-        return self._stream(self._stub.CreateResponseStream, request, response_event_from_pb)
+    def respond_stream(self, input: ResponseInput, *, model: str | None = None,
+                       **options: Unpack[ResponseOptions],
+                       ) -> AsyncResponseStream[ResponseEvent]:
+        return self._stream(calls.respond_stream(input, model=model, options=options))
 
     async def get_response(self, response_id: str) -> Response:
-        """See ``Client.get_response``."""
-        request = pb.GetResponseRequest(response_id=response_id)
-        return response_from_pb(await self._unary(self._stub.GetResponse, request))
+        return await self._unary(calls.get_response(response_id))
 
     async def delete_response(self, response_id: str) -> None:
-        await self._unary(self._stub.DeleteResponse,
-                          pb.DeleteResponseRequest(response_id=response_id))
+        await self._unary(calls.delete_response(response_id))
 
     async def cancel_response(self, response_id: str) -> Response:
-        """See ``Client.cancel_response``."""
-        request = pb.CancelResponseRequest(response_id=response_id)
-        return response_from_pb(await self._unary(self._stub.CancelResponse, request))
+        return await self._unary(calls.cancel_response(response_id))
 
     def follow_response(self, response_id: str, *, starting_after: int | None = None,
                         ) -> AsyncResponseStream[ResponseEvent]:
-        """See ``Client.follow_response``."""
-        request = follow_request(response_id, starting_after)
-        return self._stream(self._stub.GetResponseStream, request, response_event_from_pb)
+        return self._stream(calls.follow_response(response_id, starting_after))
 
-    async def list_response_input_items(
-        self,
-        response_id: str,
-        *,
-        after: str | None = None,
-        limit: int | None = None,
-        order: str | None = None,
-        include: Sequence[str] | None = None,
-    ) -> ResponseItemPage:
-        """See ``Client.list_response_input_items``."""
-        request = input_items_request(response_id, after=after, limit=limit, order=order,
-                                      include=include)
-        return item_page_from_pb(
-            await self._unary(self._stub.ListResponseInputItems, request))
+    async def list_response_input_items(self, response_id: str, *, after: str | None = None,
+                                        limit: int | None = None, order: str | None = None,
+                                        include: Sequence[str] | None = None,
+                                        ) -> ResponseItemPage:
+        return await self._unary(calls.list_response_input_items(
+            response_id, after=after, limit=limit, order=order, include=include))
 
     async def models(self) -> list[ModelInfo]:
-        response = await self._unary(self._stub.ListModels, pb.ListModelsRequest())
-        return [model_from_pb(m) for m in response.data]
+        return await self._unary(calls.models())
 
     async def model(self, model_id: str) -> ModelInfo:
-        """One served model (the base model or a LoRA adapter); InvalidRequestError (NOT_FOUND)
-        for another."""
-        return model_from_pb(
-            await self._unary(self._stub.GetModel, pb.GetModelRequest(model=model_id)))
+        return await self._unary(calls.model(model_id))
 
-    async def tokenize(
-        self, text: str, *, model: str | None = None, add_special_tokens: bool | None = None
-    ) -> list[int]:
-        request = pb.TokenizeRequest(model=model or "", prompt=text)
-        if add_special_tokens is not None:
-            request.add_special_tokens = add_special_tokens
-        return list((await self._unary(self._stub.Tokenize, request)).tokens)
+    async def tokenize(self, text: str, *, model: str | None = None,
+                       add_special_tokens: bool | None = None) -> list[int]:
+        return await self._unary(calls.tokenize(text, model=model,
+                                                add_special_tokens=add_special_tokens))
 
     async def detokenize(self, token_ids: Sequence[int], *, model: str | None = None) -> str:
-        request = pb.DetokenizeRequest(model=model or "", tokens=token_ids)
-        return str((await self._unary(self._stub.Detokenize, request)).prompt)
+        return await self._unary(calls.detokenize(token_ids, model=model))
 
     async def load_lora_adapter(self, name: str, path: str) -> list[str]:
-        """See ``Client.load_lora_adapter``."""
-        request = pb.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
-        return list((await self._unary(self._stub.LoadLoraAdapter, request)).lora_adapters)
+        return await self._unary(calls.load_lora_adapter(name, path))
 
     async def unload_lora_adapter(self, name: str) -> list[str]:
-        """See ``Client.unload_lora_adapter``."""
-        request = pb.UnloadLoraAdapterRequest(lora_name=name)
-        return list((await self._unary(self._stub.UnloadLoraAdapter, request)).lora_adapters)
+        return await self._unary(calls.unload_lora_adapter(name))
 
     async def close(self) -> None:
         await self._channel.close()
@@ -479,10 +319,6 @@ class AsyncClient:
     async def __aenter__(self) -> AsyncClient:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
         await self.close()
