@@ -8,7 +8,7 @@ It does not own how sampling is done (``sampler``) or how stopping is detected
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from engine_common.structured_output.spec import StructuredOutputSpec
 
@@ -21,7 +21,12 @@ MAX_LOGPROBS = 20
 
 
 class SamplingParamsError(ValueError):
-    """A sampling parameter is out of range; the message says which and why."""
+    """A sampling parameter is out of range; the message says which and why, and ``param``
+    names the field (an API's error body reports it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -87,7 +92,9 @@ class SamplingParams:
 
     def validate(self) -> None:
         def fail(msg: str) -> None:
-            raise SamplingParamsError(msg)
+            # Every message starts with the field it is about.
+            first_word = msg.split(" ", 1)[0]
+            raise SamplingParamsError(msg, first_word if first_word in _FIELD_NAMES else None)
 
         if self.max_tokens is not None and self.max_tokens < 1:
             fail(f"max_tokens must be at least 1, got {self.max_tokens}")
@@ -138,3 +145,8 @@ class SamplingParams:
         negative = sorted({t for ids in self.bad_words_token_ids for t in ids if t < 0})
         if negative:
             fail(f"bad_words_token_ids must be non-negative, got {negative[:5]}")
+
+
+# The fields an error names as its ``param``: those the APIs call by the same name (the
+# public API's bad words are text, tokenized into ``bad_words_token_ids``).
+_FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams)) - {"bad_words_token_ids"}

@@ -653,7 +653,7 @@ def test_models_tokenize_and_detokenize(stack: Stack, offline: LLM) -> None:
             client.models.retrieve(missing)
     status, _, body = get_raw(stack, "/v1/models/org/nope")
     assert status == 404 and body["error"]["message"] == "The model 'org/nope' does not exist"
-    assert body["error"]["code"] == "not_found"
+    assert (body["error"]["code"], body["error"]["param"]) == ("model_not_found", "model")
 
     def post(path: str, payload: dict[str, Any]) -> dict[str, Any]:
         request = urllib.request.Request(
@@ -704,10 +704,13 @@ def test_bad_requests_get_openai_errors(stack: Stack) -> None:
     assert raised.value.status_code == 400
     assert "temperature must be non-negative" in raised.value.message
     assert raised.value.body == {"message": raised.value.body["message"],  # type: ignore[index]
-                                 "type": "invalid_request_error", "param": None,
+                                 "type": "invalid_request_error", "param": "temperature",
                                  "code": "invalid_argument"}
-    with pytest.raises(openai.BadRequestError, match="not served here"):
+    with pytest.raises(openai.NotFoundError, match="not served here") as missing:
         client.chat.completions.create(model="no-such-model", messages=MESSAGES)  # type: ignore[arg-type]
+    assert missing.value.status_code == 404  # as OpenAI and vLLM answer
+    assert missing.value.body["code"] == "model_not_found"  # type: ignore[index]
+    assert missing.value.body["param"] == "model"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError, match="context"):
         client.completions.create(model="tiny", prompt="alpha " * 5000, max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="non-negative"):  # also when streaming

@@ -103,10 +103,20 @@ local function error_type(status)
   return "invalid_request_error"
 end
 
--- message: a JSON string literal; code: a JSON literal.
-local function openai_error_body(status, message, code)
+-- message: a JSON string literal; code, param: JSON literals (param null when absent).
+local function openai_error_body(status, message, code, param)
   return '{"error":{"message":' .. message .. ',"type":"' .. error_type(status) ..
-    '","param":null,"code":' .. code .. '}}'
+    '","param":' .. (param or "null") .. ',"code":' .. code .. '}}'
+end
+
+-- A google.rpc.ErrorInfo field of the status's details (the server's own identifiers:
+-- letters, digits, "_", "." and "[]"), as a JSON string literal, or nil.
+local function error_info_field(text, pattern)
+  local value = string.match(text, pattern)
+  if value ~= nil and #value <= 64 then
+    return '"' .. value .. '"'
+  end
+  return nil
 end
 
 local function refuse(handle, grpc, status, message)
@@ -242,7 +252,7 @@ local function raw_string_field(text, name)
 end
 
 local function openai_error(status, text, content_type, probe)
-  local message, code = nil, "null"
+  local message, code, param = nil, "null", nil
   if status == 401 then
     return openai_error_body(status, json_string(API_KEY_HELP), '"invalid_api_key"')
   end
@@ -259,6 +269,9 @@ local function openai_error(status, text, content_type, probe)
     if grpc_code ~= nil and GRPC_CODES[grpc_code] ~= nil then
       code = '"' .. GRPC_CODES[grpc_code] .. '"'
     end
+    -- {"details": [{"@type": ".../google.rpc.ErrorInfo", "reason": R, "metadata": {"param": P}}]}
+    code = error_info_field(text, '"reason"%s*:%s*"([%w_]+)"') or code
+    param = error_info_field(text, '"param"%s*:%s*"([%w_%.%[%]]+)"')
   end
   if message == nil then
     text = string.gsub(text, "^%s+", "")
@@ -268,7 +281,7 @@ local function openai_error(status, text, content_type, probe)
     end
     message = json_string(text)
   end
-  return openai_error_body(status, message, code)
+  return openai_error_body(status, message, code, param)
 end
 
 function envoy_on_response(handle)

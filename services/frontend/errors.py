@@ -23,6 +23,8 @@ from typing import TypeVar
 
 import grpc
 import grpc.aio
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
 
 from engine_common.core_process import EngineDeadError
 from engine_common.input_processor import InvalidRequestError
@@ -39,18 +41,28 @@ R = TypeVar("R")
 # message stays under 3 KiB on the wire, far below the 8 KiB gRPC clients and Envoy take
 # without complaint in a whole header block.
 MAX_STATUS_MESSAGE_BYTES = 1024
+# Where gRPC carries a status's details (a google.rpc.Status), and the domain of ours.
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+ERROR_DOMAIN = "tandem"
 # How many characters of a client's value an error message shows.
 QUOTED_CHARS = 64
 
 
 class ServiceError(Exception):
-    """A request failed for a reason the caller should see as ``code`` and ``message``."""
+    """A request failed for a reason the caller should see as ``code`` and ``message``.
+
+    ``reason`` (OpenAI's error code, such as "model_not_found") and ``param`` (the request
+    field at fault) travel as a ``google.rpc.ErrorInfo`` in the status's details, which the
+    HTTP edge turns into the error body's ``code`` and ``param``."""
 
     code = grpc.StatusCode.INTERNAL
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, reason: str | None = None,
+                 param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.reason = reason
+        self.param = param
 
 
 class InvalidArgument(ServiceError):
@@ -114,6 +126,22 @@ def status_of(error: Exception) -> tuple[grpc.StatusCode, str] | None:
     return None
 
 
+def _error_details(error: Exception, code: grpc.StatusCode,
+                   message: str) -> tuple[tuple[str, bytes], ...]:
+    """The trailing metadata that carries ``error``'s reason and param, if it has any."""
+    reason = error.reason if isinstance(error, ServiceError) else None
+    param = error.param if isinstance(error, ServiceError | SamplingParamsError) else None
+    if reason is None and param is None:
+        return ()
+    info = error_details_pb2.ErrorInfo(reason=reason or code.name.lower(), domain=ERROR_DOMAIN)
+    if param is not None:
+        info.metadata["param"] = param
+    details = any_pb2.Any()
+    details.Pack(info)
+    status = status_pb2.Status(code=code.value[0], message=message, details=[details])
+    return ((STATUS_DETAILS_KEY, status.SerializeToString()),)
+
+
 def rpc_handler(
     method: Callable[[S, Req, grpc.aio.ServicerContext], Awaitable[R]],
 ) -> Callable[[S, Req, grpc.aio.ServicerContext], Awaitable[R]]:
@@ -132,7 +160,8 @@ def rpc_handler(
                 logger.exception("unexpected error in %s", method.__name__)
                 status = (grpc.StatusCode.INTERNAL,
                           f"internal error: {type(error).__name__}: {error}")
-            await context.abort(status[0], bounded_message(status[1]))
+            message = bounded_message(status[1])
+            await context.abort(status[0], message, _error_details(error, status[0], message))
             raise AssertionError("context.abort returned") from error  # it always raises
 
     return handler

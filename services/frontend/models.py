@@ -38,7 +38,8 @@ def model_card(model: ServedModel, requested: str) -> pb.Model:
     for card in models_response(model).data:
         if card.id == base:
             return card
-    raise NotFound(f"The model {quoted(requested)} does not exist")
+    raise NotFound(f"The model {quoted(requested)} does not exist",
+                   reason="model_not_found", param="model")
 
 
 def tokenize_response(request: pb.TokenizeRequest, inputs: InputProcessor) -> pb.TokenizeResponse:

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.frontend.errors import InvalidArgument, quoted
+from services.frontend.errors import NotFound, quoted
 
 
 @dataclass(frozen=True)
@@ -48,16 +48,17 @@ class ServedModel:
 
     def resolve(self, requested: str) -> str | None:
         """The LoRA adapter a request's ``model`` names, or None for the base model (an
-        empty name, the served name or an alias); raises InvalidArgument for anything
-        else."""
+        empty name, the served name or an alias); raises NotFound (OpenAI's
+        "model_not_found") for anything else."""
         if requested in self.lora_names:
             return requested
         if requested and requested != self.name and requested not in self.aliases:
             adapters = (f", or a LoRA adapter: {', '.join(map(repr, sorted(self.lora_names)))}"
                         if self.lora_names else "")
-            raise InvalidArgument(
+            raise NotFound(
                 f"model {quoted(requested)} is not served here; use {self.name!r} "
-                f"(or leave model empty for the default){adapters}")
+                f"(or leave model empty for the default){adapters}",
+                reason="model_not_found", param="model")
         return None
 
     def response_name(self, lora_name: str | None) -> str:
