@@ -1,8 +1,8 @@
 """The ``tandem`` command: serve a replica, run the gateway, start a local suite, generate.
 
 Each subcommand is a thin front over the module that owns the work: ``services.replica``
-(serve), ``gateway`` (gateway), ``deploy.supervisor`` (up), ``tandem.demo`` (demo), the SDK
-(generate, chat, lora), ``tandem.lora_sync`` (lora sync) and ``engine_common.default_model``
+(serve), ``gateway`` (gateway), ``deploy.supervisor`` (up), ``deploy.demo`` (demo), the SDK
+(generate, chat, lora), ``deploy.lora_sync`` (lora sync) and ``engine_common.default_model``
 (prepare-model).
 """
 
@@ -114,7 +114,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from tandem.demo import run_demo
+    from deploy.demo import run_demo
 
     supervisor = start_suite(args)
     try:
@@ -166,10 +166,10 @@ def cmd_lora_sync(args: argparse.Namespace) -> int:
     import signal
     import threading
 
+    from deploy.lora_sync import LoraSyncer, parse_wanted_adapters
     from tandem.channel_security import TlsConfig
     from tandem.client import Client
     from tandem.errors import TandemError
-    from tandem.lora_sync import LoraSyncer, parse_wanted_adapters
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     tls = TlsConfig.from_dir(args.tls_dir) if args.tls_dir else False
@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     lora_unload.add_argument("name")
     lora_sync = lora_actions.add_parser(
         "sync", help="keep the adapters in step with a file (the inference extension's "
-                     "LoRA syncer ConfigMap format; see tandem/lora_sync.py)")
+                     "LoRA syncer ConfigMap format; see deploy/lora_sync.py)")
     lora_sync.add_argument("--config", type=Path, required=True,
                            help="the file naming the adapters to serve and not to serve")
     lora_sync.add_argument("--interval", type=float, default=5.0,

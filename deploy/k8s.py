@@ -44,10 +44,10 @@ from deploy.envoy_config import (
     TlsFiles,
     render_picker_bootstrap,
 )
+from deploy.lora_sync import render_config
 from deploy.yaml_text import dump_yaml
 from engine_common.config import ModelSettings
 from services.model_settings import model_settings_args
-from tandem.lora_sync import render_config
 
 # What ``make image`` tags (the Makefile's IMAGE; tests/test_k8s_manifests.py checks).
 DEFAULT_IMAGE = "localhost/tandem:0.1.0"

@@ -1,5 +1,5 @@
 """Tandem's Python SDK (``Client``, ``AsyncClient``, the records they return and the errors
-they raise) and, in ``tandem.cli``, the ``tandem`` command."""
+they raise). The ``tandem`` command lives in ``deploy.cli``."""
 
 from tandem.channel_security import TlsConfig
 from tandem.client import AsyncClient, Client

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(300)
 def test_the_demo_serves_through_a_pd_suite_and_stops_cleanly(tiny_llama_dir: Path,
                                                                tmp_path: Path) -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "demo", "--model", str(tiny_llama_dir),
+        [sys.executable, "-m", "deploy.cli", "demo", "--model", str(tiny_llama_dir),
          "--prefill", "1", "--decode", "1", "--kv-cache-memory", "16MiB",
          "--base-port", str(free_ports(2)), "--gateway-port", str(free_port()),
          "--metrics-base-port", str(free_ports(3)), "--log-dir", str(tmp_path)],

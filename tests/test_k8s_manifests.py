@@ -25,6 +25,7 @@ import pytest
 import yaml
 from kubernetes.client import ApiClient
 
+from deploy.cli import build_parser as tandem_parser
 from deploy.envoy_runner import find_envoy
 from deploy.k8s import (
     DEFAULT_IMAGE,
@@ -46,14 +47,13 @@ from deploy.k8s import (
 )
 from deploy.k8s_pod_policy import ENVOY_UID, TANDEM_UID
 from deploy.local_ca import make_suite_certificates
+from deploy.lora_sync import WantedAdapters, parse_wanted_adapters
 from deploy.render import write_manifests
 from engine_common.config import ModelSettings
 from gateway.endpoint_picker_main import build_parser as picker_parser
 from gateway.endpoint_picker_main import options_from_args as picker_options
 from services.replica.main import build_parser as replica_parser
 from services.replica.main import options_from_args as replica_options
-from tandem.cli import build_parser as tandem_parser
-from tandem.lora_sync import WantedAdapters, parse_wanted_adapters
 from tests.k8s_schemas import K8S_VERSIONS, SchemaError, validate_object
 
 REPO = Path(__file__).resolve().parents[1]
@@ -315,7 +315,7 @@ def test_replicas_and_picker_parse_their_args_and_agree_on_the_template() -> Non
 def test_cli_writes_one_file_per_object(tmp_path: Path) -> None:
     out = tmp_path / "manifests"
     result = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "render", "k8s", "--image", "img:1", "--model",
+        [sys.executable, "-m", "deploy.cli", "render", "k8s", "--image", "img:1", "--model",
          "/models/m", "--prefill", "1", "--decode", "2", "--tls-secret", "tls", "-o", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
@@ -350,7 +350,7 @@ def test_api_keys_come_from_a_secret_through_an_init_container(tmp_path: Path) -
     for mount, directory in local.items():
         argv = [arg.replace(mount, str(directory)) for arg in argv]
     assert argv[:3] == ["tandem", "render", "envoy"]
-    result = subprocess.run([sys.executable, "-m", "tandem.cli", *argv[1:]], cwd=REPO,
+    result = subprocess.run([sys.executable, "-m", "deploy.cli", *argv[1:]], cwd=REPO,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     keyed_path = local[mounts["keyed-config"]] / "envoy.yaml"
@@ -407,7 +407,7 @@ def test_the_lora_syncer_sidecar_reads_its_config_map_from_every_replica_pod(
 
 
 def test_cli_renders_the_lora_syncer_and_says_what_it_needs(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "tandem.cli", "render", "k8s", "--image", "img:1",
+    command = [sys.executable, "-m", "deploy.cli", "render", "k8s", "--image", "img:1",
                "--lora-syncer", "-o", str(tmp_path)]
     refused = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "add --allow-runtime-lora-updating" in refused.stderr
@@ -497,7 +497,7 @@ def test_written_manifests_and_the_envoy_bootstrap_hold_no_yaml_anchors(tmp_path
 def test_the_cli_output_passes_the_kubernetes_validate_command_strictly(tmp_path: Path) -> None:
     """The command line tool itself, on the files ``tandem render k8s`` writes."""
     out = tmp_path / "manifests"
-    subprocess.run([sys.executable, "-m", "tandem.cli", "render", "k8s", "--prefill", "2",
+    subprocess.run([sys.executable, "-m", "deploy.cli", "render", "k8s", "--prefill", "2",
                     "--api-key-secret", "keys", "-o", str(out)],
                    cwd=REPO, check=True, capture_output=True, timeout=60)
     core = sorted(str(p) for p in out.iterdir()

@@ -29,6 +29,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from deploy.cli import main as tandem_main
 from deploy.local_ca import make_suite_certificates
 from engine_common.config import CacheConfig, EngineConfig
 from engine_common.llm import LLM
@@ -36,7 +37,6 @@ from engine_common.sampling_params import SamplingParams
 from services.suite_tls import SuiteTls
 from services.suite_tls import channel as suite_channel
 from tandem import Client
-from tandem.cli import main as tandem_main
 from tests.k8s_pods import find, pod_command, read_manifests
 from tests.netns import Host, HostLab, NetnsUnavailable
 

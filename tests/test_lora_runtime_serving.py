@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 import pytest
 
+from deploy.lora_sync import render_config
 from engine_common.llm import LLM
 from engine_common.sampling_params import SamplingParams
 from gateway.lora_rollout import ClusterLoraUpdates, ReplicaRefusal
@@ -37,7 +38,6 @@ from gateway.registry import ReplicaRegistry
 from protos.tandem.v1 import engine_pb2, engine_pb2_grpc
 from services.frontend.served_model import ServedModel
 from tandem import Client, InvalidRequestError, TandemError
-from tandem.lora_sync import render_config
 from tests.model_factory import write_serving_adapters
 from tests.openai_http import offline_engine
 from tests.replica_process import (
@@ -290,7 +290,7 @@ def test_a_replica_away_during_an_unload_loses_the_adapter_on_return(
 
 def test_the_cli_loads_and_unloads(suite: Suite, adapters: dict[str, str]) -> None:
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "tandem.cli", "lora", *args,
+        return subprocess.run([sys.executable, "-m", "deploy.cli", "lora", *args,
                                "--target", suite.gateway],
                               capture_output=True, text=True, timeout=120)
 
@@ -308,7 +308,7 @@ def test_the_syncer_rolls_a_file_out_over_the_suite(suite: Suite, adapters: dict
     config = tmp_path / "adapters.yaml"
 
     def sync() -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "tandem.cli", "lora", "sync", "--once",
+        return subprocess.run([sys.executable, "-m", "deploy.cli", "lora", "sync", "--once",
                                "--config", str(config), "--target", suite.gateway],
                               capture_output=True, text=True, timeout=120)
 

@@ -121,7 +121,7 @@ def test_the_cli_generates_with_an_adapter(suite: Suite, offline: LLM) -> None:
     want = offline.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=6),
                             lora_name="sql")[0].text
     result = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "generate", PROMPTS[1], "--target", suite.gateway,
+        [sys.executable, "-m", "deploy.cli", "generate", PROMPTS[1], "--target", suite.gateway,
          "--model", "sql", "--max-tokens", "6"],
         capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout == want + "\n"

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from deploy.lora_sync import WantedAdapters, parse_wanted_adapters, render_config
 from engine_common.sampling_params import SamplingParams
 from tandem import Client
-from tandem.lora_sync import WantedAdapters, parse_wanted_adapters, render_config
 from tests.model_factory import write_serving_adapters
 from tests.openai_http import offline_engine
 from tests.replica_process import (
@@ -131,7 +131,7 @@ def test_the_syncer_follows_the_file_and_a_restarted_replica(
     config = tmp_path / "configmap.yaml"
     config.write_text(render_config({"sql": adapters["sql"]}))
     syncer = spawn_module(tmp_path, "lora-syncer", [
-        "tandem.cli", "lora", "sync", "--config", str(config), "--target", replica.target,
+        "deploy.cli", "lora", "sync", "--config", str(config), "--target", replica.target,
         "--interval", "0.2"])
     processes = {"replica": replica}
 
@@ -171,7 +171,7 @@ def test_once_exits_with_what_failed(replica: ReplicaProcess, adapters: dict[str
     config = tmp_path / "configmap.yaml"
     config.write_text(render_config({"sql": adapters["sql"],
                                      "broken": str(tmp_path / "no-such-adapter")}))
-    command = [sys.executable, "-m", "tandem.cli", "lora", "sync", "--once", "--config",
+    command = [sys.executable, "-m", "deploy.cli", "lora", "sync", "--once", "--config",
                str(config), "--target", replica.target]
     first = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert first.returncode == 1, first.stderr

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 
+from deploy.cli import add_suite_args, suite_config
 from deploy.suite_plan import plan_suite
 from engine_common.config import ModelSettings
 from gateway.__main__ import build_parser as gateway_parser
 from gateway.__main__ import options_from_args as gateway_options
 from services.replica.main import build_parser as replica_parser
 from services.replica.main import options_from_args as replica_options
-from tandem.cli import add_suite_args, suite_config
 
 
 def served_argvs(*args: str) -> list[list[str]]:

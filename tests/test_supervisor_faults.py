@@ -120,7 +120,7 @@ def wait_for(condition: Callable[[], bool], timeout: float,
 
 def up_command(model: Path, log_dir: Path, base: int, gateway: int, metrics: int,
                http: int) -> list[str]:
-    return [sys.executable, "-m", "tandem.cli", "up", "--model", str(model),
+    return [sys.executable, "-m", "deploy.cli", "up", "--model", str(model),
             "--prefill", "2", "--decode", "2", "--envoy", "--kv-cache-memory", "16MiB",
             "--base-port", str(base), "--gateway-port", str(gateway),
             "--metrics-base-port", str(metrics), "--http-port", str(http),
