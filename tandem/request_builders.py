@@ -1,7 +1,9 @@
 """Builds ``tandem.v1.Generation`` request messages from the SDK's keyword arguments.
 
 Owns ``GenerationOptions`` (the sampling and stopping knobs every generation call takes) and
-their mapping onto ``CompletionRequest`` / ``ChatCompletionRequest``. A knob left out stays
+their mapping onto ``CompletionRequest`` / ``ChatCompletionRequest``: which request takes a
+knob, and how it is set, is read off the request messages (a knob is the field of its name),
+so only knobs the SDK checks or reshapes have code of their own. A knob left out stays
 unset on the wire, so the server applies its own (OpenAI's) default. It does not validate
 ranges: the server does, and answers INVALID_ARGUMENT (but for an empty
 ``allowed_token_ids``, which the wire cannot tell from an unset one).
@@ -79,10 +81,6 @@ class GenerationOptions(TypedDict, total=False):
 
 
 _OPTION_NAMES = frozenset(GenerationOptions.__annotations__)
-_CHAT_ONLY_OPTIONS = frozenset(
-    {"tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "include_reasoning",
-     "add_generation_prompt", "continue_final_message"})
-_COMPLETION_ONLY_OPTIONS = frozenset({"echo"})
 
 # {"role": ..., "content": ..., "name": ...}; content is a string or a list of text parts,
 # [{"type": "text", "text": ...}, ...], as in OpenAI's API.
@@ -107,45 +105,65 @@ def _value(item: Prompts) -> struct_pb2.Value:
     return value
 
 
+def _set_stop(request: pb.CompletionRequest | pb.ChatCompletionRequest, value: Any) -> None:
+    request.stop.CopyFrom(_value(value))
+
+
+def _set_allowed_token_ids(request: pb.CompletionRequest | pb.ChatCompletionRequest,
+                           value: Any) -> None:
+    if not value:
+        # On the wire an empty list reads as unset (every token allowed): refused here as
+        # the server refuses an empty list.
+        raise InvalidRequestError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "allowed_token_ids must not be empty (leave it unset to allow every token)")
+    request.allowed_token_ids.extend(value)
+
+
+def _set_bad_words(request: pb.CompletionRequest | pb.ChatCompletionRequest,
+                   value: Any) -> None:
+    if isinstance(value, str):  # one word, not its characters
+        raise TypeError("bad_words takes a list of strings, not a string")
+    request.bad_words.extend(value)
+
+
+# The options the SDK checks or reshapes on the way to the wire. Every other option is set by
+# its request field's kind (scalar, repeated, map, message from JSON), read off the message:
+# an option the proto and GenerationOptions gain needs no edit here.
+_SETTERS = {"stop": _set_stop, "allowed_token_ids": _set_allowed_token_ids,
+            "bad_words": _set_bad_words}
+
+
+def _set_option(request: pb.CompletionRequest | pb.ChatCompletionRequest, name: str,
+                value: Any) -> None:
+    field = request.DESCRIPTOR.fields_by_name[name]
+    message_type = field.message_type
+    if name in _SETTERS:
+        _SETTERS[name](request, value)
+    elif message_type is not None and message_type.GetOptions().map_entry:
+        getattr(request, name).update(value)
+    elif field.is_repeated and message_type is not None:
+        for item in value:
+            json_format.ParseDict(item, getattr(request, name).add())
+    elif field.is_repeated:
+        getattr(request, name).extend(value)
+    elif message_type is not None:
+        json_format.ParseDict(value, getattr(request, name))
+    else:
+        setattr(request, name, value)
+
+
 def _apply_options(
     request: pb.CompletionRequest | pb.ChatCompletionRequest, options: Mapping[str, object]
 ) -> None:
-    unknown = set(options) - _OPTION_NAMES
-    if isinstance(request, pb.CompletionRequest):
-        unknown |= set(options) & _CHAT_ONLY_OPTIONS
-    else:
-        unknown |= set(options) & _COMPLETION_ONLY_OPTIONS
+    """Sets each given option; one this kind of request has no field for (a chat-only one
+    on a completion, say) is a TypeError, as an unknown keyword argument is."""
+    unknown = set(options) - (_OPTION_NAMES & set(request.DESCRIPTOR.fields_by_name))
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
     for name, value in options.items():
-        if value is None:  # None means "not given", as in the openai SDK
-            continue
-        if name == "stop":
-            request.stop.CopyFrom(_value(value))  # type: ignore[arg-type]
-        elif name == "stop_token_ids":
-            request.stop_token_ids.extend(value)  # type: ignore[arg-type]
-        elif name == "allowed_token_ids":
-            if not value:
-                # On the wire an empty list reads as unset (every token allowed): refused
-                # here as the server refuses an empty list.
-                raise InvalidRequestError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    "allowed_token_ids must not be empty (leave it unset to allow every token)")
-            request.allowed_token_ids.extend(value)  # type: ignore[arg-type]
-        elif name == "bad_words":
-            if isinstance(value, str):  # one word, not its characters
-                raise TypeError("bad_words takes a list of strings, not a string")
-            request.bad_words.extend(value)  # type: ignore[arg-type]
-        elif name == "logit_bias":
-            request.logit_bias.update(value)  # type: ignore[call-overload]
-        elif name in ("response_format", "structured_outputs", "tool_choice",
-                      "chat_template_kwargs"):
-            json_format.ParseDict(value, getattr(request, name))  # type: ignore[arg-type]
-        elif name == "tools":
-            for tool in value:  # type: ignore[attr-defined]
-                json_format.ParseDict(tool, request.tools.add())  # type: ignore[union-attr]
-        else:
-            setattr(request, name, value)
+        if value is not None:  # None means "not given", as in the openai SDK
+            _set_option(request, name, value)
 
 
 def _stream_options(

@@ -4,12 +4,15 @@ Owns ``SamplingParams`` <-> ``engine_pb2.SamplingParams``, ``GenerationDelta`` <
 ``GenerateResponse`` and KV-event batches -> ``KvEventBatch``. The replica uses the
 ``*_from_pb`` / ``*_to_pb`` pair that serves a request; the gateway uses the other pair to
 send one (``sampling_params_to_pb``) and read the stream back (``delta_from_response``), so a
-round trip is the identity. It does not own validation (``SamplingParams`` validates on
+round trip is the identity. A field of ``SamplingParams`` travels in the engine message's field
+of the same name, converted by that field's kind; only the fields whose wire form differs
+have converters of their own. It does not own validation (``SamplingParams`` validates on
 construction) or the RPCs themselves (``engine_servicer``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
@@ -22,29 +25,63 @@ from kv_transfer.layout import KvLayout
 from protos.tandem.v1 import engine_pb2 as epb
 from services.frontend.engine_seam import GenerationDelta, PositionLogprobs, TokenChoice
 
-_REPEATED = ("stop", "stop_token_ids")
+_ENGINE_FIELDS = epb.SamplingParams.DESCRIPTOR.fields_by_name
+
+
+def _structured_output_from_pb(message: epb.SamplingParams) -> StructuredOutputSpec | None:
+    if not message.HasField("structured_output"):
+        return None
+    wanted = message.structured_output
+    return StructuredOutputSpec.parse(
+        wanted.kind, wanted.value, tuple(wanted.starts_after),
+        wanted.waits_if_first if wanted.HasField("waits_if_first") else None)
+
+
+def _structured_output_to_pb(message: epb.SamplingParams,
+                             spec: StructuredOutputSpec | None) -> None:
+    if spec is not None:
+        message.structured_output.kind = spec.kind
+        message.structured_output.value = spec.value
+        message.structured_output.starts_after.extend(spec.starts_after)
+        if spec.waits_if_first is not None:
+            message.structured_output.waits_if_first = spec.waits_if_first
+
+
+# The fields whose wire form is not their value as it stands. Every other field of
+# SamplingParams travels in the engine message's field of the same name, converted by that
+# field's kind (optional scalar, repeated scalar, map): a plain new field needs no edit here.
+_FROM_PB: dict[str, Callable[[epb.SamplingParams], Any]] = {
+    # Unset: up to the context length, not the record's default (the sender resolved any
+    # API default already).
+    "max_tokens": lambda m: m.max_tokens if m.HasField("max_tokens") else None,
+    # An empty list is not a valid value: none means every token.
+    "allowed_token_ids": lambda m: list(m.allowed_token_ids) or None,
+    "bad_words_token_ids": lambda m: [list(sequence.ids) for sequence in m.bad_words_token_ids],
+    "structured_output": _structured_output_from_pb,
+}
+_TO_PB: dict[str, Callable[[epb.SamplingParams, Any], None]] = {
+    "allowed_token_ids": lambda m, ids: m.allowed_token_ids.extend(ids or ()),
+    "bad_words_token_ids": lambda m, sequences: m.bad_words_token_ids.extend(
+        epb.TokenIds(ids=ids) for ids in sequences),
+    "structured_output": _structured_output_to_pb,
+}
+
+
+def _is_map(name: str) -> bool:
+    field = _ENGINE_FIELDS[name]
+    return field.message_type is not None and field.message_type.GetOptions().map_entry
 
 
 def sampling_params_from_pb(message: epb.SamplingParams) -> SamplingParams:
-    """Unset fields take ``SamplingParams``' defaults, except ``max_tokens``: unset means up
-    to the context length (the sender resolved any API default already). No
-    ``allowed_token_ids`` means every token (an empty list is not a valid value)."""
-    kwargs: dict[str, Any] = {"max_tokens": None}
+    """Unset optional fields take ``SamplingParams``' defaults (but ``max_tokens``)."""
+    kwargs: dict[str, Any] = {}
     for f in fields(SamplingParams):
-        if f.name in _REPEATED:
+        if f.name in _FROM_PB:
+            kwargs[f.name] = _FROM_PB[f.name](message)
+        elif _is_map(f.name):
+            kwargs[f.name] = dict(getattr(message, f.name))
+        elif _ENGINE_FIELDS[f.name].is_repeated:
             kwargs[f.name] = list(getattr(message, f.name))
-        elif f.name == "logit_bias":
-            kwargs[f.name] = dict(message.logit_bias)
-        elif f.name == "allowed_token_ids":
-            kwargs[f.name] = list(message.allowed_token_ids) or None
-        elif f.name == "bad_words_token_ids":
-            kwargs[f.name] = [list(sequence.ids) for sequence in message.bad_words_token_ids]
-        elif f.name == "structured_output":
-            if message.HasField(f.name):
-                wanted = message.structured_output
-                kwargs[f.name] = StructuredOutputSpec.parse(
-                    wanted.kind, wanted.value, tuple(wanted.starts_after),
-                    wanted.waits_if_first if wanted.HasField("waits_if_first") else None)
         elif message.HasField(f.name):
             kwargs[f.name] = getattr(message, f.name)
     return SamplingParams(**kwargs)
@@ -56,21 +93,12 @@ def sampling_params_to_pb(params: SamplingParams) -> epb.SamplingParams:
     message = epb.SamplingParams()
     for f in fields(SamplingParams):
         value = getattr(params, f.name)
-        if f.name in _REPEATED:
+        if f.name in _TO_PB:
+            _TO_PB[f.name](message, value)
+        elif _is_map(f.name):
+            getattr(message, f.name).update(value)
+        elif _ENGINE_FIELDS[f.name].is_repeated:
             getattr(message, f.name).extend(value)
-        elif f.name == "logit_bias":
-            message.logit_bias.update(value)
-        elif f.name == "allowed_token_ids":
-            message.allowed_token_ids.extend(value or ())
-        elif f.name == "bad_words_token_ids":
-            message.bad_words_token_ids.extend(epb.TokenIds(ids=ids) for ids in value)
-        elif f.name == "structured_output":
-            if value is not None:
-                message.structured_output.kind = value.kind
-                message.structured_output.value = value.value
-                message.structured_output.starts_after.extend(value.starts_after)
-                if value.waits_if_first is not None:
-                    message.structured_output.waits_if_first = value.waits_if_first
         elif value is not None:
             setattr(message, f.name, value)
     return message

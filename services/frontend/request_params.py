@@ -8,7 +8,7 @@ loosely typed fields (``validation``) or the sampling-value ranges (``SamplingPa
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from engine_common.input_processor import InputProcessor
 from engine_common.sampling_params import SamplingParams
@@ -22,11 +22,28 @@ from services.frontend.validation import (
     structured_output_from_request,
 )
 
-_SAMPLING_FIELDS = (
-    "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
-    "include_stop_str_in_output", "n",
-)
+# SamplingParams fields the caller resolves (OpenAI's defaults, the chat's logprobs flag), not
+# copied from the request as they stand.
+_RESOLVED_BY_CALLER = frozenset({"max_tokens", "logprobs", "prompt_logprobs"})
+
+
+def _copied_fields() -> tuple[str, ...]:
+    """The SamplingParams fields both public requests carry as an optional scalar of the same
+    name: copied as they stand where set. The others (``stop``, ``logit_bias``, token-id lists,
+    output constraints) take a conversion below. Read off the messages and the record, so a
+    new plain sampling field needs no edit here."""
+    requests = (pb.CompletionRequest.DESCRIPTOR, pb.ChatCompletionRequest.DESCRIPTOR)
+    return tuple(
+        f.name for f in fields(SamplingParams)
+        if f.name not in _RESOLVED_BY_CALLER
+        and all(f.name in request.fields_by_name
+                and request.fields_by_name[f.name].has_presence
+                and not request.fields_by_name[f.name].is_repeated
+                and request.fields_by_name[f.name].message_type is None
+                for request in requests))
+
+
+SAMPLING_FIELDS = _copied_fields()
 
 
 def sampling_params_of(request: pb.CompletionRequest | pb.ChatCompletionRequest,
@@ -39,7 +56,7 @@ def sampling_params_of(request: pb.CompletionRequest | pb.ChatCompletionRequest,
     here too, so that the gateway refuses them as a replica does."""
     chosen = {**{name: value for name, value in inputs.sampling_defaults.items()
                  if name != "max_tokens"},
-              **{name: getattr(request, name) for name in _SAMPLING_FIELDS
+              **{name: getattr(request, name) for name in SAMPLING_FIELDS
                  if request.HasField(name)}}
     stop = stop_from_value(request.stop if request.HasField("stop") else None)
     if tools is not None and tools.forced:  # the schema of the call: the tools' parameters
