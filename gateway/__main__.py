@@ -20,6 +20,8 @@ from gateway.registry import DnsTarget
 from gateway.server import GatewayOptions, serve
 from services.entrypoint import run_service
 from services.frontend.responses.store import STORE_HELP
+from services.help_format import DefaultsHelpFormatter
+from services.model_args import add_model_args
 from services.model_settings import add_model_settings_args, model_settings_from_args
 from services.observability.settings import ObservabilitySettings, add_observability_args
 from services.suite_tls import add_tls_args, tls_from_args
@@ -33,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     picker, retry = PickerConfig(), RetryPolicy()
     options = GatewayOptions(model="", replicas=["unused:0"])
     p = argparse.ArgumentParser(
-        prog="python -m gateway",
+        prog="tandem gateway", formatter_class=DefaultsHelpFormatter,
         description="Tandem's gateway: serves tandem.v1.Generation and routes each request to "
                     "replicas by prefix-cache match and load (health, reflection, /metrics).")
     p.add_argument("--replica", action="append", default=[], metavar="HOST:PORT",
@@ -42,11 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                    type=DnsTarget.parse,
                    help="a DNS name whose addresses are replicas (a headless Service), "
                         "re-resolved every --dns-interval seconds")
-    p.add_argument("--model", default=None,
-                   help="the replicas' model directory, for the tokenizer (default: the bundled "
-                        "SmolLM2-135M-Instruct)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients use (default: the model directory's name)")
+    add_model_args(p)  # --model (the replicas', for the tokenizer), --served-model-name
     p.add_argument("--max-stored-responses", type=int, default=options.max_stored_responses,
                    help=STORE_HELP)
     p.add_argument("--host", default=options.host, help="address to bind (default: %(default)s)")

@@ -40,6 +40,7 @@ from gateway.registry import DnsTarget
 from gateway.server import load_inputs
 from protos.third_party.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from services.entrypoint import run_service, wait_for_stop_signal
+from services.help_format import DefaultsHelpFormatter
 from services.model_settings import add_model_settings_args, model_settings_from_args
 from services.observability.settings import ObservabilitySettings, add_observability_args
 from services.reflection import enable_reflection
@@ -159,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = PickerOptions(model="", replicas=["unused:0"])
     picker, shedding = defaults.picker, defaults.shedding
     p = argparse.ArgumentParser(
-        prog="python -m gateway.endpoint_picker_main",
+        prog="tandem picker", formatter_class=DefaultsHelpFormatter,
         description="Tandem's endpoint picker: an Envoy ext_proc server that names the replica "
                     "for each request (x-gateway-destination-endpoint), by prefix-cache match "
                     "and load, as the gateway-api-inference-extension protocol specifies.")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 from wsgiref.simple_server import WSGIServer
@@ -65,7 +66,7 @@ class GatewayOptions:
     host: str = "127.0.0.1"  # loopback unless told otherwise (a pod binds 0.0.0.0)
     port: int = 50050
     metrics_port: int = 9450  # 0: no /metrics endpoint
-    served_model_name: str | None = None
+    served_model_name: str | Sequence[str] | None = None  # the first names answers
     picker: PickerConfig = field(default_factory=PickerConfig)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     load_interval_s: float = 0.05

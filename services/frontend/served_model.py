@@ -10,7 +10,7 @@ loading the model or its adapters (the engine) or the model list's wire shape
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,13 +36,17 @@ class ServedModel:
 
     @classmethod
     def for_directory(cls, model_dir: str, max_model_len: int,
-                      served_name: str | None = None,
+                      served_name: str | Sequence[str] | None = None,
                       lora_names: Iterable[str] = ()) -> ServedModel:
+        """Served as ``served_name`` (one name, or several as vLLM's ``--served-model-name``:
+        the first is the name, the others aliases), default the directory's name."""
         path = Path(model_dir)
+        names = [served_name] if isinstance(served_name, str) else list(served_name or ())
+        names = [name for name in names if name] or [path.name]
         return cls(
-            name=served_name or path.name,
+            name=names[0],
             max_model_len=max_model_len,
-            aliases=frozenset({path.name, str(model_dir)}),
+            aliases=frozenset({path.name, str(model_dir), *names[1:]}),
             lora_names=frozenset(lora_names),
         )
 

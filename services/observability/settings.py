@@ -39,3 +39,11 @@ def add_observability_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--otlp-traces-endpoint", default=None, metavar="HOST:PORT",
                         help="send OpenTelemetry traces over OTLP/gRPC to this collector, e.g. "
                              "localhost:4317 (default: no traces)")
+
+
+def observability_args(settings: ObservabilitySettings) -> list[str]:
+    """The flags that give another process these settings (``tandem up`` passes them to
+    every process it starts)."""
+    return ["--log-level", settings.log_level, "--log-format", settings.log_format,
+            *(["--otlp-traces-endpoint", settings.otlp_traces_endpoint]
+              if settings.otlp_traces_endpoint else [])]

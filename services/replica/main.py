@@ -1,8 +1,9 @@
-"""The replica's command line: ``python -m services.replica`` and ``tandem serve``.
+"""The replica's command line: ``tandem serve`` (also ``python -m services.replica``).
 
-Owns the flags, their mapping onto ``EngineConfig`` and ``ReplicaOptions`` (defaults come from
-those records, not repeated here), byte sizes such as ``1GiB``, and the process's logging and
-exit code. It does not own serving (``server``).
+Owns the flags of one replica (role, ports, engine id, CPUs, the P/D listener, TLS, health
+port, observability), their mapping onto ``ReplicaOptions``, and the process's logging and
+exit code. The engine flags every replica of a suite shares are ``engine_flags``'s; defaults
+come from the config records, not repeated here. It does not own serving (``server``).
 """
 
 from __future__ import annotations
@@ -10,20 +11,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import socket
-from dataclasses import replace
 
-from engine_common.config import (
-    CacheConfig,
-    EngineConfig,
-    KvTransferConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-)
+from engine_common.config import EngineConfig, KvTransferConfig
 from services.entrypoint import run_service
-from services.frontend.responses.store import STORE_HELP
-from services.model_settings import add_model_settings_args, model_settings_from_args
+from services.help_format import DefaultsHelpFormatter
+from services.model_args import ModelDirError, check_model_dir
 from services.observability.settings import ObservabilitySettings, add_observability_args
 from services.replica.cpu_binding import (
     AUTO,
@@ -36,62 +29,39 @@ from services.replica.cpu_binding import (
     pin_to_cpus,
     split_engine_cpus,
 )
+from services.replica.engine_flags import add_engine_args, engine_config
 from services.replica.kv_address import resolve_kv_host
 from services.replica.server import ROLES, ReplicaOptions, serve
 from services.suite_tls import add_tls_args, tls_from_args
 
 logger = logging.getLogger("services.replica")
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-    "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40,
-}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*$", re.IGNORECASE)
-
-
-def parse_bytes(text: str) -> int:
-    """``1073741824``, ``1GiB``, ``512Mi``, ``2G`` (Kubernetes' convention: ``Gi`` is 2**30,
-    ``G`` is 10**9; a trailing ``B`` is optional)."""
-    match = _SIZE.match(text)
-    if match is None:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size; use bytes or a unit such as 512MiB, 1GiB, 2G")
-    number, unit = match.groups()
-    return int(float(number) * _UNITS[(unit or "").lower()])
-
 
 def build_parser() -> argparse.ArgumentParser:
-    cache, scheduler = CacheConfig(), SchedulerConfig()
-    engine = EngineConfig(model="")
-    options = ReplicaOptions(engine=engine)
     p = argparse.ArgumentParser(
-        prog="python -m services.replica",
+        prog="tandem serve", formatter_class=DefaultsHelpFormatter,
         description="Serve one engine over gRPC: tandem.v1.Generation (public, OpenAI-shaped), "
                     "tandem.v1.Engine (internal), health, reflection and Prometheus /metrics.")
-    p.add_argument("--model", default=None,
-                   help="local Hugging Face model directory (default: the bundled "
-                        "SmolLM2-135M-Instruct, converted on first use)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients use (default: the model directory's name)")
+    _add_replica_args(p)
+    add_engine_args(p)
+    add_tls_args(p)
+    add_observability_args(p)  # --log-level, --log-format, --otlp-traces-endpoint
+    return p
+
+
+def _add_replica_args(p: argparse.ArgumentParser) -> None:
+    """This replica's own flags: what differs between the replicas of one suite."""
+    options = ReplicaOptions(engine=EngineConfig(model=""))
+    kv = KvTransferConfig()
     p.add_argument("--role", choices=ROLES, default=options.role,
-                   help="prefill, decode or both (aggregated) (default: %(default)s)")
-    p.add_argument("--host", default=options.host, help="address to bind (default: %(default)s)")
-    p.add_argument("--port", type=int, default=options.port,
-                   help="gRPC port (default: %(default)s; 0 picks a free one)")
+                   help="prefill, decode or both (aggregated)")
+    p.add_argument("--host", default=options.host, help="address to bind")
+    p.add_argument("--port", type=int, default=options.port, help="gRPC port (0 picks a free one)")
     p.add_argument("--metrics-port", type=int, default=options.metrics_port,
-                   help="Prometheus /metrics HTTP port, 0 for none (default: %(default)s)")
+                   help="Prometheus /metrics HTTP port, 0 for none")
     p.add_argument("--engine-id", default=None,
                    help="stable engine identity in KV events and handles "
                         "(default: <role>-<hostname>-<port>)")
-    p.add_argument("--dtype", default=engine.dtype,
-                   choices=("auto", "bfloat16", "float16", "float32"),
-                   help="weights and KV-cache dtype (default: the checkpoint's; a bf16 one runs "
-                        "in float32 on a CPU without a bf16 matmul)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                   help="auto: cuda when available, else cpu (default: %(default)s)")
-    p.add_argument("--attention-backend", default=engine.attention_backend,
-                   choices=("auto", "torch", "triton"), help="(default: %(default)s)")
     p.add_argument("--cpus", type=parse_cpus, default=None,
                    help="pin the replica (frontend and engine core) to these CPUs, e.g. 0-3, "
                         "with one torch thread per CPU (default: every CPU it may use)")
@@ -103,73 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "for a decode or both replica on CPU that owns two or more (no "
                         "smaller cgroup CPU quota or OMP_NUM_THREADS), else shared "
                         "(default: %(default)s)")
-    add_model_settings_args(p)
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="on CUDA, run decode steps eagerly instead of replaying CUDA graphs")
-    p.add_argument("--cuda-graph-max-batch-size", type=int,
-                   default=engine.cuda_graph_max_batch_size,
-                   help="largest decode batch captured in a CUDA graph (default: %(default)s)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context length (default: the model's)")
-    p.add_argument("--seed", type=int, default=engine.seed, help="(default: %(default)s)")
-    p.add_argument("--block-size", type=int, default=cache.block_size,
-                   help="tokens per KV block (default: %(default)s)")
-    p.add_argument("--kv-cache-memory", type=parse_bytes, default=cache.kv_cache_memory_bytes,
-                   help="KV-cache bytes on CPU, e.g. 1GiB (default: %(default)s)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=cache.gpu_memory_utilization,
-                   help="fraction of free GPU memory for the KV cache (default: %(default)s)")
-    p.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="exact number of KV blocks, overriding the memory budget")
-    p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
-    p.add_argument("--max-num-batched-tokens", type=int, default=scheduler.max_num_batched_tokens,
-                   help="token budget per engine step (default: %(default)s)")
-    p.add_argument("--max-num-seqs", type=int, default=scheduler.max_num_seqs,
-                   help="requests running at once (default: %(default)s)")
-    p.add_argument("--max-waiting", type=int, default=options.max_waiting,
-                   help="requests queued beyond --max-num-seqs before new ones are refused "
-                        "with RESOURCE_EXHAUSTED (default: %(default)s)")
-    p.add_argument("--max-stored-responses", type=int, default=options.max_stored_responses,
-                   help=STORE_HELP)
-    p.add_argument("--scheduling-policy", default=scheduler.policy, choices=("fcfs", "priority"),
-                   help="(default: %(default)s)")
-    spec = SpeculativeConfig()
-    p.add_argument("--speculative-ngram", type=int, default=spec.num_tokens, metavar="K",
-                   help="speculative decoding by n-gram lookup: up to K draft tokens per "
-                        "decode step, taken from where the sequence's last tokens occurred "
-                        "before (0: off; default: %(default)s)")
-    p.add_argument("--speculative-ngram-range", type=_ngram_range,
-                   default=f"{spec.ngram_min}:{spec.ngram_max}", metavar="MIN:MAX",
-                   help="lengths of the sequence's last tokens looked up, longest first "
-                        "(default: %(default)s)")
-    p.add_argument("--speculative-max-batch", type=int, default=spec.max_batch_size,
-                   help="speculate only while at most this many requests run (default: "
-                        "%(default)s)")
-    p.add_argument("--shutdown-grace", type=float, default=options.shutdown_grace_s,
-                   help="seconds in-flight requests get to finish on SIGTERM (default: %(default)s)")
-    kv = KvTransferConfig()
     p.add_argument("--kv-host", default=None,
                    help="P/D: the address decode replicas reach this prefill replica's UCX "
                         "listener on, which binds only it (default: --host; required when "
                         "--host is a wildcard such as 0.0.0.0: in Kubernetes, the pod IP)")
     p.add_argument("--kv-port", type=int, default=kv.port,
                    help="P/D: UCX listener port of a prefill replica (default: a free one)")
-    p.add_argument("--kv-lease-seconds", type=float, default=kv.lease_seconds,
-                   help="P/D: pinned blocks nobody pulls are freed after this (default: %(default)s)")
-    p.add_argument("--kv-pull-timeout", type=float, default=kv.pull_timeout_seconds,
-                   help="P/D: seconds a decode replica waits for a KV pull (default: %(default)s)")
-    p.add_argument("--kv-max-pinned-fraction", type=float, default=options.max_pinned_fraction,
-                   help="P/D: the share of a prefill replica's KV blocks one caller may keep "
-                        "pinned for pulls; more is RESOURCE_EXHAUSTED (default: %(default)s)")
-    p.add_argument("--kv-fallback", default=kv.fallback, choices=("recompute", "fail"),
-                   help="P/D: when the prefill replica or the transfer fails, recompute the "
-                        "prefill here, or fail the request (default: %(default)s)")
-    add_tls_args(p)
     p.add_argument("--health-port", type=int, default=options.health_port,
                    help="also answer grpc.health.v1, and only that, in plaintext on this port: "
                         "for probes without the suite's certificate, such as a kubelet's "
                         "(default: none)")
-    add_observability_args(p)  # --log-level, --log-format, --otlp-traces-endpoint
-    return p
 
 
 def resolve_engine_cpus(args: argparse.Namespace) -> list[int] | None:
@@ -196,37 +109,15 @@ def options_from_args(args: argparse.Namespace) -> ReplicaOptions:
         from engine_common.default_model import ensure_default_model
 
         args.model = str(ensure_default_model())
-    engine = EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=_resolve_device(args.device),
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
-        cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
-        engine_id=args.engine_id or f"{args.role}-{socket.gethostname()}-{args.port}",
-        cpus=args.engine_cpus,
-        model_settings=model_settings_from_args(args),
-        cache=replace(
-            CacheConfig(), block_size=args.block_size,
-            kv_cache_memory_bytes=args.kv_cache_memory,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            num_gpu_blocks_override=args.num_kv_blocks,
-            enable_prefix_caching=not args.no_prefix_caching),
-        scheduler=replace(
-            SchedulerConfig(), max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs, policy=args.scheduling_policy),
-        kv_transfer=KvTransferConfig(
-            role={"prefill": "producer", "decode": "consumer"}.get(args.role),
-            host=resolve_kv_host(args.kv_host, args.host, args.role),
-            port=args.kv_port, lease_seconds=args.kv_lease_seconds,
-            pull_timeout_seconds=args.kv_pull_timeout, fallback=args.kv_fallback),
-        speculative=replace(SpeculativeConfig(), num_tokens=args.speculative_ngram,
-                            ngram_min=args.speculative_ngram_range[0],
-                            ngram_max=args.speculative_ngram_range[1],
-                            max_batch_size=args.speculative_max_batch),
-    )
+    kv = KvTransferConfig(
+        role={"prefill": "producer", "decode": "consumer"}.get(args.role),
+        host=resolve_kv_host(args.kv_host, args.host, args.role),
+        port=args.kv_port, lease_seconds=args.kv_lease_seconds,
+        pull_timeout_seconds=args.kv_pull_timeout, fallback=args.kv_fallback)
+    engine = engine_config(
+        args, _resolve_device(args.device),
+        args.engine_id or f"{args.role}-{socket.gethostname()}-{args.port}",
+        args.engine_cpus, kv)
     return ReplicaOptions(
         engine=engine, role=args.role, host=args.host, port=args.port,
         metrics_port=args.metrics_port, served_model_name=args.served_model_name,
@@ -235,21 +126,14 @@ def options_from_args(args: argparse.Namespace) -> ReplicaOptions:
         max_pinned_fraction=args.kv_max_pinned_fraction, health_port=args.health_port)
 
 
-def _ngram_range(text: str) -> tuple[int, int]:
-    low, _, high = text.partition(":")
-    try:
-        ngram_min, ngram_max = int(low), int(high or low)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MIN:MAX, e.g. 2:4; got {text!r}") from None
-    if not 1 <= ngram_min <= ngram_max:
-        raise argparse.ArgumentTypeError(f"need 1 <= MIN <= MAX, got {text!r}")
-    return ngram_min, ngram_max
-
-
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``), serve until stopped; the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        check_model_dir(args.model)  # one line, before torch or the engine start
+    except ModelDirError as error:
+        parser.exit(2, f"error: {error}\n")
     try:
         if args.cpus is not None:
             pin_to_cpus(args.cpus)

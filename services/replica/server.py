@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from wsgiref.simple_server import WSGIServer
 
@@ -39,6 +40,7 @@ from services.observability.throughput_log import ThroughputLog
 from services.reflection import enable_reflection
 from services.replica.admission import Admission
 from services.replica.callers import CallerScopes
+from services.replica.engine_flags import MAX_PINNED_FRACTION, MAX_WAITING, SHUTDOWN_GRACE_S
 from services.replica.engine_servicer import EngineServicer
 from services.replica.local_engine import LocalEngine
 from services.replica.lora_updates import LocalLoraUpdates
@@ -66,18 +68,19 @@ class ReplicaOptions:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int = 9400  # 0: no /metrics endpoint
-    served_model_name: str | None = None
+    # The names clients use (--served-model-name; the first names answers and metrics).
+    served_model_name: str | Sequence[str] | None = None
     # Requests admitted beyond engine.scheduler.max_num_seqs before RESOURCE_EXHAUSTED.
-    max_waiting: int = 256
+    max_waiting: int = MAX_WAITING
     # Responses kept for previous_response_id and GET /v1/responses/{id}; 0: none.
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
-    shutdown_grace_s: float = 30.0
+    shutdown_grace_s: float = SHUTDOWN_GRACE_S
     # Mutual TLS with the suite's other processes (every caller of this port, and the
     # prefill replicas this one dials); None: plaintext.
     tls: SuiteTls | None = None
     # A prefill replica lets one caller (a decode replica) keep at most this fraction of its
     # KV blocks pinned for pulls.
-    max_pinned_fraction: float = 0.75
+    max_pinned_fraction: float = MAX_PINNED_FRACTION
     # A plaintext port answering grpc.health.v1 only, for probes without the suite's
     # certificate (a kubelet's); 0: none.
     health_port: int = 0
@@ -90,7 +93,8 @@ class ReplicaOptions:
                              f"{self.max_pinned_fraction}")
 
 
-async def start_engine(config: EngineConfig, served_model_name: str | None = None) -> AsyncLLM:
+async def start_engine(config: EngineConfig,
+                       served_model_name: str | Sequence[str] | None = None) -> AsyncLLM:
     """Start the engine core off the event loop (seconds: the model loads); forked when this
     process is a fresh replica (see ``fork_is_safe``), as it is under ``main``. Its metrics
     name the model as clients do (``served_model_name``)."""
