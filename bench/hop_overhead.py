@@ -1,0 +1,305 @@
+"""What the gateway and Envoy add to a request: latency per request and CPU per replica's.
+
+One aggregated replica on the default model, a gateway in front of it and Envoy in front of
+the gateway, all started here as plain processes. The same workload (``--concurrency``
+clients, each streaming completions of ``--output-tokens`` tokens from a fixed prompt, EOS
+ignored) runs over four paths in interleaved rounds, the paths' order shuffled per round:
+
+  direct   gRPC SDK -> replica
+  gateway  gRPC SDK -> gateway -> replica
+  envoy    gRPC SDK -> Envoy -> gateway -> replica (Envoy routes gRPC as it is)
+  http     HTTP (SSE) -> Envoy (JSON transcoding) -> gateway -> replica
+
+Per path: TTFT and end-to-end latency (p50, p99) and the CPU seconds each process used
+while that path ran (``/proc/PID/stat``, the process and its children). What a hop adds is
+the difference to the path without it, measured in the same round; its CPU is its seconds
+over the replica's (the replica and its engine core) in the same phase. Goals (issue 27): the
+gateway adds < 2 ms p99 per request and < 5% of a replica's CPU.
+
+It also times what the gateway does per streamed message that a byte-for-byte relay would
+not: parse the replica's ``GenerateResponse``, turn it into a ``GenerationDelta`` and then
+into an OpenAI chunk, serialize it (``--micro`` iterations), against parsing and serializing
+the message alone.
+
+    python bench/hop_overhead.py [--rounds 3] [--requests 32] [--concurrency 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx2
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.report import write_report  # noqa: E402
+from protos.tandem.v1 import engine_pb2 as epb  # noqa: E402
+from tandem import AsyncClient  # noqa: E402
+
+PATHS = ("direct", "gateway", "envoy", "http")
+PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
+          "The story should be vivid and calm.")
+
+
+@dataclass
+class Suite:
+    processes: dict[str, subprocess.Popen[bytes]]
+    replica: str
+    gateway: str
+    envoy_port: int
+
+    def cpu_seconds(self) -> dict[str, float]:
+        return {name: _cpu_seconds(proc.pid) for name, proc in self.processes.items()}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system time of ``pid`` and of its live children (the engine core), seconds."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    pids = [pid] + [int(p) for p in _children(pid)]
+    for one in pids:
+        try:
+            fields = Path(f"/proc/{one}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
+def _children(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return []
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _spawn(log_dir: Path, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    with open(log_dir / f"{name}.log", "wb") as log:
+        return subprocess.Popen([sys.executable, "-m", *argv], cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def start_suite(log_dir: Path, replica_args: list[str]) -> Suite:
+    replica_port, gateway_port, envoy_port = _free_port(), _free_port(), _free_port()
+    processes = {
+        "replica": _spawn(log_dir, "replica", [
+            "services.replica", "--role", "both", "--port", str(replica_port),
+            "--metrics-port", "0", *replica_args]),
+        "gateway": _spawn(log_dir, "gateway", [
+            "gateway", "--port", str(gateway_port), "--metrics-port", "0",
+            "--replica", f"127.0.0.1:{replica_port}"]),
+        "envoy": _spawn(log_dir, "envoy", [
+            "deploy.envoy_runner", "--http-port", str(envoy_port), "--concurrency", "1",
+            "--upstream", f"127.0.0.1:{gateway_port}"]),
+    }
+    suite = Suite(processes, f"127.0.0.1:{replica_port}", f"127.0.0.1:{gateway_port}",
+                  envoy_port)
+    deadline = time.monotonic() + 300
+    for target in (suite.replica, suite.gateway, f"127.0.0.1:{envoy_port}"):
+        while not _answers(target):
+            dead = [name for name, proc in processes.items() if proc.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                stop_suite(suite)
+                raise RuntimeError(f"{dead or target} did not start; logs in {log_dir}")
+            time.sleep(0.5)
+    return suite
+
+
+def _answers(target: str) -> bool:
+    with grpc.insecure_channel(target) as channel:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=1)
+        except grpc.FutureTimeoutError:
+            return False
+    return True
+
+
+def stop_suite(suite: Suite) -> None:
+    for proc in suite.processes.values():
+        if proc.poll() is None:
+            os.killpg(proc.pid, 15)
+    for proc in suite.processes.values():
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+
+
+@dataclass
+class Timings:
+    ttft: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+
+
+async def _grpc_request(target: str, tokens: int, timings: Timings) -> None:
+    async with AsyncClient(target, timeout=300) as client:
+        started = time.perf_counter()
+        first = None
+        async for chunk in client.complete_stream(PROMPT, max_tokens=tokens, temperature=0.0,
+                                                  ignore_eos=True):
+            if first is None and chunk.text:
+                first = time.perf_counter()
+        timings.e2e.append(time.perf_counter() - started)
+        timings.ttft.append((first or time.perf_counter()) - started)
+
+
+async def _http_request(port: int, tokens: int, timings: Timings) -> None:
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    async with httpx2.AsyncClient(timeout=300) as http:
+        started = time.perf_counter()
+        first = None
+        async with http.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
+                               json=body) as response:
+            async for line in response.aiter_lines():
+                if first is None and line.startswith("data: {"):
+                    first = time.perf_counter()
+        timings.e2e.append(time.perf_counter() - started)
+        timings.ttft.append((first or time.perf_counter()) - started)
+
+
+async def run_path(suite: Suite, path: str, requests: int, concurrency: int,
+                   tokens: int) -> Timings:
+    timings = Timings()
+    queue = list(range(requests))
+
+    async def worker() -> None:
+        while queue:
+            queue.pop()
+            if path == "http":
+                await _http_request(suite.envoy_port, tokens, timings)
+            else:
+                target = {"direct": suite.replica, "gateway": suite.gateway,
+                          "envoy": f"127.0.0.1:{suite.envoy_port}"}[path]
+                await _grpc_request(target, tokens, timings)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return timings
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summarize(timings: Timings) -> dict[str, float]:
+    return {"ttft_p50_ms": 1e3 * statistics.median(timings.ttft),
+            "ttft_p99_ms": 1e3 * _pct(timings.ttft, 0.99),
+            "e2e_p50_ms": 1e3 * statistics.median(timings.e2e),
+            "e2e_p99_ms": 1e3 * _pct(timings.e2e, 0.99)}
+
+
+def micro_relay_cost(iterations: int) -> dict[str, float]:
+    """Microseconds per streamed message: the gateway's parse -> delta -> OpenAI chunk ->
+    serialize within one stream of ``iterations`` messages, a relay's parse + serialize of
+    the same message, and what starting a stream costs the gateway (a one-message stream
+    less one message)."""
+    from services.engine_api.messages import delta_from_response
+    from services.frontend.choices import ChoiceDelta
+    from services.frontend.completions.response import completion_chunks
+
+    raw = epb.GenerateResponse(request_id="cmpl-x", delta_text=" word", new_token_ids=[1234],
+                               prompt_tokens=30, completion_tokens=7).SerializeToString()
+
+    async def stream(messages: int) -> None:
+        async def deltas():  # type: ignore[no-untyped-def]
+            for _ in range(messages):
+                yield ChoiceDelta(0, delta_from_response(epb.GenerateResponse.FromString(raw)))
+        async for chunk in completion_chunks(deltas(), response_id="cmpl-x", model="m",
+                                             include_usage=False):
+            chunk.SerializeToString()
+
+    def timed(fn: Callable[[], object], repeat: int) -> float:
+        started = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        return 1e6 * (time.perf_counter() - started) / repeat
+
+    loop = asyncio.new_event_loop()
+    try:
+        per_message = timed(lambda: loop.run_until_complete(stream(iterations)), 1) / iterations
+        one_message_stream = timed(lambda: loop.run_until_complete(stream(1)), 200)
+    finally:
+        loop.close()
+    relay = timed(lambda: epb.GenerateResponse.FromString(raw).SerializeToString(), iterations)
+    return {"gateway_us_per_message": per_message, "relay_us_per_message": relay,
+            "gateway_us_per_stream_start": one_message_stream - per_message}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=32, help="per path and round")
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--micro", type=int, default=2000)
+    parser.add_argument("--replica-args", default="--max-num-seqs 16",
+                        help="extra flags of the replica")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/hop_overhead.json")
+    args = parser.parse_args()
+    log_dir = ROOT / ".cache/tandem/bench-logs/hop_overhead"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    suite = start_suite(log_dir, args.replica_args.split())
+    rounds: list[dict[str, object]] = []
+    try:
+        asyncio.run(run_path(suite, "direct", 2, 1, 4))  # warm up, untimed
+        for number in range(args.rounds):
+            order = random.Random(number).sample(PATHS, len(PATHS))
+            results: dict[str, object] = {"order": order}
+            for path in order:
+                before = suite.cpu_seconds()
+                timings = asyncio.run(run_path(suite, path, args.requests, args.concurrency,
+                                               args.output_tokens))
+                after = suite.cpu_seconds()
+                cpu = {name: after[name] - before[name] for name in after}
+                results[path] = {**summarize(timings), "cpu_seconds": cpu}
+                print(f"round {number} {path}: {results[path]}", flush=True)
+            rounds.append(results)
+    finally:
+        stop_suite(suite)
+    write_report(args.out, "hop_overhead", settings=vars(args) | {"out": str(args.out)},
+                 rounds=rounds, added=added_by_hops(rounds),
+                 micro=micro_relay_cost(args.micro))
+
+
+def added_by_hops(rounds: list[dict[str, object]]) -> dict[str, object]:
+    """Per hop, per round: the latency it adds (ms) and its CPU over the replica's."""
+    hops = {"gateway": ("direct", "gateway", "gateway"), "envoy_grpc": ("gateway", "envoy", "envoy"),
+            "envoy_http": ("envoy", "http", "envoy")}
+    out: dict[str, object] = {}
+    for hop, (without, with_hop, process) in hops.items():
+        per_round = []
+        for r in rounds:
+            base, hopped = r[without], r[with_hop]  # type: ignore[index]
+            per_round.append({
+                **{f"added_{k}": hopped[k] - base[k] for k in base if k.endswith("_ms")},
+                "cpu_over_replica": hopped["cpu_seconds"][process]
+                / max(hopped["cpu_seconds"]["replica"], 1e-9)})
+        out[hop] = {"per_round": per_round, "median": {
+            key: statistics.median(p[key] for p in per_round) for key in per_round[0]}}
+    return out
+
+
+if __name__ == "__main__":
+    main()
