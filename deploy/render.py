@@ -69,7 +69,7 @@ def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     defaults = K8sOptions()
     p = sub.add_parser("k8s", formatter_class=DefaultsHelpFormatter,
                        help="Kubernetes manifests: replicas, picker, Envoy, "
-                                   "InferencePool, HTTPRoute")
+                            "InferencePool, HTTPRoute")
     p.add_argument("--image", default=DEFAULT_IMAGE,
                    help="container image with Tandem installed (default: %(default)s, what "
                         "`make image` builds)")
