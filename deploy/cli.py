@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.envoy_config import read_api_keys
+from deploy.local_ca import make_suite_certificates
 from deploy.suite_plan import SuiteConfig, plan_suite
 from deploy.supervisor import SuiteFailed, Supervisor, check_ports
 from services.help_format import DefaultsHelpFormatter
@@ -27,6 +28,10 @@ from services.observability.settings import (
     observability_args,
 )
 from services.replica.engine_flags import add_engine_args, engine_argv
+from services.suite_tls import SuiteTls
+
+# Where `tandem up` writes its throwaway suite certificates (made again at every start).
+DEFAULT_TLS_DIR = Path(".cache/tandem/suite-tls")
 
 
 def add_suite_args(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +56,13 @@ def add_suite_args(parser: argparse.ArgumentParser) -> None:
                              "line) on every HTTP and gRPC request through Envoy")
     parser.add_argument("--log-dir", type=Path, default=Path(".cache/tandem/logs"),
                         help="each process's log file")
+    parser.add_argument("--tls-dir", type=Path, default=None,
+                        help="the suite's mutual-TLS files (tls.crt, tls.key, ca.crt; `tandem tls "
+                             "init`); default: a throwaway CA and certificate made at each start "
+                             f"in {DEFAULT_TLS_DIR}")
+    parser.add_argument("--no-suite-tls", action="store_true",
+                        help="plaintext between the suite's processes (replicas accept any "
+                             "caller)")
     add_engine_args(parser)
     parser.set_defaults(kv_cache_memory="512MiB")  # per replica: a suite runs several
     add_observability_args(parser)
@@ -72,6 +84,7 @@ def suite_config(args: argparse.Namespace) -> SuiteConfig:
         gateway=not args.no_gateway, envoy=args.envoy, envoy_http_port=args.http_port,
         envoy_api_key_file=args.api_key_file,
         pin_cpus=args.pin_cpus, model_settings=model_settings_from_args(args),
+        tls_dir=None if args.no_suite_tls else (args.tls_dir or DEFAULT_TLS_DIR),
         engine_args=engine_argv(args, omit={"kv_cache_memory"}),
         process_args=observability_args(ObservabilitySettings.from_args("", args)),
     )
@@ -94,8 +107,10 @@ def start_suite(args: argparse.Namespace) -> Supervisor:
 
         print("preparing the default model (converted once, then cached) ...", flush=True)
         args.model = str(ensure_default_model())
-    suite = plan_suite(suite_config(args))
-    supervisor = Supervisor(suite, args.log_dir)
+    config = suite_config(args)
+    tls = _suite_tls(args, config.tls_dir)
+    suite = plan_suite(config)
+    supervisor = Supervisor(suite, args.log_dir, tls=tls)
     print(f"starting {len(suite.specs)} processes (logs in {args.log_dir}) ...", flush=True)
     started = time.monotonic()
     try:
@@ -114,6 +129,21 @@ def start_suite(args: argparse.Namespace) -> Supervisor:
     for name, endpoint in suite.endpoints.items():
         print(f"  {name:42s} {endpoint}")
     return supervisor
+
+
+def _suite_tls(args: argparse.Namespace, directory: Path | None) -> SuiteTls | None:
+    """The suite's certificates, made now unless --tls-dir names them; None: plaintext."""
+    if directory is None:
+        return None
+    if args.tls_dir is None:
+        make_suite_certificates(directory)
+        print(f"suite mutual TLS: a throwaway CA and certificate in {directory} (replicas "
+              "serve only callers holding them: pass --tls-dir there to call one directly)",
+              flush=True)
+    try:
+        return SuiteTls.load(directory)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"error: --tls-dir {directory}: {error}") from None
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -316,6 +346,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=None,
                      help="the served model or one of its LoRA adapters (default: the model)")
     gen.set_defaults(func=cmd_generate)
+    _add_lora_commands(sub)
+    tls = sub.add_parser("tls", help="the suite's mutual-TLS certificates")
+    tls_actions = tls.add_subparsers(dest="tls_action", required=True)
+    tls_init = tls_actions.add_parser(
+        "init", help="write a throwaway CA and a suite certificate (ca.crt, tls.crt, tls.key) "
+                     "for --tls-dir")
+    tls_init.add_argument("directory", type=Path)
+    tls_init.set_defaults(func=cmd_tls_init)
+    prep = sub.add_parser("prepare-model", help="convert the default model once; print its directory")
+    prep.set_defaults(func=cmd_prepare_model)
+    return parser
+
+
+def _add_lora_commands(sub: argparse._SubParsersAction[_Parser]) -> None:
+    """``tandem lora load|unload|sync``."""
     lora = sub.add_parser("lora", help="load, unload or sync LoRA adapters on a running suite "
                                        "(started with --allow-runtime-lora-updating)")
     lora_actions = lora.add_subparsers(dest="action", required=True)
@@ -343,16 +388,6 @@ def build_parser() -> argparse.ArgumentParser:
         action.add_argument("--target", default="127.0.0.1:50051",
                             help="the gateway's or a replica's gRPC host:port")
         action.set_defaults(func=run)
-    tls = sub.add_parser("tls", help="the suite's mutual-TLS certificates")
-    tls_actions = tls.add_subparsers(dest="tls_action", required=True)
-    tls_init = tls_actions.add_parser(
-        "init", help="write a throwaway CA and a suite certificate (ca.crt, tls.crt, tls.key) "
-                     "for --tls-dir")
-    tls_init.add_argument("directory", type=Path)
-    tls_init.set_defaults(func=cmd_tls_init)
-    prep = sub.add_parser("prepare-model", help="convert the default model once; print its directory")
-    prep.set_defaults(func=cmd_prepare_model)
-    return parser
 
 
 if __name__ == "__main__":
