@@ -9,7 +9,10 @@ Each subcommand is a thin front over the module that owns the work: ``services.r
 from __future__ import annotations
 
 import argparse
+import contextlib
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,9 +32,7 @@ from services.observability.settings import (
 )
 from services.replica.engine_flags import add_engine_args, engine_argv
 from services.suite_tls import SuiteTls
-
-# Where `tandem up` writes its throwaway suite certificates (made again at every start).
-DEFAULT_TLS_DIR = Path(".cache/tandem/suite-tls")
+from tandem.channel_security import TlsConfig
 
 
 def add_suite_args(parser: argparse.ArgumentParser) -> None:
@@ -58,8 +59,8 @@ def add_suite_args(parser: argparse.ArgumentParser) -> None:
                         help="each process's log file")
     parser.add_argument("--tls-dir", type=Path, default=None,
                         help="the suite's mutual-TLS files (tls.crt, tls.key, ca.crt; `tandem tls "
-                             "init`); default: a throwaway CA and certificate made at each start "
-                             f"in {DEFAULT_TLS_DIR}")
+                             "init`); default: a throwaway CA and certificate made for this run "
+                             "in a private temporary directory (printed; removed at the end)")
     parser.add_argument("--no-suite-tls", action="store_true",
                         help="plaintext between the suite's processes (replicas accept any "
                              "caller)")
@@ -84,7 +85,7 @@ def suite_config(args: argparse.Namespace) -> SuiteConfig:
         gateway=not args.no_gateway, envoy=args.envoy, envoy_http_port=args.http_port,
         envoy_api_key_file=args.api_key_file,
         pin_cpus=args.pin_cpus, model_settings=model_settings_from_args(args),
-        tls_dir=None if args.no_suite_tls else (args.tls_dir or DEFAULT_TLS_DIR),
+        tls_dir=None if args.no_suite_tls else args.tls_dir,
         engine_args=engine_argv(args, omit={"kv_cache_memory"}),
         process_args=observability_args(ObservabilitySettings.from_args("", args)),
     )
@@ -108,7 +109,7 @@ def start_suite(args: argparse.Namespace) -> Supervisor:
         print("preparing the default model (converted once, then cached) ...", flush=True)
         args.model = str(ensure_default_model())
     config = suite_config(args)
-    tls = _suite_tls(args, config.tls_dir)
+    tls = _load_tls(config.tls_dir)
     suite = plan_suite(config)
     supervisor = Supervisor(suite, args.log_dir, tls=tls)
     print(f"starting {len(suite.specs)} processes (logs in {args.log_dir}) ...", flush=True)
@@ -131,15 +132,27 @@ def start_suite(args: argparse.Namespace) -> Supervisor:
     return supervisor
 
 
-def _suite_tls(args: argparse.Namespace, directory: Path | None) -> SuiteTls | None:
-    """The suite's certificates, made now unless --tls-dir names them; None: plaintext."""
+@contextlib.contextmanager
+def suite_certificates(args: argparse.Namespace) -> Iterator[None]:
+    """Unless --tls-dir names them or --no-suite-tls turns them off: a throwaway CA and
+    suite certificate for this run (into ``args.tls_dir``), removed when it ends."""
+    if args.no_suite_tls or args.tls_dir is not None:
+        yield
+        return
+    directory = Path(tempfile.mkdtemp(prefix="tandem-suite-tls-"))  # mode 0700
+    try:
+        args.tls_dir = make_suite_certificates(directory)
+        print(f"suite mutual TLS: a throwaway CA and certificate in {directory} (replicas "
+              "serve only callers holding them: --tls-dir there to call one directly)",
+              flush=True)
+        yield
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _load_tls(directory: Path | None) -> SuiteTls | None:
     if directory is None:
         return None
-    if args.tls_dir is None:
-        make_suite_certificates(directory)
-        print(f"suite mutual TLS: a throwaway CA and certificate in {directory} (replicas "
-              "serve only callers holding them: pass --tls-dir there to call one directly)",
-              flush=True)
     try:
         return SuiteTls.load(directory)
     except (OSError, ValueError) as error:
@@ -147,6 +160,11 @@ def _suite_tls(args: argparse.Namespace, directory: Path | None) -> SuiteTls | N
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    with suite_certificates(args):
+        return _serve_suite(args)
+
+
+def _serve_suite(args: argparse.Namespace) -> int:
     supervisor = start_suite(args)
     print("serving (a process that dies is restarted); Ctrl-C or SIGTERM drains and stops "
           "everything", flush=True)
@@ -162,14 +180,19 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from deploy.demo import run_demo
 
-    supervisor = start_suite(args)
-    try:
-        target = f"{args.host}:{args.gateway_port}" if not args.no_gateway else f"{args.host}:{args.base_port}"
-        run_demo(target, [f"{args.host}:{args.base_port + i}"
-                          for i in range(args.prefill + args.decode + args.both)])
-    finally:
-        print("stopping the suite ...", flush=True)
-        supervisor.stop()
+    with suite_certificates(args):
+        supervisor = start_suite(args)
+        try:
+            target = (f"{args.host}:{args.gateway_port}" if not args.no_gateway
+                      else f"{args.host}:{args.base_port}")
+            client_tls = (TlsConfig.from_dir(args.tls_dir)
+                          if args.no_gateway and supervisor.tls is not None else False)
+            run_demo(target, [f"{args.host}:{args.base_port + i}"
+                              for i in range(args.prefill + args.decode + args.both)],
+                     supervisor.tls, client_tls)
+        finally:
+            print("stopping the suite ...", flush=True)
+            supervisor.stop()
     return 0
 
 
@@ -199,7 +222,8 @@ def _generated_text(args: argparse.Namespace) -> Iterator[str]:
     """The completion's (or with --chat, the reply's) text as it streams."""
     from tandem.client import Client
 
-    with Client(args.target) as client:
+    tls = TlsConfig.from_dir(args.tls_dir) if args.tls_dir else False
+    with Client(args.target, tls=tls) as client:
         if args.chat:
             for chunk in client.chat_stream([{"role": "user", "content": args.prompt}],
                                             model=args.model, max_tokens=args.max_tokens,
@@ -239,7 +263,6 @@ def cmd_lora_sync(args: argparse.Namespace) -> int:
     import threading
 
     from deploy.lora_sync import LoraSyncer, parse_wanted_adapters
-    from tandem.channel_security import TlsConfig
     from tandem.client import Client
     from tandem.errors import TandemError
 
@@ -345,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="send the prompt as a chat message")
     gen.add_argument("--model", default=None,
                      help="the served model or one of its LoRA adapters (default: the model)")
+    gen.add_argument("--tls-dir", type=Path, default=None,
+                     help="mutual TLS with a replica of a suite that has it: the suite's "
+                          "tls.crt, tls.key and ca.crt")
     gen.set_defaults(func=cmd_generate)
     _add_lora_commands(sub)
     tls = sub.add_parser("tls", help="the suite's mutual-TLS certificates")

@@ -13,9 +13,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import grpc
-
 from protos.tandem.v1 import engine_pb2, engine_pb2_grpc
+from services.suite_tls import SuiteTls, channel
+from tandem.channel_security import TlsConfig
 from tandem.client import Client
 
 SHARED_PREFIX = (
@@ -68,24 +68,24 @@ def stream_chat(client: Client, label: str, content: str, system: str | None = N
     return Timing(label, ttft, time.perf_counter() - start, tokens)
 
 
-def print_replica_loads(replicas: list[str]) -> None:
+def print_replica_loads(replicas: list[str], tls: SuiteTls | None) -> None:
     print("\nreplicas (GetLoad):")
     for target in replicas:
-        with grpc.insecure_channel(target) as channel:
-            load = engine_pb2_grpc.EngineStub(channel).GetLoad(engine_pb2.GetLoadRequest(), timeout=5)
+        with channel(target, tls) as replica:
+            load = engine_pb2_grpc.EngineStub(replica).GetLoad(engine_pb2.GetLoadRequest(), timeout=5)
         hit_rate = load.prefix_cache_hits / load.prefix_cache_queries if load.prefix_cache_queries else 0.0
         print(f"  {load.engine_id:10s} role={load.role:8s} kv_usage={load.kv_cache_usage_perc:5.1%} "
               f"prefix_cache hits/queries={load.prefix_cache_hits}/{load.prefix_cache_queries} "
               f"({hit_rate:.0%}) preemptions={load.num_preemptions}")
 
 
-def show_pd_transfer(client: Client, replicas: list[str]) -> None:
+def show_pd_transfer(client: Client, replicas: list[str], tls: SuiteTls | None) -> None:
     """One request sent straight to a decode replica naming a prefill replica, to show the
     KV transfer it reports (the gateway does the same for every request it routes P/D)."""
     roles: dict[str, list[str]] = {}
     for target in replicas:
-        with grpc.insecure_channel(target) as channel:
-            role = engine_pb2_grpc.EngineStub(channel).GetInfo(engine_pb2.GetInfoRequest(), timeout=5).role
+        with channel(target, tls) as replica:
+            role = engine_pb2_grpc.EngineStub(replica).GetInfo(engine_pb2.GetInfoRequest(), timeout=5).role
         roles.setdefault(role, []).append(target)
     if not roles.get("prefill") or not roles.get("decode"):
         return
@@ -96,8 +96,8 @@ def show_pd_transfer(client: Client, replicas: list[str]) -> None:
         prefill_peer=roles["prefill"][0])
     print(f"\n\n[P/D] {len(request.prompt_token_ids)}-token prompt: prefill on {roles['prefill'][0]}, "
           f"decode on {roles['decode'][0]} ->", flush=True)
-    with grpc.insecure_channel(roles["decode"][0]) as channel:
-        for response in engine_pb2_grpc.EngineStub(channel).Generate(request, timeout=300):
+    with channel(roles["decode"][0], tls) as decode:
+        for response in engine_pb2_grpc.EngineStub(decode).Generate(request, timeout=300):
             print(response.delta_text, end="", flush=True)
             if response.HasField("kv_transfer"):
                 info = response.kv_transfer
@@ -120,9 +120,12 @@ def score_answers(client: Client, question: str, answers: list[str]) -> None:
         print(f"  {answer!r:12s} log-likelihood {loglikelihood:7.2f}")
 
 
-def run_demo(target: str, replicas: list[str]) -> None:
+def run_demo(target: str, replicas: list[str], tls: SuiteTls | None = None,
+             client_tls: TlsConfig | bool = False) -> None:
+    """``tls``: the suite's certificates, to call the replicas' Engine API; ``client_tls``:
+    the SDK's, where ``target`` is a replica of a suite with mutual TLS (no gateway)."""
     timings: list[Timing] = []
-    with Client(target, timeout=300) as client:
+    with Client(target, timeout=300, tls=client_tls) as client:
         model = client.models()[0].id
         print(f"\nserving {model} through {target}")
         timings.append(stream_chat(client, "chat", "What is the capital of France?"))
@@ -141,7 +144,7 @@ def run_demo(target: str, replicas: list[str]) -> None:
             print(f"{timing.label} {timing.text.strip()[:100]!r}")
         timings.extend(batch)
         score_answers(client, "The capital of France is", [" Paris", " Rome", " Berlin"])
-        show_pd_transfer(client, replicas)
+        show_pd_transfer(client, replicas, tls)
     print("\nsummary:")
     for t in timings[:3]:
         print(f"  {t.label:42s} TTFT {t.ttft * 1000:7.1f} ms, {t.tokens} tokens in {t.seconds:.2f} s")
@@ -149,4 +152,4 @@ def run_demo(target: str, replicas: list[str]) -> None:
     ttfts = sorted(t.ttft for t in batch)
     print(f"  8 concurrent: {batch_tokens} tokens in {wall:.2f} s = {batch_tokens / wall:.1f} tok/s, "
           f"TTFT median {ttfts[len(ttfts) // 2] * 1000:.1f} ms")
-    print_replica_loads(replicas)
+    print_replica_loads(replicas, tls)

@@ -34,6 +34,9 @@ class ProcessSpec:
     name: str
     argv: list[str]
     grpc_target: str | None  # checked for health; None: a process without gRPC health
+    # Its gRPC port takes only callers holding the suite's certificate (a replica of a suite
+    # with mutual TLS); the supervisor's health checks then present it.
+    suite_tls: bool = False
     env: dict[str, str] = field(default_factory=dict)
     # Every port it listens on: checked free before anything starts, and accepting
     # connections before the process counts as ready.
@@ -79,6 +82,10 @@ class SuiteConfig:
     # Give each replica its own share of this machine's CPUs (``--cpus``), so that replicas
     # compute side by side instead of time-slicing the same cores.
     pin_cpus: bool = False
+    # The suite's mutual TLS (``services.suite_tls``: tls.crt, tls.key, ca.crt): replicas
+    # serve only callers presenting a suite certificate, and the gateway, decode replicas
+    # and Envoy (where it calls a replica itself) dial them with it. None: plaintext.
+    tls_dir: Path | None = None
 
 
 def split_cpus(cpus: list[int], parts: int) -> list[list[int]]:
@@ -132,6 +139,10 @@ def plan_suite(cfg: SuiteConfig) -> Suite:
     return suite
 
 
+def _tls_args(cfg: SuiteConfig) -> list[str]:
+    return ["--tls-dir", str(cfg.tls_dir)] if cfg.tls_dir is not None else []
+
+
 def _plan_replicas(cfg: SuiteConfig, roles: list[str], model_args: list[str],
                    suite: Suite) -> list[str]:
     """Adds a spec and endpoints per replica to ``suite``; their gRPC targets."""
@@ -147,8 +158,9 @@ def _plan_replicas(cfg: SuiteConfig, roles: list[str], model_args: list[str],
             argv=[sys.executable, "-m", "services.replica", *model_args, "--role", role,
                   "--host", cfg.host, "--port", str(port), "--metrics-port", str(metrics_port),
                   "--engine-id", name, "--kv-cache-memory", cfg.kv_cache_memory,
-                  *cpu_args[i], *cfg.engine_args, *cfg.process_args, *cfg.extra_replica_args],
-            grpc_target=target,
+                  *cpu_args[i], *_tls_args(cfg), *cfg.engine_args, *cfg.process_args,
+                  *cfg.extra_replica_args],
+            grpc_target=target, suite_tls=cfg.tls_dir is not None,
             ports=[PortUse(cfg.host, port, f"{name} gRPC (--base-port)"),
                    PortUse(cfg.host, metrics_port, f"{name} metrics (--metrics-base-port)")],
             drains_first=True,
@@ -167,7 +179,7 @@ def _plan_gateway(cfg: SuiteConfig, num_replicas: int, model_args: list[str],
         name="gateway",
         argv=[sys.executable, "-m", "gateway", *model_args, "--host", cfg.host,
               "--port", str(cfg.gateway_port), "--metrics-port", str(metrics_port),
-              *replica_flags, *cfg.process_args],
+              *replica_flags, *_tls_args(cfg), *cfg.process_args],
         grpc_target=target,
         ports=[PortUse(cfg.host, cfg.gateway_port, "gateway gRPC (--gateway-port)"),
                PortUse(cfg.host, metrics_port, "gateway metrics (--metrics-base-port)")],
@@ -186,7 +198,11 @@ def _plan_envoy(cfg: SuiteConfig, num_replicas: int, upstream: str, suite: Suite
               "--upstream", upstream, "--listen-host", cfg.host,
               "--admin-port", str(admin_port),
               *(["--api-key-file", str(cfg.envoy_api_key_file)]
-                if cfg.envoy_api_key_file else [])],
+                if cfg.envoy_api_key_file else []),
+              # Envoy in front of a replica is a suite member; in front of the gateway it
+              # calls its plaintext public port.
+              *(["--upstream-tls-dir", str(cfg.tls_dir)]
+                if cfg.tls_dir is not None and not cfg.gateway else [])],
         grpc_target=None,
         ports=[PortUse(cfg.host, cfg.envoy_http_port, "Envoy HTTP (--http-port)"),
                PortUse("127.0.0.1", admin_port, "Envoy admin (after --metrics-base-port)")],

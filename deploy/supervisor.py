@@ -370,7 +370,7 @@ def _health(managed: _Managed, tls: SuiteTls | None) -> int | None:
     target = managed.spec.grpc_target
     assert target is not None
     if managed.channel is None:
-        managed.channel = suite_channel(target, tls)
+        managed.channel = suite_channel(target, tls if managed.spec.suite_tls else None)
     try:
         reply = health_pb2_grpc.HealthStub(managed.channel).Check(
             health_pb2.HealthCheckRequest(service=""), timeout=1.0)

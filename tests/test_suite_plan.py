@@ -64,3 +64,34 @@ def test_the_replica_and_the_gateway_read_those_flags(tiny_llama_dir) -> None:
     assert engine.model_settings == SETTINGS
     gateway = gateway_options(gateway_parser().parse_args([*flags, "--replica", "h:1"]))
     assert gateway.model_settings == SETTINGS
+
+
+def test_the_suite_tls_directory_reaches_every_member_that_needs_it(tiny_llama_dir,
+                                                                    tmp_path) -> None:
+    """With --tls-dir, every replica serves and dials with the suite's certificate and the
+    gateway dials with it (its own port stays the plaintext public one, behind Envoy); Envoy
+    holds it only where it calls a replica itself. The replica and gateway parsers read it
+    back as the directory given; --no-suite-tls leaves every hop plaintext."""
+    from deploy.local_ca import make_suite_certificates
+
+    tls_dir = make_suite_certificates(tmp_path / "tls")
+    parser = argparse.ArgumentParser()
+    add_suite_args(parser)
+
+    def specs(*flags: str) -> dict[str, list[str]]:
+        config = suite_config(parser.parse_args(["--model", str(tiny_llama_dir), *flags]))
+        return {spec.name: spec.argv for spec in plan_suite(config).specs}
+
+    with_gateway = specs("--tls-dir", str(tls_dir), "--envoy")
+    for name in ("prefill-0", "decode-1"):
+        argv = with_gateway[name]
+        args = replica_parser().parse_args(argv[argv.index("services.replica") + 1:])
+        assert replica_options(args).tls is not None and args.tls_dir == tls_dir
+    gateway = with_gateway["gateway"]
+    assert gateway_options(gateway_parser().parse_args(
+        gateway[gateway.index("gateway") + 1:])).tls is not None
+    assert "--upstream-tls-dir" not in with_gateway["envoy"]
+    envoy = specs("--tls-dir", str(tls_dir), "--envoy", "--no-gateway")["envoy"]
+    assert envoy[envoy.index("--upstream-tls-dir") + 1] == str(tls_dir)
+    plain = specs("--no-suite-tls", "--envoy")
+    assert not any("--tls-dir" in argv or "--upstream-tls-dir" in argv for argv in plain.values())

@@ -28,12 +28,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_common.config import CacheConfig, EngineConfig
 from engine_common.llm import LLM
 from engine_common.sampling_params import SamplingParams
+from services.suite_tls import SuiteTls
+from services.suite_tls import channel as suite_channel
 from tandem.client import Client
 from tests.replica_process import REPO_ROOT, free_port, free_ports
 
@@ -51,6 +55,7 @@ class UpSuite:
     metrics_base: int
     http_port: int
     killed_decode: str = ""  # the decode replica the tests killed
+    tls_dir: Path | None = None  # the throwaway certificates tandem up made
 
     NAMES = ("prefill-0", "prefill-1", "decode-2", "decode-3")
 
@@ -228,6 +233,23 @@ def test_a_second_suite_on_the_same_http_port_is_refused_at_once(suite: UpSuite,
     assert time.monotonic() - started < 60
 
 
+def test_the_suite_runs_with_mutual_tls_by_default(suite: UpSuite) -> None:
+    """`tandem up` made a throwaway CA and certificate: a replica refuses a plaintext caller
+    and serves one holding the suite's certificate (the gateway and Envoy, in every other
+    test, reach the replicas with it)."""
+    made = re.search(r"suite mutual TLS: a throwaway CA and certificate in (\S+)", suite.text())
+    assert made, suite.text()[-2000:]
+    suite.tls_dir = Path(made.group(1))
+    target = f"127.0.0.1:{suite.base_port}"
+    check = health_pb2.HealthCheckRequest()
+    with grpc.insecure_channel(target) as plaintext, pytest.raises(grpc.RpcError) as refused:
+        health_pb2_grpc.HealthStub(plaintext).Check(check, timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    with suite_channel(target, SuiteTls.load(suite.tls_dir)) as member:
+        answer = health_pb2_grpc.HealthStub(member).Check(check, timeout=10)
+    assert answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_a_killed_decode_replica_resumes_its_streams_restarts_and_rejoins(
         suite: UpSuite, offline: LLM) -> None:
     prompts = prompts_of(offline, 1, 6, (8, 20))
@@ -347,5 +369,6 @@ def test_sigterm_drains_the_streams_in_flight_then_stops_everything(
     assert got == want  # every stream finished, none was cut
     assert suite.process.wait(90) == 0
     assert suite.text().rstrip().endswith("stopped")
+    assert suite.tls_dir is not None and not suite.tls_dir.exists()  # the throwaway CA went
     alive = {pid for pid, _, _ in processes()}
     assert not alive & set(pids)
