@@ -42,8 +42,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from deploy.envoy import filters
 from deploy.envoy.http_rules import HttpRule, read_http_rules
 from deploy.envoy.routes import (
@@ -52,6 +50,7 @@ from deploy.envoy.routes import (
     RouteTargets,
     edge_routes,
 )
+from deploy.yaml_text import dump_yaml
 from services.suite_tls import CA_FILE, CERT_FILE, KEY_FILE, SUITE_NAME
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -418,5 +417,7 @@ def render_picker_bootstrap(
 
 
 def dump_bootstrap(config: dict[str, Any]) -> str:
-    """YAML text (block style, key order kept) for ``envoy -c``."""
-    return yaml.safe_dump(config, sort_keys=False, width=100)
+    """YAML text (block style, key order kept, no anchors or aliases) for ``envoy -c``: the
+    HTTPS listener shares the HTTP one's routes and filters (the same dicts), which a plain
+    dump writes as ``&id001`` / ``*id001``."""
+    return dump_yaml(config)
