@@ -192,11 +192,14 @@ def _plan_gateway(cfg: SuiteConfig, num_replicas: int, model_args: list[str],
 def _plan_envoy(cfg: SuiteConfig, num_replicas: int, upstream: str, suite: Suite) -> None:
     admin_port = (cfg.envoy_admin_port if cfg.envoy_admin_port is not None
                   else cfg.metrics_base_port + num_replicas + 1)
+    # GET /metrics on the HTTP port: the gateway's (or, without one, the replica's Envoy fronts).
+    metrics_port = cfg.metrics_base_port + (num_replicas if cfg.gateway else 0)
     suite.specs.append(ProcessSpec(
         name="envoy",
         argv=[sys.executable, "-m", "deploy.envoy_runner", "--http-port", str(cfg.envoy_http_port),
               "--upstream", upstream, "--listen-host", cfg.host,
               "--admin-port", str(admin_port),
+              "--upstream-metrics", f"{cfg.host}:{metrics_port}",
               *(["--api-key-file", str(cfg.envoy_api_key_file)]
                 if cfg.envoy_api_key_file else []),
               # Envoy in front of a replica is a suite member; in front of the gateway it

@@ -323,6 +323,10 @@ def test_a_killed_envoy_is_restarted_and_serves_http_again(suite: UpSuite) -> No
     suite.wait_said(r"supervisor: envoy exited with code 137 \(128 \+ SIGKILL\); restarting", 10)
     suite.wait_said(r"supervisor: envoy is ready again", RESTART_S)
     assert http_complete(suite, model, "hello again")["choices"]
+    # The HTTP port's /metrics is the gateway's.
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{suite.http_port}/metrics",
+                                     timeout=10).read().decode()
+    assert "tandem:gateway_requests" in metrics, metrics[:500]
 
 
 def test_a_killed_gateway_is_restarted_and_clients_are_served_again(suite: UpSuite) -> None:
