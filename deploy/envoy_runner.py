@@ -5,7 +5,8 @@ Owns finding the ``envoy`` binary (next to this Python, else on ``PATH``), refus
 a port another process listens on (Envoy's listeners never share one), writing the bootstrap
 to a temporary file, running Envoy on it, passing SIGTERM and SIGINT on to it, removing the
 file afterwards and exiting with Envoy's exit code. It does not own the configuration itself
-(``envoy_config``).
+(``envoy_config``) or the flags that shape it (``envoy_args``, shared with ``tandem render
+envoy``).
 
     python -m deploy.envoy_runner --http-port 8080 --upstream 127.0.0.1:50051 \
         --upstream-metrics 127.0.0.1:9100
@@ -25,15 +26,8 @@ import tempfile
 from pathlib import Path
 from types import FrameType
 
-from deploy.envoy.routes import DEFAULT_UPSTREAM_RETRIES
-from deploy.envoy_config import (
-    DEFAULT_DESCRIPTOR,
-    dump_bootstrap,
-    read_api_keys,
-    render_envoy_bootstrap,
-    render_picker_bootstrap,
-)
-from services.suite_tls import SuiteTls
+from deploy.envoy_args import EnvoyArgDefaults, add_envoy_args, bootstrap_from_args
+from deploy.envoy_config import dump_bootstrap
 
 
 class EnvoyNotFoundError(RuntimeError):
@@ -78,62 +72,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m deploy.envoy_runner",
         description="Run Envoy as Tandem's OpenAI-compatible HTTP front (gRPC-JSON transcoding).")
-    p.add_argument("--http-port", type=int, required=True, help="HTTP (and h2c gRPC) port")
-    target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--upstream", metavar="HOST:PORT",
-                        help="the gRPC server behind Envoy: the gateway, or one replica")
-    target.add_argument("--picker", metavar="HOST:PORT",
-                        help="an ext_proc endpoint picker; Envoy connects to the replica it names")
-    p.add_argument("--upstream-metrics", metavar="HOST:PORT", default=None,
-                   help="a Prometheus endpoint that GET /metrics on the HTTP port returns "
-                        "(the gateway's --metrics-port; default: none, /metrics is a 404)")
-    p.add_argument("--upstream-retries", type=int, default=DEFAULT_UPSTREAM_RETRIES,
-                   help="how often a request that never reached the upstream (connection "
-                        "refused) is tried again, every half second on average (default: "
-                        "%(default)s, ~20 s: time for a restarted gateway to come back; 0: never; "
-                        "not with --picker)")
-    p.add_argument("--upstream-tls-dir", type=Path, default=None,
-                   help="the suite's certificate (tls.crt, tls.key, ca.crt, as --tls-dir for the "
-                        "other processes): mutual TLS to replicas started with --tls-dir (the "
-                        "one --picker picks, or an --upstream that is a replica)")
-    p.add_argument("--picker-body-mode", choices=("BUFFERED", "FULL_DUPLEX_STREAMED"),
-                   default="BUFFERED", help="how the picker receives bodies (default: %(default)s)")
-    p.add_argument("--listen-host", default="127.0.0.1",
-                   help="address to listen on (default: %(default)s; 0.0.0.0 for all)")
-    p.add_argument("--admin-port", type=int, default=0,
-                   help="admin interface on 127.0.0.1 (default: 0, a free port)")
-    p.add_argument("--descriptor", type=Path, default=DEFAULT_DESCRIPTOR,
-                   help="the descriptor set of tandem.v1 (default: %(default)s)")
+    add_envoy_args(p, EnvoyArgDefaults(
+        http_port=None, listen_host="127.0.0.1", admin_port=0,
+        admin_help="admin interface on 127.0.0.1 (default: 0, a free port)"))
     p.add_argument("--concurrency", type=int, default=None,
                    help="Envoy worker threads (default: Envoy's, one per core)")
     p.add_argument("--log-level", default="warn",
                    choices=("trace", "debug", "info", "warn", "error", "critical", "off"))
-    p.add_argument("--api-key-file", type=Path, default=None,
-                   help="require one of the API keys in this file (one per line) on every "
-                        "request (Authorization: Bearer KEY, or x-api-key)")
     p.add_argument("--print-config", action="store_true",
                    help="print the bootstrap and exit without starting Envoy")
     return p
 
 
 def render_from_args(args: argparse.Namespace) -> str:
-    api_keys = read_api_keys(args.api_key_file) if args.api_key_file else []
-    tls_dir = None
-    if args.upstream_tls_dir is not None:
-        SuiteTls.load(args.upstream_tls_dir)  # the files are there and readable
-        tls_dir = str(args.upstream_tls_dir.resolve())
-    if args.picker:
-        config = render_picker_bootstrap(args.http_port, args.picker, admin_port=args.admin_port,
-                                         listen_host=args.listen_host, descriptor=args.descriptor,
-                                         body_mode=args.picker_body_mode, api_keys=api_keys,
-                                         metrics=args.upstream_metrics, upstream_tls_dir=tls_dir)
-    else:
-        config = render_envoy_bootstrap(args.http_port, args.upstream, admin_port=args.admin_port,
-                                        listen_host=args.listen_host, descriptor=args.descriptor,
-                                        api_keys=api_keys, metrics=args.upstream_metrics,
-                                        upstream_retries=args.upstream_retries,
-                                        upstream_tls_dir=tls_dir)
-    return dump_bootstrap(config)
+    return dump_bootstrap(bootstrap_from_args(args))
 
 
 def run_envoy(envoy: Path, bootstrap_yaml: str, extra_args: list[str]) -> int:

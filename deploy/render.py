@@ -3,13 +3,14 @@
 Owns the command line of both renderings and writing their files: ``render envoy`` writes one
 bootstrap (to ``-o FILE`` or stdout), ``render k8s`` one file per Kubernetes object into
 ``-o DIR`` (``kubectl apply -f DIR``). It does not own what is rendered (``envoy_config``,
-``k8s``).
+``k8s``) or the bootstrap's shared flags (``envoy_args``: ``render envoy`` takes every flag
+``deploy.envoy_runner`` does that shapes the bootstrap, with a pod's defaults).
 
     tandem render envoy --upstream 127.0.0.1:50051 --http-port 8080 -o envoy.yaml
     tandem render k8s --image registry.example/tandem:0.1 --model /models/llama \\
         --model-pvc llama-weights --prefill 2 --decode 4 --tls-secret tandem-tls -o deploy/out
 
-Manifests are written without YAML anchors (``yaml_text``).
+Manifests and the bootstrap are written without YAML anchors (``yaml_text``).
 """
 
 from __future__ import annotations
@@ -21,15 +22,8 @@ from typing import Any
 
 import yaml
 
-from deploy.envoy_config import (
-    DEFAULT_DESCRIPTOR,
-    TlsFiles,
-    dump_bootstrap,
-    read_api_keys,
-    render_envoy_bootstrap,
-    render_picker_bootstrap,
-    with_api_keys,
-)
+from deploy.envoy_args import EnvoyArgDefaults, add_envoy_args, bootstrap_from_args
+from deploy.envoy_config import TlsFiles, dump_bootstrap, read_api_keys, with_api_keys
 from deploy.k8s import DEFAULT_IMAGE, K8sOptions, render_k8s_manifests
 from deploy.yaml_text import dump_yaml
 from services.help_format import DefaultsHelpFormatter
@@ -39,26 +33,15 @@ from services.model_settings import add_model_settings_args, model_settings_from
 def _add_envoy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("envoy", formatter_class=DefaultsHelpFormatter,
                        help="Envoy's bootstrap (OpenAI HTTP -> tandem.v1 gRPC)")
-    target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--upstream", metavar="HOST:PORT",
-                        help="the gRPC server behind Envoy (the gateway, or one replica)")
-    target.add_argument("--picker", metavar="HOST:PORT",
-                        help="an ext_proc endpoint picker; Envoy connects to the replica it names")
+    # The flags deploy.envoy_runner takes, with a pod's defaults: every interface, admin 9901.
+    target = add_envoy_args(p, EnvoyArgDefaults(
+        http_port=8080, listen_host="0.0.0.0", admin_port=9901,
+        admin_help="admin interface on 127.0.0.1 (default: %(default)s)"))
     target.add_argument("--bootstrap", type=Path, metavar="FILE",
                         help="a bootstrap rendered before, to add --api-key-file's keys to "
                              "(how Kubernetes pods add keys from a Secret)")
-    p.add_argument("--api-key-file", type=Path, default=None,
-                   help="require one of the API keys in this file (one per line)")
-    p.add_argument("--http-port", type=int, default=8080, help="(default: %(default)s)")
-    p.add_argument("--listen-host", default="0.0.0.0", help="(default: %(default)s)")
-    p.add_argument("--admin-port", type=int, default=9901,
-                   help="admin interface on 127.0.0.1 (default: %(default)s)")
-    p.add_argument("--descriptor", type=Path, default=DEFAULT_DESCRIPTOR,
-                   help="descriptor set of tandem.v1 (default: %(default)s)")
     p.add_argument("--inline-descriptor", action="store_true",
                    help="embed the descriptor set in the bootstrap (one self-contained file)")
-    p.add_argument("--picker-body-mode", choices=("BUFFERED", "FULL_DUPLEX_STREAMED"),
-                   default="BUFFERED", help="how the picker receives bodies (default: %(default)s)")
     p.add_argument("--tls-cert", help="PEM certificate chain: also serve HTTPS")
     p.add_argument("--tls-key", help="PEM private key for --tls-cert")
     p.add_argument("--https-port", type=int, default=8443, help="(default: %(default)s)")
@@ -139,21 +122,14 @@ def _render_envoy(args: argparse.Namespace) -> int:
         print("error: give both --tls-cert and --tls-key", file=sys.stderr)
         return 2
     tls = TlsFiles(args.tls_cert, args.tls_key, args.https_port) if args.tls_cert else None
-    descriptor: Path | bytes = (args.descriptor.read_bytes() if args.inline_descriptor
-                                else args.descriptor)
     try:
-        api_keys = read_api_keys(args.api_key_file) if args.api_key_file else []
+        descriptor: Path | bytes = (args.descriptor.read_bytes() if args.inline_descriptor
+                                    else args.descriptor)
         if args.bootstrap:
+            api_keys = read_api_keys(args.api_key_file) if args.api_key_file else []
             config = with_api_keys(yaml.safe_load(args.bootstrap.read_text()), api_keys)
-        elif args.picker:
-            config = render_picker_bootstrap(
-                args.http_port, args.picker, admin_port=args.admin_port,
-                listen_host=args.listen_host, descriptor=descriptor,
-                body_mode=args.picker_body_mode, tls=tls, api_keys=api_keys)
         else:
-            config = render_envoy_bootstrap(
-                args.http_port, args.upstream, admin_port=args.admin_port,
-                listen_host=args.listen_host, descriptor=descriptor, tls=tls, api_keys=api_keys)
+            config = bootstrap_from_args(args, descriptor=descriptor, tls=tls, local=False)
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -162,8 +138,8 @@ def _render_envoy(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
     else:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        if api_keys:
-            args.output.touch(mode=0o600)  # it holds the keys
+        if args.api_key_file is not None:
+            args.output.touch(mode=0o600)  # it holds the keys (read_api_keys refuses none)
         args.output.write_text(text)
         print(f"wrote {args.output}")
     return 0

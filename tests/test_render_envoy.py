@@ -8,17 +8,22 @@ command line writes (no YAML anchors or aliases) and that it takes the flags
 
 from __future__ import annotations
 
+import argparse
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from deploy.envoy_runner import build_parser as runner_parser
 from deploy.envoy_runner import find_envoy
 from deploy.local_ca import make_suite_certificates
+from deploy.render import build_parser as render_parser
 from deploy.render import main as render_main
 
+REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -61,3 +66,74 @@ def test_the_written_bootstrap_holds_no_yaml_anchors(tmp_path: Path, suite_dir: 
         assert len(config["static_resources"]["listeners"]) == 2  # HTTP and HTTPS: shared dicts
         _envoy_validates(tmp_path / f"{name}.yaml")
     assert _yaml_anchors("a: &x {b: 1}\nc: *x\n") == ["MappingStartEvent x", "AliasEvent x"]
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    return {option for action in parser._actions for option in action.option_strings}
+
+
+def test_render_takes_every_bootstrap_flag_the_runner_takes() -> None:
+    """Only running Envoy is the runner's own (threads, log level, printing); every flag that
+    shapes the bootstrap is one definition shared by both (``deploy.envoy_args``)."""
+    envoy_parser = next(action for action in render_parser()._actions
+                        if isinstance(action, argparse._SubParsersAction)).choices["envoy"]
+    missing = _option_strings(runner_parser()) - _option_strings(envoy_parser)
+    assert missing == {"--concurrency", "--log-level", "--print-config"}
+
+
+def _routes(config: dict[str, Any]) -> list[dict[str, Any]]:
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    return list(manager["typed_config"]["route_config"]["virtual_hosts"][0]["routes"])
+
+
+def test_metrics_and_upstream_tls_flags_reach_the_bootstrap(tmp_path: Path,
+                                                            suite_dir: Path) -> None:
+    """--upstream-metrics routes GET /metrics to that endpoint; --upstream-tls-dir puts the
+    suite's certificate on the cluster of the replicas Envoy calls; --upstream-retries is the
+    upstream route's retry count. The same flags give the runner's bootstrap, byte for byte."""
+    suite = str(suite_dir.resolve())
+    for name, target, replicas in (("gateway", ["--upstream", "127.0.0.1:50051"], "tandem_upstream"),
+                                   ("picker", ["--picker", "127.0.0.1:9002"], "picked_replica")):
+        flags = [*target, "--http-port", "8081", "--upstream-metrics", "10.0.0.7:9090",
+                 "--upstream-tls-dir", suite, "--upstream-retries", "3"]
+        text, config = _render(tmp_path, name, *flags)
+        _envoy_validates(tmp_path / f"{name}.yaml")  # validate mode loads the TLS files
+        clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+        metrics = clusters["tandem_metrics"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+        assert metrics["endpoint"]["address"]["socket_address"] == {"address": "10.0.0.7",
+                                                                   "port_value": 9090}
+        assert any(r["match"].get("path") == "/metrics"
+                   and r.get("route", {}).get("cluster") == "tandem_metrics"
+                   for r in _routes(config))
+        context = clusters[replicas]["transport_socket"]["typed_config"]["common_tls_context"]
+        assert context["tls_certificates"][0]["certificate_chain"]["filename"] == \
+            f"{suite}/tls.crt"
+        retried = [r["route"]["retry_policy"]["num_retries"] for r in _routes(config)
+                   if "retry_policy" in r.get("route", {})]
+        if name == "picker":  # a retry would go to the same picked replica
+            assert retried == []
+        else:
+            assert retried and set(retried) == {3}
+        printed = subprocess.run(
+            [sys.executable, "-m", "deploy.envoy_runner", *flags, "--listen-host", "0.0.0.0",
+             "--admin-port", "9901", "--print-config"],
+            cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert printed.returncode == 0, printed.stderr
+        assert printed.stdout == text
+
+
+def test_a_rendered_upstream_tls_dir_is_named_as_given(tmp_path: Path) -> None:
+    """The directory is where the machine running Envoy mounts it (a pod's Secret): the
+    render neither reads it nor rewrites the path; the runner, which runs Envoy here, checks
+    the files first."""
+    _text, config = _render(tmp_path, "pod", "--picker", "epp:9002",
+                            "--upstream-tls-dir", "/etc/tandem/suite-tls")
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    context = clusters["picked_replica"]["transport_socket"]["typed_config"]["common_tls_context"]
+    assert context["validation_context"]["trusted_ca"]["filename"] == \
+        "/etc/tandem/suite-tls/ca.crt"
+    result = subprocess.run(
+        [sys.executable, "-m", "deploy.envoy_runner", "--http-port", "8081", "--picker",
+         "epp:9002", "--upstream-tls-dir", str(tmp_path / "absent"), "--print-config"],
+        cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "lacks" in result.stderr
