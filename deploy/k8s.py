@@ -98,7 +98,10 @@ class K8sOptions:
     # A PersistentVolumeClaim holding the model, mounted read-only at model_mount.
     model_pvc: str | None = None
     model_mount: str = "/models"
-    served_model_name: str | None = None
+    # The names clients call the model by (the replicas' --served-model-name, as vLLM's: the
+    # first names it in answers and metrics); empty: the model directory's name. The picker
+    # needs none: it tells a LoRA adapter's requests by the adapter's name, any other is base.
+    served_model_names: tuple[str, ...] = ()
     # The replicas' chat template (a file in the containers, or the Jinja text), tool-call
     # syntax and sampling defaults (``tandem serve --help``); the endpoint picker renders
     # chats with the same template to route them.
@@ -144,9 +147,22 @@ class K8sOptions:
         if self.exclusive_cpus and not (self.replica_cpu.isdigit() and int(self.replica_cpu) > 0):
             raise ValueError(f"exclusive CPUs need a whole number of CPUs per replica, got "
                              f"--replica-cpu {self.replica_cpu!r}")
+        self._check_served_model_names()
         if self.lora_syncer and not self.model_settings.allow_runtime_lora_updating:
             raise ValueError("the LoRA syncer loads adapters while the replicas serve: add "
                              "--allow-runtime-lora-updating")
+
+
+    def _check_served_model_names(self) -> None:
+        """Said at render time, not by replica pods failing to start (the replica refuses a
+        base-model name that is also an adapter's; the picker would route such requests as
+        the adapter's)."""
+        if any(not name.strip() for name in self.served_model_names):
+            raise ValueError("--served-model-name: a name must not be empty")
+        clash = set(self.served_model_names) & set(self.model_settings.lora_modules)
+        if clash:
+            raise ValueError(f"--served-model-name {sorted(clash)} also names a LoRA adapter "
+                             "(--lora-modules); name the model and the adapters apart")
 
 
 def suite_tls_secret(options: K8sOptions) -> str:
@@ -262,8 +278,8 @@ def _replica_args(options: K8sOptions, role: str) -> list[str]:
         args += ["--kv-port", str(REPLICA_KV_PORT)]
     if options.suite_tls:
         args += [*_suite_tls_args(options), "--health-port", str(REPLICA_HEALTH_PORT)]
-    if options.served_model_name:
-        args += ["--served-model-name", options.served_model_name]
+    if options.served_model_names:
+        args += ["--served-model-name", *options.served_model_names]
     if options.gpus:
         args += ["--device", "cuda"]
     else:

@@ -62,7 +62,10 @@ def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--model-pvc", default=None,
                    help="PersistentVolumeClaim holding the model, mounted at --model-mount")
     p.add_argument("--model-mount", default=defaults.model_mount, help="(default: %(default)s)")
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
+                   help="the names clients call the model by, given to every replica: the "
+                        "first names it in answers and metrics, requests may use any "
+                        "(default: the model directory's name)")
     add_model_settings_args(p)
     p.add_argument("--name", default=defaults.name, help="name prefix (default: %(default)s)")
     p.add_argument("--namespace", default=None)
@@ -165,7 +168,7 @@ def _render_k8s(args: argparse.Namespace) -> int:
         options = K8sOptions(
             image=args.image, model=args.model, name=args.name, namespace=args.namespace,
             prefill=args.prefill, decode=args.decode, both=args.both, model_pvc=args.model_pvc,
-            model_mount=args.model_mount, served_model_name=args.served_model_name,
+            model_mount=args.model_mount, served_model_names=tuple(args.served_model_name),
             model_settings=model_settings_from_args(args),
             replica_cpu=args.replica_cpu, exclusive_cpus=args.exclusive_cpus,
             replica_memory=args.replica_memory, gpus=args.gpus,

@@ -31,6 +31,7 @@ from deploy.k8s import (
     DEFAULT_IMAGE,
     ENVOY_HTTP_PORT,
     ENVOY_HTTPS_PORT,
+    IMAGE_DEFAULT_MODEL,
     PICKER_METRICS_PORT,
     PICKER_PORT,
     POOL_LABEL,
@@ -48,6 +49,7 @@ from deploy.k8s import (
 from deploy.k8s_pod_policy import ENVOY_UID, TANDEM_UID
 from deploy.local_ca import make_suite_certificates
 from deploy.lora_sync import WantedAdapters, parse_wanted_adapters
+from deploy.render import main as render_main
 from deploy.render import write_manifests
 from engine_common.config import ModelSettings
 from gateway.endpoint_picker_main import build_parser as picker_parser
@@ -310,6 +312,38 @@ def test_replicas_and_picker_parse_their_args_and_agree_on_the_template() -> Non
     assert picker_args[0] == "picker"
     assert parsed_picker(picker_args[1:]).model_settings == (
         settings)
+
+
+def _container_args(objects: list[dict[str, Any]], deployment: str) -> list[str]:
+    return list(by_kind(objects, "Deployment")[deployment]["spec"]["template"]["spec"][
+        "containers"][0]["args"])
+
+
+def test_several_served_model_names_reach_every_replica(tmp_path: Path) -> None:
+    """``--served-model-name A B`` as ``tandem serve`` takes it (vLLM's: the first names the
+    model, the others are aliases), on every replica; the picker takes none (it tells an
+    adapter's requests by the adapter's name)."""
+    out = tmp_path / "manifests"
+    assert render_main(["k8s", "--prefill", "1", "--decode", "2", "--served-model-name",
+                        "llama-3-8b", "llama", "-o", str(out)]) == 0
+    objects = [yaml.safe_load(path.read_text()) for path in sorted(out.iterdir())]
+    for role in ("prefill", "decode"):
+        args = _container_args(objects, f"tandem-{role}")
+        assert args[0] == "serve"
+        assert replica_parser().parse_args(_mounted(args[1:])).served_model_name == [
+            "llama-3-8b", "llama"]
+        assert parsed_replica(args[1:]).served_model_name == ["llama-3-8b", "llama"]
+    picker_args = _container_args(objects, "tandem-epp")
+    assert "--served-model-name" not in picker_args
+    assert parsed_picker(picker_args[1:]).model == IMAGE_DEFAULT_MODEL
+    # None given: the replicas default to the model directory's name.
+    default_args = _container_args(render(), "tandem-decode")
+    assert replica_parser().parse_args(_mounted(default_args[1:])).served_model_name is None
+    with pytest.raises(ValueError, match="must not be empty"):
+        render(served_model_names=("llama", " "))
+    with pytest.raises(ValueError, match="also names a LoRA adapter"):
+        render(served_model_names=("sql",),
+               model_settings=ModelSettings(lora_modules={"sql": "/models/sql-lora"}))
 
 
 def test_cli_writes_one_file_per_object(tmp_path: Path) -> None:
