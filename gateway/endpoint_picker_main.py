@@ -2,7 +2,10 @@
 
 Owns the picker's flags, wiring the gateway's registry, load tracker and prefix index to an
 ``EndpointChooser`` behind a grpc.aio server (``envoy.service.ext_proc.v3.ExternalProcessor``,
-``grpc.health.v1`` and reflection), and its life: health as the endpoint-picker protocol
+``grpc.health.v1`` and reflection; built as every Tandem server is, by
+``services.frontend.grpc_server``: its message size limit, a port not shared, and the request
+guard, so that bytes that are not a ``ProcessingRequest`` are INVALID_ARGUMENT, not UNKNOWN
+with a traceback; its port is plaintext, Envoy's), and its life: health as the endpoint-picker protocol
 defines it (``liveness`` while the process runs; ``readiness``, the ext_proc service and the
 server as a whole SERVING while at least one decode-capable replica is routable), optional
 Prometheus /metrics, and a clean stop on SIGTERM or SIGINT. It does not own the protocol
@@ -21,7 +24,6 @@ import sys
 from dataclasses import dataclass, field, replace
 from wsgiref.simple_server import WSGIServer
 
-import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import start_http_server
@@ -40,6 +42,7 @@ from gateway.registry import DnsTarget
 from gateway.server import load_inputs
 from protos.third_party.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from services.entrypoint import run_service, wait_for_stop_signal
+from services.frontend.grpc_server import new_server
 from services.help_format import DefaultsHelpFormatter
 from services.model_settings import add_model_settings_args, model_settings_from_args
 from services.observability.settings import ObservabilitySettings, add_observability_args
@@ -83,7 +86,7 @@ class EndpointPickerServer:
         self.cluster = cluster
         self.chooser = chooser
         self.health = health_aio.HealthServicer()
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self.server = new_server()
         ep_grpc.add_ExternalProcessorServicer_to_server(
             EndpointPickerServicer(chooser), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -51,6 +51,7 @@ from protos.third_party.envoy.config.core.v3 import base_pb2
 from protos.third_party.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from protos.third_party.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from protos.third_party.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from services.frontend.validation import MAX_MESSAGE_BYTES
 from tandem.client import Client
 from tests.reflection_client import VERSIONS, defines_service, reflect
 from tests.replica_process import ReplicaProcess, free_port, start_replicas, stop_all
@@ -262,6 +263,42 @@ def test_no_eligible_replica_is_an_immediate_503(dead_picker: InProcessPicker) -
                             health_pb2.HealthCheckResponse.NOT_SERVING)
     assert status == {"liveness": serving, "readiness": not_serving,
                       "envoy.service.ext_proc.v3.ExternalProcessor": not_serving}
+
+
+def _raw_process(port: int, payloads: list[bytes]) -> grpc.RpcError:
+    """Sends ``payloads`` as the messages of one Process stream, unserialized; the error."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        process = channel.stream_stream(
+            "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+            request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(process(iter(payloads), timeout=20))
+    return caught.value
+
+
+def test_garbage_and_oversized_messages_are_refused_and_the_picker_stays_healthy(
+        dead_picker: InProcessPicker, caplog: pytest.LogCaptureFixture) -> None:
+    """The picker's server is built as every Tandem server (``grpc_server.new_server``): bytes
+    that are not a ProcessingRequest are INVALID_ARGUMENT naming the message (not UNKNOWN
+    with a traceback), a message over the size limit RESOURCE_EXHAUSTED, a client's status
+    both; the picker answers the next request as before."""
+    valid = headers_message("/v1/completions").SerializeToString()
+    for payloads in ([b"\xff\xff\xff\xff garbage"], [valid, b"\x0a\x05\x0a"]):
+        error = _raw_process(dead_picker.port, payloads)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+        assert "envoy.service.ext_proc.v3.ProcessingRequest" in (error.details() or "")
+    error = _raw_process(dead_picker.port, [b"\x0a" + b"\x00" * (MAX_MESSAGE_BYTES + 16)])
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
+    assert "Traceback" not in caplog.text
+    body = json.dumps({"prompt": "alpha bravo"}).encode()
+    replies = exchange(dead_picker.port, [
+        headers_message("/v1/completions"),
+        ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))])
+    assert replies[1].immediate_response.status.code == 503  # routed as ever: no replica
+    with grpc.insecure_channel(f"127.0.0.1:{dead_picker.port}") as channel:
+        liveness = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="liveness"), timeout=5)
+    assert liveness.status == health_pb2.HealthCheckResponse.SERVING
 
 
 # --------------------------------------------------------------------------- real replicas
