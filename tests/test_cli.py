@@ -38,7 +38,7 @@ ENGINE_FLAGS = [
     "--max-waiting", "5", "--max-stored-responses", "6", "--scheduling-policy", "priority",
     "--shutdown-grace", "2.5", "--speculative-ngram", "3", "--speculative-ngram-range", "1:5",
     "--speculative-max-batch", "2", "--kv-lease-seconds", "9", "--kv-pull-timeout", "4",
-    "--kv-max-pinned-fraction", "0.5", "--kv-fallback", "fail",
+    "--kv-max-pinned-fraction", "0.5", "--kv-fallback", "fail", "--kv-transport", "tcp",
 ]
 
 
@@ -69,8 +69,8 @@ def test_every_replica_gets_up_s_engine_flags(tiny_llama_dir) -> None:
                      "cuda_graph_max_batch_size", "max_model_len"):
             assert getattr(options.engine, name) == getattr(expected.engine, name), name
         kv, want = options.engine.kv_transfer, expected.engine.kv_transfer
-        assert (kv.lease_seconds, kv.pull_timeout_seconds, kv.fallback) == (
-            want.lease_seconds, want.pull_timeout_seconds, want.fallback)
+        assert (kv.lease_seconds, kv.pull_timeout_seconds, kv.fallback, kv.transport) == (
+            want.lease_seconds, want.pull_timeout_seconds, want.fallback, "tcp")
         for name in ("max_waiting", "max_stored_responses", "shutdown_grace_s",
                      "max_pinned_fraction"):
             assert getattr(options, name) == getattr(expected, name), name

@@ -151,6 +151,9 @@ def _add_transfer_args(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--kv-max-pinned-fraction", type=float, default=MAX_PINNED_FRACTION,
                    help="P/D: the share of a prefill replica's KV blocks one caller may keep "
                         "pinned for pulls; more is RESOURCE_EXHAUSTED")
+    p.add_argument("--kv-transport", default=kv.transport, choices=("auto", "tcp"),
+                   help="P/D, on a decode replica: how KV blocks travel; auto: shared memory "
+                        "from a prefill replica on this host, TCP from others; tcp: TCP always")
     p.add_argument("--kv-fallback", default=kv.fallback, choices=("recompute", "fail"),
                    help="P/D: when the prefill replica or the transfer fails, recompute the "
                         "prefill here, or fail the request")

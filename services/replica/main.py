@@ -113,7 +113,8 @@ def options_from_args(args: argparse.Namespace) -> ReplicaOptions:
         role={"prefill": "producer", "decode": "consumer"}.get(args.role),
         host=resolve_kv_host(args.kv_host, args.host, args.role),
         port=args.kv_port, lease_seconds=args.kv_lease_seconds,
-        pull_timeout_seconds=args.kv_pull_timeout, fallback=args.kv_fallback)
+        pull_timeout_seconds=args.kv_pull_timeout, fallback=args.kv_fallback,
+        transport=args.kv_transport)
     engine = engine_config(
         args, _resolve_device(args.device),
         args.engine_id or f"{args.role}-{socket.gethostname()}-{args.port}",
