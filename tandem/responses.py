@@ -74,8 +74,25 @@ class ResponseOptions(TypedDict, total=False):
 
 
 _OPTION_NAMES = frozenset(ResponseOptions.__annotations__)
-# Options that are messages or lists on the wire, read from their JSON shape.
-_JSON_OPTIONS = frozenset({"tool_choice", "text", "chat_template_kwargs"})
+
+
+def _set_option(request: pb.ResponseRequest, name: str, value: Any) -> None:
+    """Sets one option by its field's kind (scalar, repeated, map, message from JSON), read
+    off the message, as ``request_builders`` sets chat's: an option the proto and
+    ``ResponseOptions`` gain needs no edit here."""
+    field = pb.ResponseRequest.DESCRIPTOR.fields_by_name[name]
+    message_type = field.message_type
+    if message_type is not None and message_type.GetOptions().map_entry:
+        getattr(request, name).update(value)
+    elif field.is_repeated and message_type is not None:
+        for item in value:
+            json_format.ParseDict(dict(item), getattr(request, name).add())
+    elif field.is_repeated:
+        getattr(request, name).extend(value)
+    elif message_type is not None:
+        json_format.ParseDict(value, getattr(request, name))
+    else:
+        setattr(request, name, value)
 
 
 def response_request(input: ResponseInput, *, model: str | None,
@@ -92,19 +109,8 @@ def response_request(input: ResponseInput, *, model: str | None,
         items = [dict(item) for item in input]
         json_format.ParseDict(items, request.input)  # type: ignore[arg-type]  # a JSON list
     for name, value in options.items():
-        if value is None:
-            continue
-        if name in _JSON_OPTIONS:
-            json_format.ParseDict(value, getattr(request, name))
-        elif name == "tools":
-            for tool in value:
-                json_format.ParseDict(dict(tool), request.tools.add())
-        elif name == "include":
-            request.include.extend(value)
-        elif name == "metadata":
-            request.metadata.update(value)
-        else:
-            setattr(request, name, value)
+        if value is not None:
+            _set_option(request, name, value)
     if request.HasField("top_logprobs") and OUTPUT_TEXT_LOGPROBS not in request.include:
         request.include.append(OUTPUT_TEXT_LOGPROBS)
     return request

@@ -1,7 +1,8 @@
 """The sampling fields agree in every place that spells them: the SDK's options
 (``tandem.request_builders``), the public request messages, the front end's resolution into
 ``SamplingParams`` (``services.frontend.request_params``) and the engine message both ways
-(``services.engine_api.messages``).
+(``services.engine_api.messages``); and the Responses API's options (``tandem.responses``,
+``services.frontend.responses.translate``), which reach the engine through chat's.
 
 Each request is fully populated through the SDK, resolved by the real front end with a tiny
 model's tokenizer, and sent through the engine message and back: every field of
@@ -27,7 +28,10 @@ from services.engine_api.messages import sampling_params_from_pb, sampling_param
 from services.frontend.chat.request import chat_to_engine_request
 from services.frontend.completions.request import completion_to_engine_request
 from services.frontend.request_params import SAMPLING_FIELDS
+from services.frontend.responses.translate import COPIED_OPTIONS
+from services.frontend.responses.translate import chat_request as translated_chat_request
 from tandem.request_builders import GenerationOptions, chat_request, completion_request
+from tandem.responses import OUTPUT_TEXT_LOGPROBS, ResponseOptions, response_request
 
 # Every option both requests take, none at its default.
 SHARED_OPTIONS: dict[str, Any] = {
@@ -132,3 +136,52 @@ def test_every_chat_option_reaches_the_engine(inputs: InputProcessor) -> None:
     params = chat_to_engine_request(request, inputs).request.params
     check_resolved(params, CHAT_OPTIONS, inputs)
     check_engine_round_trip(params)
+
+
+# --- The Responses API: its options reach the engine as chat's do --------------------------
+
+# Every option of ``ResponseOptions`` (the SDK's), none at its default.
+RESPONSE_OPTIONS: dict[str, Any] = {
+    "instructions": "be brief", "max_output_tokens": 7,
+    "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+    "tool_choice": "none", "text": {"format": {"type": "json_object"}},
+    "include": [OUTPUT_TEXT_LOGPROBS], "top_logprobs": TOP_LOGPROBS, "temperature": 0.5,
+    "top_p": 0.875, "top_k": 5, "min_p": 0.0625, "seed": 11, "repetition_penalty": 1.125,
+    "parallel_tool_calls": False, "metadata": {"k": "v"}, "user": "u", "cache_salt": "salt",
+    "priority": 3, "chat_template_kwargs": {"x": 1}, "previous_response_id": "resp_1",
+    "store": True, "background": True,
+}
+# ResponseRequest fields the SDK's response methods set from their own arguments.
+RESPONSE_SDK_ARGUMENTS = {"model", "input", "stream"}
+
+
+def test_the_sdk_response_options_are_the_request_fields() -> None:
+    fields = set(pb.ResponseRequest.DESCRIPTOR.fields_by_name)
+    assert set(ResponseOptions.__annotations__) == fields - RESPONSE_SDK_ARGUMENTS
+    assert set(RESPONSE_OPTIONS) == set(ResponseOptions.__annotations__)
+
+
+def test_every_response_option_reaches_the_engine(inputs: InputProcessor) -> None:
+    """Through the SDK's ``response_request``, the Responses translation and the chat front
+    end: each sampling field the Responses request carries arrives in ``SamplingParams`` as
+    asked, and every option chat takes under the same name is set on the chat request."""
+    request = response_request("one two three", model=None, options=RESPONSE_OPTIONS)
+    assert set_fields(request) == set(pb.ResponseRequest.DESCRIPTOR.fields_by_name) - {
+        "model", "stream"}
+    chat = translated_chat_request(request)
+    shared = set(pb.ResponseRequest.DESCRIPTOR.fields_by_name) & set(
+        pb.ChatCompletionRequest.DESCRIPTOR.fields_by_name)
+    # Names chat has too, other than those the Responses API means otherwise (stream: the
+    # RPC decides) or the translation leaves to the store (model: resolved by the server).
+    assert shared - {"stream", "model"} <= set_fields(chat)
+    for name in COPIED_OPTIONS:
+        assert getattr(chat, name) == RESPONSE_OPTIONS[name], name
+    params = chat_to_engine_request(chat, inputs).request.params
+    sampling = {f.name for f in dataclasses.fields(SamplingParams)} & set(RESPONSE_OPTIONS)
+    assert sampling and sampling <= set(SAMPLING_FIELDS)
+    for name in sampling:
+        assert getattr(params, name) == RESPONSE_OPTIONS[name], name
+    assert (params.max_tokens, params.logprobs) == (RESPONSE_OPTIONS["max_output_tokens"],
+                                                    TOP_LOGPROBS)
+    assert params.structured_output is not None
+    assert params.structured_output.kind == "json_object"

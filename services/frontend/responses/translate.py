@@ -75,6 +75,32 @@ _RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}_(" + _RESPONDER.pattern + ")")
 
 # --------------------------------------------------------------------------- requests in
 
+# Chat options a Responses request carries under its own name, but resolved below, not copied:
+# top_logprobs counts only with the include value that asks for logprobs.
+_TRANSLATED = frozenset({"top_logprobs"})
+
+
+def _optional_scalar(field: Any) -> bool:
+    """``field`` (a protobuf FieldDescriptor, pure-Python or upb) is an optional scalar."""
+    return field.has_presence and not field.is_repeated and field.message_type is None
+
+
+def _copied_options() -> tuple[str, ...]:
+    """The fields a Responses request and a chat request both carry as an optional scalar of
+    the same name and type (the sampling knobs, parallel_tool_calls): copied as they stand
+    where set. Read off the two messages, as ``request_params.SAMPLING_FIELDS`` is, so that a
+    sampling field added to both needs no edit here."""
+    chat = pb.ChatCompletionRequest.DESCRIPTOR.fields_by_name
+    return tuple(
+        field.name for field in pb.ResponseRequest.DESCRIPTOR.fields
+        if field.name not in _TRANSLATED and field.name in chat
+        and _optional_scalar(field) and _optional_scalar(chat[field.name])
+        and chat[field.name].type == field.type)
+
+
+COPIED_OPTIONS = _copied_options()
+
+
 
 def chat_request(request: pb.ResponseRequest,
                  history: Sequence[struct_pb2.Value] = ()) -> pb.ChatCompletionRequest:
@@ -101,8 +127,7 @@ def chat_request(request: pb.ResponseRequest,
         _add_item(chat, item, f"input[{i}]")
     if request.HasField("max_output_tokens"):
         chat.max_completion_tokens = request.max_output_tokens
-    for name in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty",
-                 "parallel_tool_calls"):
+    for name in COPIED_OPTIONS:
         if request.HasField(name):
             setattr(chat, name, getattr(request, name))
     for i, tool in enumerate(request.tools):
