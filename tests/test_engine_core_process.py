@@ -12,6 +12,7 @@ import pytest
 
 from engine_common.config import CacheConfig, EngineConfig
 from engine_common.core_process import EngineCoreClient
+from engine_common.generation_request import GenerationRequest
 from engine_common.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from engine_common.sampling_params import SamplingParams
 
@@ -37,13 +38,14 @@ def test_a_refused_request_ends_with_the_reason_and_the_core_serves_on(tiny_llam
                        on_dead=lambda reason: outputs.put(EngineCoreOutputs(outputs=[])))
         params = SamplingParams(max_tokens=3, temperature=0.0)
         # hold_kv asks for a KV producer (a prefill replica); this core is not one.
-        client.add_request(EngineCoreRequest("refused", [1, 2, 3], params, time.monotonic(),
-                                             hold_kv=True))
+        client.add_request(EngineCoreRequest("refused", GenerationRequest([1, 2, 3], params),
+                                             time.monotonic(), hold_kv=True))
         refused = _finished(outputs, "refused")
         assert refused.finish_reason == "abort" and refused.new_token_ids == []
         assert "not a KV producer" in str(refused.stop_reason)
 
-        client.add_request(EngineCoreRequest("served", [1, 2, 3], params, time.monotonic()))
+        client.add_request(EngineCoreRequest("served", GenerationRequest([1, 2, 3], params),
+                                             time.monotonic()))
         assert _finished(outputs, "served").finish_reason == "length"
     finally:
         client.shutdown()
