@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from engine_common.async_llm import AsyncLLM
 from engine_common.config import CacheConfig, EngineConfig, ModelSettings
 from engine_common.core_process import EngineDeadError
+from engine_common.generation_request import GenerationRequest
 from engine_common.kv_events import BlockRemoved
 from engine_common.llm import LLM
 from engine_common.lora.errors import LoraAdapterExists, LoraAdapterNotFound
@@ -327,7 +328,8 @@ async def _tokens(llm: AsyncLLM, request_id: str, prompt: list[int],
                   lora_name: str | None) -> tuple[list[int], str | None]:
     tokens: list[int] = []
     finish_reason = None
-    async for out in llm.generate(request_id, prompt, GREEDY, lora_name=lora_name):
+    async for out in llm.generate(request_id,
+                                  GenerationRequest(prompt, GREEDY, lora_name=lora_name)):
         tokens.extend(out.new_token_ids)
         finish_reason = out.finish_reason
     return tokens, finish_reason
@@ -362,7 +364,7 @@ def test_async_llm_loads_and_unloads_through_the_core_process(tiny_llama_dir, ad
 
             # Unloaded while its request runs: the request finishes with it, new ones are
             # refused by the core.
-            stream = llm.generate("c", PROMPTS[LONG], GREEDY, lora_name="alpha")
+            stream = llm.generate("c", GenerationRequest(PROMPTS[LONG], GREEDY, lora_name="alpha"))
             tokens = list((await anext(stream)).new_token_ids)
             await llm.unload_lora_adapter("alpha")
             assert llm.lora_names == ["beta"]
