@@ -336,7 +336,7 @@ def tandem_server(args: argparse.Namespace, model: Path, log_dir: Path) -> Itera
     try:
         supervisor.start()
         base_url = f"http://127.0.0.1:{http_port}"
-        served = wait_ready(base_url, supervisor.check_alive, args.start_timeout)
+        served = wait_ready(base_url, supervisor.tick, args.start_timeout)
         yield Server("tandem", base_url, served, [spec.argv for spec in suite.specs], {},
                      time.monotonic() - started)
     finally:
