@@ -53,7 +53,7 @@ typecheck: setup
 	$(VENV)/bin/mypy engine_common services gateway kv_transfer deploy tandem
 
 test: setup protos-check lint typecheck
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=20 tests
 
 # The fuzz suite at length: many more hostile requests per RPC and route than make test's
 # run, with fresh random choices each time (tests/fuzz_requests.py).
