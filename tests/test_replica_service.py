@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 from google.protobuf import struct_pb2
+from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
@@ -441,6 +442,23 @@ def test_invalid_input_gets_the_right_status(channel, case, service, method, req
             list(result)  # a stream fails when read
     assert error.value.code() == code, error.value.details()
     assert words in error.value.details()
+
+
+def test_an_error_names_its_reason_and_field_in_the_status_details(channel):
+    """gRPC clients read what the HTTP edge turns into OpenAI's ``code`` and ``param``: a
+    google.rpc.ErrorInfo in the status details (grpc-status-details-bin)."""
+    stub = pb_grpc.GenerationStub(channel)
+    cases = [(_completion(model="gpt-4"), grpc.StatusCode.NOT_FOUND, "model_not_found", "model"),
+             (_completion(temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT,
+              "invalid_argument", "temperature")]
+    for message, code, reason, param in cases:
+        with pytest.raises(grpc.RpcError) as error:
+            stub.Complete(message, timeout=30)
+        details = dict(error.value.trailing_metadata())["grpc-status-details-bin"]
+        status = status_pb2.Status.FromString(details)
+        info = error_details_pb2.ErrorInfo()
+        assert status.code == code.value[0] and status.details[0].Unpack(info)
+        assert (info.reason, info.metadata["param"]) == (reason, param)
 
 
 def test_bad_requests_do_not_hurt_the_others(client):

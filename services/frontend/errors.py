@@ -1,7 +1,8 @@
 """How a failed request becomes a gRPC status, in one place for every servicer.
 
 Owns ``ServiceError`` (an error that already knows its status code and a message a person can
-act on) and ``rpc_handler``, the decorator every RPC handler wears: it turns
+act on, and may name OpenAI's error code and the field at fault: sent as a
+``google.rpc.ErrorInfo`` in the status details) and ``rpc_handler``, the decorator every RPC handler wears: it turns
 ``ServiceError``, the engine's own input errors (``SamplingParamsError``,
 ``StructuredOutputError``, ``InvalidRequestError``: INVALID_ARGUMENT) and a dead engine core
 (UNAVAILABLE) into the call's status, and anything else into INTERNAL (logged with its
