@@ -16,6 +16,7 @@ from typing import Any, TypedDict
 
 import grpc
 from google.protobuf import json_format, struct_pb2
+from google.protobuf.message import Message
 
 from protos.tandem.v1 import generation_pb2 as pb
 from tandem.errors import InvalidRequestError
@@ -134,23 +135,30 @@ _SETTERS = {"stop": _set_stop, "allowed_token_ids": _set_allowed_token_ids,
             "bad_words": _set_bad_words}
 
 
-def _set_option(request: pb.CompletionRequest | pb.ChatCompletionRequest, name: str,
-                value: Any) -> None:
-    field = request.DESCRIPTOR.fields_by_name[name]
+def set_field(message: Message, name: str, value: Any) -> None:
+    """Sets ``message``'s field ``name`` by its kind, read off the message: a scalar, a
+    repeated scalar, a map, a message (or repeated messages) from JSON-shaped values."""
+    field = message.DESCRIPTOR.fields_by_name[name]
     message_type = field.message_type
-    if name in _SETTERS:
-        _SETTERS[name](request, value)
-    elif message_type is not None and message_type.GetOptions().map_entry:
-        getattr(request, name).update(value)
+    if message_type is not None and message_type.GetOptions().map_entry:
+        getattr(message, name).update(value)
     elif field.is_repeated and message_type is not None:
         for item in value:
-            json_format.ParseDict(item, getattr(request, name).add())
+            json_format.ParseDict(dict(item), getattr(message, name).add())
     elif field.is_repeated:
-        getattr(request, name).extend(value)
+        getattr(message, name).extend(value)
     elif message_type is not None:
-        json_format.ParseDict(value, getattr(request, name))
+        json_format.ParseDict(value, getattr(message, name))
     else:
-        setattr(request, name, value)
+        setattr(message, name, value)
+
+
+def _set_option(request: pb.CompletionRequest | pb.ChatCompletionRequest, name: str,
+                value: Any) -> None:
+    if name in _SETTERS:
+        _SETTERS[name](request, value)
+    else:
+        set_field(request, name, value)
 
 
 def _apply_options(

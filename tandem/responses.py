@@ -24,6 +24,7 @@ from typing import Any, TypedDict
 from google.protobuf import json_format, struct_pb2
 
 from protos.tandem.v1 import generation_pb2 as pb
+from tandem.request_builders import set_field
 from tandem.results import TokenLogprob
 
 # The include value that asks for the output text's token logprobs.
@@ -76,25 +77,6 @@ class ResponseOptions(TypedDict, total=False):
 _OPTION_NAMES = frozenset(ResponseOptions.__annotations__)
 
 
-def _set_option(request: pb.ResponseRequest, name: str, value: Any) -> None:
-    """Sets one option by its field's kind (scalar, repeated, map, message from JSON), read
-    off the message, as ``request_builders`` sets chat's: an option the proto and
-    ``ResponseOptions`` gain needs no edit here."""
-    field = pb.ResponseRequest.DESCRIPTOR.fields_by_name[name]
-    message_type = field.message_type
-    if message_type is not None and message_type.GetOptions().map_entry:
-        getattr(request, name).update(value)
-    elif field.is_repeated and message_type is not None:
-        for item in value:
-            json_format.ParseDict(dict(item), getattr(request, name).add())
-    elif field.is_repeated:
-        getattr(request, name).extend(value)
-    elif message_type is not None:
-        json_format.ParseDict(value, getattr(request, name))
-    else:
-        setattr(request, name, value)
-
-
 def response_request(input: ResponseInput, *, model: str | None,
                      options: Mapping[str, Any]) -> pb.ResponseRequest:
     """A ResponseRequest for ``input`` with ``options`` (``ResponseOptions``'s names; None
@@ -110,7 +92,7 @@ def response_request(input: ResponseInput, *, model: str | None,
         json_format.ParseDict(items, request.input)  # type: ignore[arg-type]  # a JSON list
     for name, value in options.items():
         if value is not None:
-            _set_option(request, name, value)
+            set_field(request, name, value)
     if request.HasField("top_logprobs") and OUTPUT_TEXT_LOGPROBS not in request.include:
         request.include.append(OUTPUT_TEXT_LOGPROBS)
     return request
