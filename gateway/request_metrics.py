@@ -17,6 +17,7 @@ import grpc
 import grpc.aio
 
 from gateway.metrics import GatewayMetrics
+from services.handler_wrapping import Behaviour, wrap_unary_request
 
 # The methods observed: those that run requests through the engine.
 OBSERVED_METHODS = frozenset({
@@ -40,17 +41,9 @@ class RequestMetricsInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or not full_name.startswith(_SERVICE_PREFIX) or (
                 method not in OBSERVED_METHODS):
             return handler
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._unary(method, handler.unary_unary), handler.request_deserializer,
-                handler.response_serializer)
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._streaming(method, handler.unary_stream), handler.request_deserializer,
-                handler.response_serializer)
-        return handler
+        return wrap_unary_request(handler, lambda behaviour: self._observed(method, behaviour))
 
-    def _unary(self, method: str, behaviour: Any) -> Any:
+    def _observed(self, method: str, behaviour: Behaviour) -> Behaviour:
         async def observed(request: Any, context: grpc.aio.ServicerContext) -> Any:
             started, code = time.monotonic(), "OK"
             try:
@@ -61,11 +54,6 @@ class RequestMetricsInterceptor(grpc.aio.ServerInterceptor):
             finally:
                 self._record(method, code, started)
         return observed
-
-    def _streaming(self, method: str, behaviour: Any) -> Any:
-        """The servicer's streaming handlers write with ``context.write`` (they are
-        coroutines), so the wrapper is one too: gRPC forbids mixing that with yielding."""
-        return self._unary(method, behaviour)
 
     def _record(self, method: str, code: str, started: float) -> None:
         self.metrics.requests.labels(method, code).inc()

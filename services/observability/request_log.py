@@ -23,6 +23,7 @@ from prometheus_client import Histogram
 
 from engine_common.finished_requests import FinishedRequests
 from protos.tandem.v1 import engine_pb2 as epb
+from services.handler_wrapping import Behaviour, wrap_unary_request
 from services.observability.phase_spans import SequencePhases, record_engine_phases
 from services.observability.request_record import RequestRecord, request_scope
 
@@ -37,7 +38,6 @@ OBSERVED_METHODS = {
         "ChatCompleteEvents", "CreateResponse", "CreateResponseStream", "CreateResponseEvents"}),
     ENGINE_SERVICE: frozenset({"Generate", "Prefill"}),
 }
-Behaviour = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
 class RequestLogInterceptor(grpc.aio.ServerInterceptor):
@@ -58,17 +58,7 @@ class RequestLogInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or method not in OBSERVED_METHODS.get(service, ()):
             return handler
         name = f"{service}/{method}"
-        # The handlers of these methods are coroutines (streams write with context.write),
-        # so one wrapper serves both kinds.
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._logged(name, handler.unary_unary), handler.request_deserializer,
-                handler.response_serializer)
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._logged(name, handler.unary_stream), handler.request_deserializer,
-                handler.response_serializer)
-        return handler
+        return wrap_unary_request(handler, lambda behaviour: self._logged(name, behaviour))
 
     def _logged(self, name: str, behaviour: Behaviour) -> Behaviour:
         async def logged(request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -23,6 +23,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from services.handler_wrapping import Behaviour, wrap_unary_request
 from services.observability.request_log import OBSERVED_METHODS
 from services.observability.tracing import tracer, tracing_enabled
 
@@ -31,7 +32,6 @@ TRACED_METHODS = {
     **OBSERVED_METHODS,
     "tandem.v1.Engine": OBSERVED_METHODS["tandem.v1.Engine"] | {"ReleaseKv", "Abort"},
 }
-Behaviour = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
 def traced_name(method: str | bytes) -> str | None:
@@ -55,16 +55,7 @@ class TraceServerInterceptor(grpc.aio.ServerInterceptor):
         name = traced_name(handler_call_details.method)
         if handler is None or name is None or not tracing_enabled():
             return handler
-        # The traced handlers are coroutines (streams write with context.write).
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                _traced(name, handler.unary_unary), handler.request_deserializer,
-                handler.response_serializer)
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                _traced(name, handler.unary_stream), handler.request_deserializer,
-                handler.response_serializer)
-        return handler
+        return wrap_unary_request(handler, lambda behaviour: _traced(name, behaviour))
 
 
 def _traced(name: str, behaviour: Behaviour) -> Behaviour:
