@@ -8,7 +8,6 @@ consumers run in the test process. Caches hold a bit pattern that is a function 
 from __future__ import annotations
 
 import dataclasses
-import math
 import multiprocessing as mp
 import os
 import random
@@ -25,11 +24,12 @@ import torch
 
 from kv_transfer.block_copy import BlockCopier, StagingBuffer
 from kv_transfer.connector import KvHandle, KvTransferError
-from kv_transfer.layout import ITEM_SIZES, KvLayout
+from kv_transfer.layout import KvLayout
 from kv_transfer.leases import LeaseTable
 from kv_transfer.transfer_plan import Run, TransferPlan, joint_runs, plan_transfer
 from kv_transfer.ucx_connector import UcxKvConsumer, UcxKvProducer
 from kv_transfer.wire import payload_tag
+from tests.kv_peer import as_bits, kv_pattern
 
 MODEL = "test-model"
 PRODUCER_BLOCKS = 48
@@ -45,31 +45,6 @@ def make_layout(dtype: str) -> KvLayout:
     # 16-token blocks of 2 heads x 16: 6 KiB per bf16 block, so a pull of a few blocks
     # crosses UCX's 8 KiB rendezvous threshold as real transfers do.
     return KvLayout(MODEL, dtype, num_layers=3, num_kv_heads=2, head_size=16, block_size=16)
-
-
-def kv_pattern(layout: KvLayout, num_blocks: int, seed: int) -> torch.Tensor:
-    """A cache whose every element's bits are a (nonlinear) function of its position."""
-    shape = (
-        layout.num_layers,
-        2,
-        num_blocks,
-        layout.block_size,
-        layout.num_kv_heads,
-        layout.head_size,
-    )
-    prime = 2_147_483_647
-    x = (torch.arange(math.prod(shape), dtype=torch.int64) * 40_503 + seed * 7_919) % prime
-    x = (x * x + seed) % prime
-    bits: torch.Tensor
-    if ITEM_SIZES[layout.dtype] == 2:
-        bits = (x % 65_536 - 32_768).to(torch.int16)
-    else:
-        bits = (x - 2**30).to(torch.int32)
-    return bits.view(getattr(torch, layout.dtype)).view(shape).clone()
-
-
-def as_bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16 if t.dtype.itemsize == 2 else torch.int32)
 
 
 # -- the producer process ------------------------------------------------------------
