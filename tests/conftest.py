@@ -14,11 +14,14 @@ if not torch.cuda.is_available():
 
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
 
 import pytest  # noqa: E402
 
 from tests.model_factory import build_tiny_model  # noqa: E402
-from tests.openai_http import Stack, running_stack  # noqa: E402
+
+if TYPE_CHECKING:
+    from tests.openai_http import Stack
 
 
 @pytest.fixture(scope="session")
@@ -47,5 +50,9 @@ def openai_stack(tiny_llama_dir: Path,
     """The OpenAI HTTP cluster (Envoy -> gateway -> prefill + decode replicas;
     ``tests.openai_http``), started once for the Responses API modules: each test leaves it
     idle and whole, as it found it (``test_envoy_e2e``, which stops a replica, has its own)."""
+    # NOTE: imported here, not at the top, so that the engine-only tests also run where the
+    # serving stack's client packages (openai, Envoy) are not installed: a GPU image.
+    from tests.openai_http import running_stack
+
     with running_stack(tiny_llama_dir, tmp_path_factory.mktemp("openai-stack-logs")) as stack:
         yield stack
