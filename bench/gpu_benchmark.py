@@ -770,6 +770,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # End to end.
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--num-prompts", type=int, help=f"default {FULL['num_prompts']}")
+    parser.add_argument("--batch-sweep", type=lambda text: [int(n) for n in text.split(",") if n],
+                        default=[], help="further end-to-end runs at these numbers of prompts "
+                        "(all at once: the decode batch), timing only, e.g. 1,16,64")
     parser.add_argument("--prompt-len", type=int, help=f"default {FULL['prompt_len']}")
     parser.add_argument("--output-len", type=int, help=f"default {FULL['output_len']}")
     parser.add_argument("--repeats", type=int, help=f"timed runs, best kept; default "
@@ -911,24 +914,38 @@ def _run_stages(args: argparse.Namespace, report: Report, summary: list[str],
                 f">= {100 * KERNEL_BANDWIDTH_GOAL:.0f}%: "
                 f"{'MET' if bandwidth['goal_met'] else 'NOT MET'}")
 
+    _run_end_to_end(args, models, report, summary, goals_met)
+
+
+def _run_end_to_end(args: argparse.Namespace, models: list[ModelChoice], report: Report,
+                    summary: list[str], goals_met: dict[str, bool | None]) -> None:
+    """Each model at ``--num-prompts`` (with the fp32 exactness check), then at each
+    ``--batch-sweep`` size (timing only)."""
     e2e: list[dict[str, Any]] = []
     report.data["end_to_end"] = e2e
+    sizes = [args.num_prompts] + [n for n in args.batch_sweep if n != args.num_prompts]
     for choice in models:
-        print(f"end to end: {choice.label} ({choice.path})", flush=True)
-        try:
-            entry = end_to_end(args, choice)
-        except Exception:  # one model's failure must not lose the other results
-            report.fail(f"end to end on {choice.label} raised:\n{traceback.format_exc()}")
-            _release(args.device)
+        for num_prompts in sizes:
+            run_args = args if num_prompts == args.num_prompts else argparse.Namespace(
+                **{**vars(args), "num_prompts": num_prompts, "fp32_prompts": 0})
+            print(f"end to end: {choice.label} ({choice.path}), {num_prompts} prompts",
+                  flush=True)
+            try:
+                entry = end_to_end(run_args, choice)
+            except Exception:  # one model's failure must not lose the other results
+                report.fail(f"end to end on {choice.label} at {num_prompts} prompts "
+                            f"raised:\n{traceback.format_exc()}")
+                _release(args.device)
+                report.save()
+                continue
+            e2e.append(entry)
+            goals_met[f"engine_over_hf: {choice.label}, batch {num_prompts}"] = \
+                entry["speedup_goal"]["met"]
+            _summarise_e2e(entry, summary)
+            exact = entry["fp32_exactness"]
+            if exact.get("passed") is False:
+                report.fail(f"fp32 engine and HF differ on {choice.label}: {exact}")
             report.save()
-            continue
-        e2e.append(entry)
-        goals_met[f"engine_over_hf: {choice.label}"] = entry["speedup_goal"]["met"]
-        _summarise_e2e(entry, summary)
-        exact = entry["fp32_exactness"]
-        if exact.get("passed") is False:
-            report.fail(f"fp32 engine and HF differ on {choice.label}: {exact}")
-        report.save()
 
 
 def _summarise_e2e(entry: dict[str, Any], summary: list[str]) -> None:
@@ -936,7 +953,7 @@ def _summarise_e2e(entry: dict[str, Any], summary: list[str]) -> None:
     rates = {name: entry[name]["output_tokens_per_s"]
              for name in ("engine_cuda_graphs", "engine_eager", "hf_generate")
              if "output_tokens_per_s" in entry.get(name, {})}
-    summary.append(f"{label}: output tok/s "
+    summary.append(f"{label} x {entry['workload']['num_prompts']}: output tok/s "
                    + ", ".join(f"{k} {v:,.0f}" for k, v in rates.items()))
     goal = entry["speedup_goal"]
     if goal["ratio"] is not None:
