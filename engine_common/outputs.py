@@ -39,6 +39,25 @@ class RemotePrefill:
     prompt_logprobs: list[TokenLogprobs] | None = None
 
 
+@dataclass(frozen=True)
+class RemoteKvChunk:
+    """On a decode replica: prompt blocks a prefill replica announced final while it was still
+    computing the prompt. ``handle.block_ids`` are the prompt's blocks ``first_block``,
+    ``first_block + 1``, ..., pinned under the lease ``handle.request_id``."""
+
+    handle: KvHandle
+    first_block: int
+
+
+class RemotePrefillLost(Exception):
+    """The prefill replica's stream ended before its result (it failed, or was unreachable):
+    the decode replica computes the prompt itself. ``reason`` goes into the fallback report."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
 @dataclass
 class KvTransferReport:
     """How a decode replica got a request's prompt KV."""
@@ -51,6 +70,9 @@ class KvTransferReport:
     fallback_reason: str | None = None  # set when the prompt was recomputed here instead
     # What carried the bytes of a pull that worked: "shm", "tcp", "self" (one process)...
     transport: str | None = None
+    # Of blocks_pulled, those pulled from announcements, while the prefill replica was still
+    # computing the prompt (``RemoteKvChunk``).
+    blocks_pulled_early: int = 0
 
 
 @dataclass
@@ -64,6 +86,24 @@ class EngineCoreRequest:
     # first token; on a decode replica, the prompt's KV comes from ``remote_prefill``.
     hold_kv: bool = False
     remote_prefill: RemotePrefill | None = None
+    # P/D, prefill side (with hold_kv): pin and announce the prompt's blocks as they become
+    # final, step by step (outputs with a ``kv_handle`` and no token).
+    announce_kv: bool = False
+    # P/D, decode side: the prefill replica is still computing the prompt; its announced
+    # blocks and then its result come later (``RemoteKvUpdate``).
+    stream_kv: bool = False
+
+
+@dataclass
+class RemoteKvUpdate:
+    """On a decode replica: news of a request's prefill on a prefill replica, in order: any
+    number of ``chunk``s, then either ``result`` (the first token and every block) or
+    ``failure`` (a fallback reason: the prompt is computed here)."""
+
+    request_id: str
+    chunk: RemoteKvChunk | None = None
+    result: RemotePrefill | None = None
+    failure: str | None = None
 
 
 @dataclass
@@ -91,7 +131,9 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
-    kv_handle: KvHandle | None = None  # prefill side: the pinned blocks, at finish
+    # Prefill side: the pinned blocks: at finish every prompt block; before it (announce_kv,
+    # an output without tokens) the blocks that became final since the last announcement.
+    kv_handle: KvHandle | None = None
     kv_transfer: KvTransferReport | None = None  # decode side: once the prompt KV is in
     # When the scheduler first ran the request (``time.monotonic``), on its token outputs.
     first_scheduled_time: float | None = None

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine_common.block_hash import BlockHash, hash_block_tokens, request_extra_keys
-from engine_common.outputs import EngineCoreRequest, RemotePrefill, TokenLogprobs
+from engine_common.outputs import EngineCoreRequest, RemoteKvChunk, RemotePrefill, TokenLogprobs
 from engine_common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -72,6 +72,13 @@ class Request:
     # first token; on a decode replica, the prompt's KV comes from ``remote_prefill``.
     hold_kv: bool = False
     remote_prefill: RemotePrefill | None = None
+    # P/D, prefill side: announce blocks as they become final; how many are announced.
+    announce_kv: bool = False
+    num_announced_blocks: int = 0
+    # P/D, decode side: the prefill replica is still computing the prompt (``remote_prefill``
+    # comes later, or a failure); the blocks it announced meanwhile, not pulled yet.
+    stream_kv: bool = False
+    kv_chunks: list[RemoteKvChunk] = field(default_factory=list)
     # Output tokens at the end of the prompt that another replica sampled.
     num_resumed_tokens: int = 0
     # ``sampling_params.structured_output`` compiled (by the engine core), at the position
@@ -113,6 +120,8 @@ class Request:
             block_size=block_size,
             hold_kv=core_request.hold_kv,
             remote_prefill=core_request.remote_prefill,
+            announce_kv=core_request.announce_kv,
+            stream_kv=core_request.stream_kv and core_request.remote_prefill is None,
             num_resumed_tokens=request.num_resumed_tokens,
         )
 
@@ -124,6 +133,18 @@ class Request:
             # logprobs); its KV is computed here.
             self.append_output_token(self.remote_prefill.first_token_id)
             self.next_prompt_logprob_position = self.num_prompt_tokens
+
+    def take_remote_result(self, result: RemotePrefill) -> None:
+        """The prefill replica's result arrived (stream_kv): its first token joins the output."""
+        self.stream_kv = False
+        self.remote_prefill = result
+        self.append_output_token(result.first_token_id)
+        self.next_prompt_logprob_position = self.num_prompt_tokens
+
+    @property
+    def kv_from_peer(self) -> bool:
+        """The prompt's KV comes from a prefill replica (now, or once it has computed it)."""
+        return self.remote_prefill is not None or self.stream_kv
 
     @property
     def num_prompt_tokens(self) -> int:

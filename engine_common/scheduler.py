@@ -353,7 +353,7 @@ class Scheduler:
         while (len(self.waiting) > 0
                and len(self.running) + len(self.receiving) < self.config.max_num_seqs):
             request = self.waiting.peek()
-            is_remote = request.remote_prefill is not None and request.num_preemptions == 0
+            is_remote = request.kv_from_peer and request.num_preemptions == 0
             if budget <= 0 and not is_remote:  # a remote prefill computes nothing here
                 break
             if (self.max_loras is not None and request.lora_name
