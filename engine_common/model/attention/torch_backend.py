@@ -166,7 +166,9 @@ class TorchAttentionBackend(AttentionBackend):
                 attn_mask=plan.mask,
                 scale=self.scale,
             )
-            return out.view(batch, self.num_heads, head_size)
+            # NOTE: reshape, not view: on CUDA, SDPA's fused kernels may return a layout whose
+            # (kv_heads, group) dimensions cannot be merged in place.
+            return out.reshape(batch, self.num_heads, head_size)
         keys = keys.view(batch, context * kv_heads, head_size)
         values = values.view(batch, context * kv_heads, head_size)
         # [batch, heads, context * kv_heads]: every query head against every KV head; keep
