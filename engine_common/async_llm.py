@@ -18,8 +18,10 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import replace
+from typing import cast
 
 from engine_common.config import EngineConfig
 from engine_common.core_process import (
@@ -46,7 +48,10 @@ from engine_common.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    RemoteKvChunk,
+    RemoteKvUpdate,
     RemotePrefill,
+    RemotePrefillLost,
     SchedulerStats,
 )
 from engine_common.request import Request, tokens_sampled_elsewhere
@@ -54,7 +59,6 @@ from engine_common.sampling_defaults import load_sampling_defaults
 from engine_common.sampling_params import SamplingParams
 from engine_common.structured_output.grammar import GrammarCompiler
 from engine_common.tokenizer import eos_token_ids, load_tokenizer
-from kv_transfer.connector import KvHandle
 
 logger = logging.getLogger(__name__)
 
@@ -152,45 +156,73 @@ class AsyncLLM:
         request: GenerationRequest,
         *,
         hold_kv: bool = False,
-        remote_prefill: RemotePrefill | None = None,
+        announce_kv: bool = False,
+        remote_prefill: RemotePrefill | AsyncIterator[RemoteKvChunk | RemotePrefill] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs; closing the iterator early aborts the request.
 
         ``hold_kv`` (prefill replica): the final output carries a ``kv_handle`` and the blocks
-        stay pinned until released or the lease ends. ``remote_prefill`` (decode replica): the
-        first token was sampled by a prefill replica; it is streamed at once, and an output
-        with ``kv_transfer`` (no tokens) reports the pull when the prompt KV is in.
-        ``request.lora_name``: one of the engine's LoRA adapters (``lora_names``); one the
-        core no longer serves when the request reaches it ends the stream with finish_reason
-        "abort".
+        stay pinned until released or the lease ends; with ``announce_kv`` too, outputs
+        without tokens come before it, each with a ``kv_handle`` on blocks that became final.
+        ``remote_prefill`` (decode replica): the first token was sampled by a prefill
+        replica; it is streamed at once, and an output with ``kv_transfer`` (no tokens)
+        reports the pull when the prompt KV is in. It may also be the prefill replica's
+        stream, still running: announced chunks, then its result (raising
+        ``RemotePrefillLost`` if it ends without one, and the prompt is computed here); the
+        engine pulls each chunk as it comes, and the first token is streamed when the result
+        arrives. ``request.lora_name``: one of the engine's LoRA adapters (``lora_names``);
+        one the core no longer serves when the request reaches it ends the stream with
+        finish_reason "abort".
         """
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt, params = request.prompt_token_ids, request.params
-        self.inputs.validate_prompt(prompt, params.max_tokens)
-        self.inputs.check_sampling_token_ids(params)
-        if params.structured_output is not None:
-            # The output tokens the core's matcher starts after (it must not refuse them:
-            # a request the core refuses is never answered).
-            await self.check_structured_output(params, tokens_sampled_elsewhere(
-                prompt, request.num_resumed_tokens, remote_prefill))
-        stream: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        result = remote_prefill if isinstance(remote_prefill, RemotePrefill) else None
+        try:
+            self.inputs.validate_prompt(prompt, params.max_tokens)
+            self.inputs.check_sampling_token_ids(params)
+            if params.structured_output is not None:
+                # The output tokens the core's matcher starts after (it must not refuse them:
+                # a request the core refuses is never answered).
+                await self.check_structured_output(params, tokens_sampled_elsewhere(
+                    prompt, request.num_resumed_tokens, result))
+        except BaseException:
+            close = getattr(remote_prefill, "aclose", None)
+            if close is not None:  # a prefill replica's stream nobody will follow
+                await close()
+            raise
         arrival = time.monotonic()
         self.outputs.add_request(request_id, prompt, params, arrival, request.num_resumed_tokens)
-        finished = False
-        if remote_prefill is not None:
-            first = self._first_remote_token(request_id, prompt, params, remote_prefill)
-            finished = first.finished
+        if result is not None:
+            first = self._first_remote_token(request_id, prompt, params, result)
             yield first
-            if finished:
+            if first.finished:
                 return
+            # Streamed above; the core has no use for them.
+            result = replace(result, prompt_logprobs=None)
+        stream: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self._streams[request_id] = stream
-        if remote_prefill is not None:  # streamed above; the core has no use for them
-            remote_prefill = replace(remote_prefill, prompt_logprobs=None)
         self.core.add_request(EngineCoreRequest(
-            request_id, request, arrival, hold_kv=hold_kv, remote_prefill=remote_prefill))
+            request_id, request, arrival, hold_kv=hold_kv, announce_kv=announce_kv,
+            remote_prefill=result, stream_kv=remote_prefill is not None and result is None))
+        follow = None
+        if remote_prefill is not None and result is None:
+            feed = cast(AsyncIterator[RemoteKvChunk | RemotePrefill], remote_prefill)
+            follow = self._loop.create_task(self._follow_remote_prefill(request_id, request, feed))
+        try:
+            async with aclosing(self._stream_outputs(request_id, stream)) as outputs:
+                async for output in outputs:
+                    yield output
+        finally:
+            if follow is not None:
+                follow.cancel()
+
+    async def _stream_outputs(self, request_id: str, stream: asyncio.Queue[RequestOutput | Exception]
+                              ) -> AsyncGenerator[RequestOutput, None]:
+        """The request's outputs from the core, until it finishes; stopping early aborts it."""
+        finished = False
         try:
             while True:
                 item = await stream.get()
@@ -206,6 +238,40 @@ class AsyncLLM:
                 self._streams.pop(request_id, None)
                 self.outputs.remove_request(request_id)
                 self.core.abort([request_id])
+
+    async def _follow_remote_prefill(self, request_id: str, request: GenerationRequest,
+                                     feed: AsyncIterator[RemoteKvChunk | RemotePrefill]) -> None:
+        """Pass a prefill replica's announcements to the core; stream its first token the
+        moment its result arrives (this side, not the core, decides the first token: it is
+        the prefill replica's, unless the stream ended without one)."""
+        try:
+            async for item in feed:
+                if isinstance(item, RemoteKvChunk):
+                    self.core.update_remote_kv(RemoteKvUpdate(request_id, chunk=item))
+                    continue
+                stream = self._streams.get(request_id)
+                if stream is None:
+                    return  # ended meanwhile
+                first = self._first_remote_token(request_id, request.prompt_token_ids,
+                                                 request.params, item)
+                stream.put_nowait(first)
+                if first.finished:  # its first token ends it: the core has nothing to do
+                    del self._streams[request_id]
+                    self.core.abort([request_id])
+                else:
+                    self.core.update_remote_kv(RemoteKvUpdate(
+                        request_id, result=replace(item, prompt_logprobs=None)))
+                return
+            raise RemotePrefillLost("prefill_failed", "the prefill stream ended without a result")
+        except RemotePrefillLost as lost:
+            self.core.update_remote_kv(RemoteKvUpdate(request_id, failure=lost.reason))
+        except Exception:  # noqa: BLE001 - the request must not wait for a result forever
+            logger.exception("following the prefill of %s failed", request_id)
+            self.core.update_remote_kv(RemoteKvUpdate(request_id, failure="prefill_failed"))
+        finally:
+            close = getattr(feed, "aclose", None)
+            if close is not None:
+                await close()
 
     async def check_structured_output(self, params: SamplingParams,
                                       output_token_ids: Sequence[int] = ()) -> None:
@@ -233,17 +299,25 @@ class AsyncLLM:
             stop_reason=probe.stop_reason)]))
         return results[0]
 
-    async def prefill(self, request_id: str,
-                      request: GenerationRequest) -> tuple[RequestOutput, KvHandle]:
-        """Prefill replica: compute the prompt, sample the first token, pin the blocks."""
+    async def prefill(self, request_id: str, request: GenerationRequest,
+                      announce_kv: bool = False) -> AsyncGenerator[RequestOutput, None]:
+        """Prefill replica: compute the prompt, sample the first token, pin the blocks. The
+        last output has the token and a ``kv_handle`` on every prompt block; with
+        ``announce_kv``, outputs without tokens come before it, each with a ``kv_handle`` on
+        the blocks that became final since the last (the prompt's blocks in order)."""
         params = request.params
         one = replace(request, params=SamplingParams(**{
             **params.__dict__, "max_tokens": 1, "min_tokens": min(params.min_tokens, 1)}))
         last: RequestOutput | None = None
         try:
-            async for out in self.generate(request_id, one, hold_kv=True):
-                last = out
-        except asyncio.CancelledError:
+            async with aclosing(self.generate(request_id, one, hold_kv=True,
+                                              announce_kv=announce_kv)) as outs:
+                async for out in outs:
+                    if out.kv_handle is not None and not out.new_token_ids and not out.finished:
+                        yield out
+                    else:
+                        last = out
+        except (asyncio.CancelledError, GeneratorExit):
             # The decode replica gave up (its client left). Leaving the loop aborts a prompt
             # still running; one that just finished has pinned its blocks for a pull that
             # will never come: free them now rather than when the lease ends.
@@ -252,7 +326,7 @@ class AsyncLLM:
         if last is None or last.kv_handle is None or not last.new_token_ids:
             raise RuntimeError(f"prefill of {request_id} ended without a KV handle "
                                f"({last.finish_reason if last else 'no output'})")
-        return last, last.kv_handle
+        yield last
 
     def release_kv(self, request_id: str) -> None:
         self.core.release_kv([request_id])

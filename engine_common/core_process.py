@@ -2,7 +2,8 @@
 
 The replica's gRPC frontend (asyncio, tokenization, detokenization, streaming) must never
 stall the step loop, so, as vLLM does, the core runs in a separate process and the two talk
-over a pair of pipes: requests and aborts go in, one ``EngineCoreOutputs`` per step comes
+over a pair of pipes: requests, aborts and news of a decode-side request's remote prefill
+(``RemoteKvUpdate``) go in, one ``EngineCoreOutputs`` per step comes
 out, and a ``KvCacheSnapshotReply`` for each ``SnapshotKvCache``, in line with the steps'
 outputs (that order is what ties a snapshot to a KV-event seq). LoRA adapters are loaded and
 unloaded between steps (``LoadLoraAdapter``, ``UnloadLoraAdapter``), each answered by a
@@ -31,7 +32,13 @@ from typing import TYPE_CHECKING, Any, Literal
 from engine_common.block_hash import BlockHash
 from engine_common.config import EngineConfig
 from engine_common.lora.errors import LoraAdapterExists, LoraAdapterNotFound
-from engine_common.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo
+from engine_common.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInfo,
+    RemoteKvUpdate,
+)
 
 if TYPE_CHECKING:  # the child imports the engine (torch, the model); the frontend never does
     from engine_common.engine_core import EngineCore
@@ -113,8 +120,8 @@ class CoreFailed:
     message: str
 
 
-CoreMessage = (AddRequest | AbortRequests | ReleaseKv | SnapshotKvCache | LoadLoraAdapter
-               | UnloadLoraAdapter | Shutdown)
+CoreMessage = (AddRequest | AbortRequests | ReleaseKv | RemoteKvUpdate | SnapshotKvCache
+               | LoadLoraAdapter | UnloadLoraAdapter | Shutdown)
 
 
 def _update_lora_adapters(core: EngineCore,
@@ -231,6 +238,10 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection,
                 writer.send(EngineCoreOutputs(outputs=aborted))
         elif isinstance(message, ReleaseKv):
             core.release_kv(message.request_ids)
+        elif isinstance(message, RemoteKvUpdate):
+            updated = core.update_remote_kv(message)
+            if updated:
+                writer.send(EngineCoreOutputs(outputs=updated))
         elif isinstance(message, SnapshotKvCache):
             pending_events, block_hashes = core.snapshot_kv_cache()
             if pending_events:
@@ -345,6 +356,10 @@ class EngineCoreClient:
 
     def release_kv(self, request_ids: list[str]) -> None:
         self._send_queue.put(ReleaseKv(request_ids))
+
+    def update_remote_kv(self, update: RemoteKvUpdate) -> None:
+        """News of a decode-side request's prefill on its prefill replica."""
+        self._send_queue.put(update)
 
     def snapshot_kv_cache(self) -> None:
         """Ask for a ``KvCacheSnapshotReply``; it comes to ``on_kv_snapshot``, between the

@@ -28,10 +28,12 @@ from engine_common.outputs import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineInfo,
+    KvTransferReport,
+    RemoteKvUpdate,
 )
 from engine_common.remote_kv import RemoteKv
 from engine_common.request import Request, RequestStatus, tokens_sampled_elsewhere
-from engine_common.scheduler import Scheduler
+from engine_common.scheduler import ScheduledRequest, Scheduler
 from engine_common.structured_output.grammar import GrammarCompiler
 from engine_common.tokenizer import eos_token_ids, load_tokenizer
 from kv_transfer.layout import KvLayout
@@ -121,9 +123,11 @@ class EngineCore:
             # under it would pin over them.
             raise ValueError(f"request id {core_request.request_id!r} still holds pinned "
                              "blocks")
-        if core_request.remote_prefill is not None and (
+        if (core_request.remote_prefill is not None or core_request.stream_kv) and (
                 self.remote_kv is None or self.remote_kv.consumer is None):
             raise ValueError("this engine is not a KV consumer (decode role)")
+        if core_request.announce_kv and not core_request.hold_kv:
+            raise ValueError("only a request that holds its KV for a consumer announces it")
         self.model_runner.lora_adapters.check(request.lora_name)
         scheduled = Request.of(core_request, eos_token_ids=self.eos_token_ids,
                                max_model_len=self.max_model_len,
@@ -138,6 +142,9 @@ class EngineCore:
         self.scheduler.add_request(scheduled)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        if self.remote_kv is not None and self.remote_kv.producer is not None:
+            for request_id in request_ids:  # before their blocks are freed
+                self.remote_kv.end_announcements(request_id)
         aborted = self.scheduler.abort_requests(request_ids)
         self.model_runner.release([r.request_id for r in aborted])
         self._reap_lora_adapters()
@@ -161,6 +168,73 @@ class EngineCore:
         if self.remote_kv is not None:
             for request_id in request_ids:
                 self.remote_kv.release(request_id)
+
+    def update_remote_kv(self, update: RemoteKvUpdate) -> list[EngineCoreOutput]:
+        """Decode side: news of a request's prefill on its prefill replica (``stream_kv``):
+        an announced range is pulled at once if the request's blocks are allocated (else
+        when they are); the result gives the request its first token; a failure makes this
+        engine compute the prompt (or, with fallback "fail", ends the request)."""
+        request = self.scheduler.requests.get(update.request_id)
+        if request is None or not request.stream_kv or self.remote_kv is None:
+            return []  # finished, aborted, or no longer following that prefill
+        if update.chunk is not None:
+            request.kv_chunks.append(update.chunk)
+        elif update.result is not None:
+            request.take_remote_result(update.result)
+            if request.grammar is not None:
+                request.grammar.accept(update.result.first_token_id)
+        else:
+            request.stream_kv = False
+            request.kv_chunks.clear()
+            reason = update.failure or "prefill_failed"
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                self.remote_kv.fail(request, reason)
+            else:  # not admitted yet: it is computed here like any request
+                report = KvTransferReport(prefill_engine_id="", fallback_reason=reason)
+                if self.config.kv_transfer.fallback == "fail":
+                    self.scheduler.abort_requests([request.request_id])
+                    return [EngineCoreOutput(request.request_id, [], finish_reason="abort",
+                                             stop_reason=f"kv_transfer_failed:{reason}",
+                                             kv_transfer=report)]
+                return [EngineCoreOutput(request.request_id, [], kv_transfer=report)]
+        self.remote_kv.advance(request)
+        return []
+
+    def _announce_kv(self, scheduled: list[ScheduledRequest]) -> list[EngineCoreOutput]:
+        """Prefill side: pin and announce the prompt blocks each announcing request's step
+        made final (the prefix-cache hits with its first chunk); the last, partial block and
+        any block of a finished request go with its result instead (``take_to_pin``)."""
+        assert self.remote_kv is not None
+        outputs = []
+        for item in scheduled:
+            request = item.request
+            if not request.announce_kv or request.status != RequestStatus.RUNNING:
+                continue
+            final = min(request.num_computed_tokens, request.num_prompt_tokens) // \
+                self.config.cache.block_size
+            first = request.num_announced_blocks
+            if final <= first:
+                continue
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[first:final]
+            handle = self.remote_kv.announce(request, first, block_ids)
+            if handle is None:
+                request.announce_kv = False
+                continue
+            request.num_announced_blocks = final
+            outputs.append(EngineCoreOutput(request.request_id, [], kv_handle=handle,
+                                            num_cached_tokens=max(request.num_cached_tokens, 0)))
+        return outputs
+
+    def _stop_announcing(self, preempted: list[str]) -> None:
+        """Preempted requests free their blocks: their announced ones may be reused before
+        a consumer pulls them, so their leases end now (before the step's model run writes
+        any block), and the consumer's pulls of them fail; the result still comes."""
+        assert self.remote_kv is not None
+        for request_id in preempted:
+            request = self.scheduler.requests.get(request_id)
+            if request is not None and request.announce_kv:
+                request.announce_kv = False
+                self.remote_kv.end_announcements(request_id)
 
     def _transfer_housekeeping(self) -> list[EngineCoreOutput]:
         """Free the blocks of ended leases; move finished pulls on."""
@@ -242,10 +316,14 @@ class EngineCore:
         if self.remote_kv is not None:
             for pull in scheduler_output.pulls:
                 self.remote_kv.start_pull(pull.request, pull.block_ids, pull.num_local_blocks)
+            if self.remote_kv.producer is not None:
+                self._stop_announcing(scheduler_output.preempted_request_ids)
         if not scheduler_output.is_empty:
             runner_output = self.model_runner.execute(scheduler_output)
             outputs.extend(self.scheduler.update_from_output(scheduler_output, runner_output))
             self.model_runner.release([o.request_id for o in outputs if o.finished])
+            if self.remote_kv is not None and self.remote_kv.producer is not None:
+                outputs.extend(self._announce_kv(scheduler_output.scheduled))
         for request, output in self.scheduler.take_to_pin():
             assert self.remote_kv is not None
             output.kv_handle = self.remote_kv.pin(

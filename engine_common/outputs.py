@@ -39,6 +39,12 @@ class RemotePrefill:
     prompt_logprobs: list[TokenLogprobs] | None = None
 
 
+# Separates a request id from an announcement's first block in the id of the lease an
+# announcement pins its blocks under (``remote_kv``); the Engine API refuses request ids
+# that contain it.
+ANNOUNCEMENT_LEASE_SEPARATOR = "\x1f"
+
+
 @dataclass(frozen=True)
 class RemoteKvChunk:
     """On a decode replica: prompt blocks a prefill replica announced final while it was still

@@ -1,11 +1,21 @@
 """The engine core's side of P/D KV transfer: pin on the prefill side, pull on the decode side.
 
 Owns this engine's KV connector (a UCX producer on a prefill replica, a UCX consumer on a
-decode replica), the pulls in flight, and the hand-off of lease ends from the transport's
-thread to the core's loop. It does not free or allocate blocks: the scheduler does, when
-this module reports a lease ended (``take_released``) or a pull finished
-(``take_finished_pulls``). Everything here is called on the core's loop, except the
-producer's release callback, which only queues.
+decode replica), the leases of each prefilled request, the pulls in flight, and the hand-off
+of lease ends from the transport's thread to the core's loop. It does not free or allocate
+blocks: the scheduler does, when this module reports a lease ended (``take_released``) or a
+request's pulls ended (``take_finished_pulls``). Everything here is called on the core's loop,
+except the producer's release callback, which only queues.
+
+Overlap (``announce_kv``): a prefill-side request's blocks are announced as they become final,
+each announcement pinned under a lease of its own (``announcement_lease``), the blocks still
+owned by the running request; at finish every block is pinned under the request id, as
+without overlap. Ending the request's main lease (release, expiry) or aborting or preempting
+it ends its announcement leases first: ``LeaseTable.remove`` waits for a copy reading them,
+and a direct send caught reading is told "lease_expired", so a block is never freed under a
+reader. On the decode side, a request's pulls are one ``_Receipt``: every announced range is
+pulled as it comes, the rest from the result's handle; the receipt ends when every pull has
+and the prefill replica's result (or its failure) is in.
 """
 
 from __future__ import annotations
@@ -14,13 +24,13 @@ import logging
 import queue
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine_common.config import KvTransferConfig
-from engine_common.outputs import KvTransferReport
-from engine_common.request import Request
+from engine_common.outputs import ANNOUNCEMENT_LEASE_SEPARATOR, KvTransferReport
+from engine_common.request import Request, RequestStatus
 from kv_transfer.connector import KvHandle, KvTransferError, TransferResult
 from kv_transfer.layout import KvLayout
 from kv_transfer.ucx_connector import UcxKvConsumer, UcxKvProducer
@@ -28,12 +38,27 @@ from kv_transfer.ucx_connector import UcxKvConsumer, UcxKvProducer
 logger = logging.getLogger(__name__)
 
 
+LEASE_SEPARATOR = ANNOUNCEMENT_LEASE_SEPARATOR
+
+
+def announcement_lease(request_id: str, first_block: int) -> str:
+    return f"{request_id}{LEASE_SEPARATOR}{first_block}"
+
+
 @dataclass
-class _PendingPull:
+class _Receipt:
+    """A decode-side request's prompt KV on its way here."""
+
     request: Request
-    future: Future[TransferResult]
-    num_local_blocks: int
-    num_pulled_blocks: int
+    local_block_ids: list[int]  # the prompt's blocks here, in order
+    next_block: int  # prompt blocks before this one are here or being pulled
+    report: KvTransferReport  # what came so far; fallback_reason: the first failure
+    pulls: list[tuple[Future[TransferResult], bool]] = field(default_factory=list)  # (, early)
+    result_pulled: bool = False  # the pull from the result's handle has started
+
+    @property
+    def failed(self) -> bool:
+        return self.report.fallback_reason is not None
 
 
 class RemoteKv:
@@ -47,15 +72,18 @@ class RemoteKv:
             raise ValueError(f"KV transfer fallback must be 'recompute' or 'fail', got {config.fallback!r}")
         self.config = config
         self.layout = layout
+        self._kv_cache = kv_cache
         self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._pulls: dict[str, _PendingPull] = {}
+        self._receipts: dict[str, _Receipt] = {}
+        # Prefill side: each request's announcement leases still in force.
+        self._announced: dict[str, list[str]] = {}
         self.producer: UcxKvProducer | None = None
         self.consumer: UcxKvConsumer | None = None
         self.address: tuple[str, int] | None = None
         if config.role == "producer":
             self.producer = UcxKvProducer(
                 kv_cache, self.layout, engine_id, host=config.host, port=config.port,
-                on_release=lambda request_id, _blocks: self._released.put(request_id))
+                on_release=lambda lease_id, _blocks: self._released.put(lease_id))
             self.address = self.producer.start()
         else:
             self.consumer = UcxKvConsumer(kv_cache, self.layout, host=config.host,
@@ -63,21 +91,55 @@ class RemoteKv:
 
     # ------------------------------------------------------------------ producer
     def pin(self, request: Request, block_ids: list[int]) -> KvHandle:
+        """Pin every prompt block of a finished prefill under the request id."""
         assert self.producer is not None
         return self.producer.pin(request.request_id, block_ids, request.num_computed_tokens,
                                  self.config.lease_seconds)
 
+    def announce(self, request: Request, first_block: int, block_ids: list[int]) -> KvHandle | None:
+        """Pin blocks of a running prefill that just became final (the prompt's blocks
+        ``first_block``...) under a lease of their own; None when they cannot be."""
+        assert self.producer is not None
+        if self._kv_cache.is_cuda:  # the step's kernels may still be writing them
+            torch.cuda.synchronize(self._kv_cache.device)
+        lease_id = announcement_lease(request.request_id, first_block)
+        try:
+            handle = self.producer.pin(lease_id, block_ids, request.num_prompt_tokens,
+                                       self.config.lease_seconds)
+        except ValueError:  # a lease of that id exists: announce nothing more
+            logger.warning("cannot announce %s's blocks from %d", request.request_id, first_block)
+            return None
+        self._announced.setdefault(request.request_id, []).append(lease_id)
+        return handle
+
+    def end_announcements(self, request_id: str) -> None:
+        """End a request's announcement leases (its blocks are about to be freed or it is
+        released); waits for a copy reading them, never for the network."""
+        assert self.producer is not None
+        for lease_id in self._announced.pop(request_id, ()):
+            self.producer.release(lease_id)
+
     def release(self, request_id: str) -> None:
         if self.producer is not None:
+            self.end_announcements(request_id)
             self.producer.release(request_id)
 
     def take_released(self) -> list[str]:
-        """Request ids whose lease ended (released or expired) since the last call."""
+        """Request ids whose main lease ended (released or expired) since the last call;
+        their announcement leases are ended too."""
         if self.producer is not None:
             self.producer.expire_leases(time.time())
         released = []
         while not self._released.empty():
-            released.append(self._released.get_nowait())
+            lease_id = self._released.get_nowait()
+            request_id, separator, _ = lease_id.partition(LEASE_SEPARATOR)
+            if separator:  # an announcement's lease: its blocks are the request's
+                leases = self._announced.get(request_id)
+                if leases is not None and lease_id in leases:
+                    leases.remove(lease_id)
+                continue
+            self.end_announcements(request_id)
+            released.append(request_id)
         return released
 
     @property
@@ -86,53 +148,113 @@ class RemoteKv:
 
     # ------------------------------------------------------------------ consumer
     def start_pull(self, request: Request, local_block_ids: list[int], num_local_blocks: int) -> None:
-        """Pull the prompt blocks this engine does not have yet (the first
-        ``num_local_blocks`` were prefix-cache hits here)."""
-        assert self.consumer is not None and request.remote_prefill is not None
-        handle = request.remote_prefill.handle
-        remote = list(handle.block_ids[num_local_blocks:])
-        local = local_block_ids[num_local_blocks : len(handle.block_ids)]
-        future: Future[TransferResult]
-        if len(remote) != len(local) or handle.num_tokens != request.num_prompt_tokens:
-            future = Future()
-            future.set_exception(KvTransferError(
-                "protocol", f"handle covers {handle.num_tokens} tokens in {len(handle.block_ids)} "
-                f"blocks; the request has {request.num_prompt_tokens} prompt tokens"))
-        elif not remote:
-            future = Future()
-            future.set_result(TransferResult(0, 0, 0.0))
-        else:
-            future = self.consumer.pull(handle, remote, local, self.config.pull_timeout_seconds)
-        self._pulls[request.request_id] = _PendingPull(request, future, num_local_blocks, len(remote))
+        """Begin receiving a request's prompt blocks into ``local_block_ids`` (the first
+        ``num_local_blocks`` were prefix-cache hits here): whatever its prefill replica has
+        announced or returned so far is pulled now, the rest by ``advance``."""
+        assert self.consumer is not None
+        num_blocks = -(-request.num_prompt_tokens // self.layout.block_size)
+        self._receipts[request.request_id] = _Receipt(
+            request, local_block_ids[:num_blocks], next_block=num_local_blocks,
+            report=KvTransferReport(prefill_engine_id="", blocks_local=num_local_blocks))
+        self.advance(request)
+
+    def advance(self, request: Request) -> None:
+        """Pull what the request's prefill replica announced or returned since the last call
+        (only drops the announcements before ``start_pull``, after a failure, or once aborted)."""
+        receipt = self._receipts.get(request.request_id)
+        if receipt is None:
+            return
+        chunks, request.kv_chunks = request.kv_chunks, []
+        if receipt.failed or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+            return
+        for chunk in chunks:
+            self._pull_range(receipt, chunk.handle, chunk.first_block, early=True)
+        result = request.remote_prefill
+        if result is None or receipt.result_pulled or receipt.failed:
+            return
+        receipt.result_pulled = True
+        handle = result.handle
+        if handle.num_tokens != request.num_prompt_tokens or \
+                len(handle.block_ids) != len(receipt.local_block_ids):
+            self.fail(request, "protocol", f"the handle covers {handle.num_tokens} tokens in "
+                      f"{len(handle.block_ids)} blocks; the request has "
+                      f"{request.num_prompt_tokens} prompt tokens")
+            return
+        self._pull_range(receipt, handle, 0, early=False)
+
+    def _pull_range(self, receipt: _Receipt, handle: KvHandle, first_block: int,
+                    early: bool) -> None:
+        """Pull the blocks of ``handle`` (the prompt's blocks from ``first_block``) that are
+        neither here nor on their way yet."""
+        assert self.consumer is not None
+        receipt.report.prefill_engine_id = handle.engine_id
+        end = first_block + len(handle.block_ids)
+        if first_block > receipt.next_block or end > len(receipt.local_block_ids):
+            self.fail(receipt.request, "protocol", f"blocks [{first_block}, {end}) announced "
+                      f"after {receipt.next_block} of {len(receipt.local_block_ids)}")
+            return
+        start = max(receipt.next_block, first_block)
+        if start >= end:
+            return
+        future = self.consumer.pull(handle, handle.block_ids[start - first_block:],
+                                    receipt.local_block_ids[start:end],
+                                    self.config.pull_timeout_seconds)
+        receipt.pulls.append((future, early))
+        receipt.next_block = end
+
+    def fail(self, request: Request, reason: str, detail: str = "") -> None:
+        """Record why the request's prompt KV will not all arrive (the first reason wins);
+        pulls still running are let finish, none is started any more."""
+        receipt = self._receipts.get(request.request_id)
+        if receipt is not None and not receipt.failed:
+            receipt.report.fallback_reason = reason
+            logger.warning("KV transfer for %s failed (%s): %s", request.request_id, reason,
+                           detail)
 
     @property
     def num_pulls_in_flight(self) -> int:
-        return len(self._pulls)
+        return len(self._receipts)
 
     def take_finished_pulls(self) -> list[tuple[Request, KvTransferReport]]:
+        """Requests whose prompt KV is complete, or will not be: every pull has ended and the
+        prefill replica's result (or its failure) is in, or the request was aborted."""
         finished = []
-        for request_id, pull in list(self._pulls.items()):
-            if not pull.future.done():
+        for request_id, receipt in list(self._receipts.items()):
+            request = receipt.request
+            if any(not future.done() for future, _ in receipt.pulls):
                 continue
-            del self._pulls[request_id]
-            assert pull.request.remote_prefill is not None
-            report = KvTransferReport(
-                prefill_engine_id=pull.request.remote_prefill.handle.engine_id,
-                blocks_local=pull.num_local_blocks)
-            try:
-                result = pull.future.result()
-                report.blocks_pulled = result.num_blocks
-                report.num_bytes = result.num_bytes
-                report.seconds = result.seconds
-                report.transport = result.transport
-            except KvTransferError as exc:
-                report.fallback_reason = exc.reason
-                logger.warning("KV pull for %s failed (%s): %s", request_id, exc.reason, exc)
-            except Exception as exc:  # noqa: BLE001 - any transport bug becomes a fallback
-                report.fallback_reason = "protocol"
-                logger.exception("KV pull for %s failed: %s", request_id, exc)
-            finished.append((pull.request, report))
+            self._collect(receipt)
+            aborted = request.status == RequestStatus.FINISHED_ABORTED
+            if not aborted:
+                if request.stream_kv:
+                    continue  # more announcements, then the result or a failure, to come
+                if not receipt.failed and not receipt.result_pulled:
+                    continue
+            del self._receipts[request_id]
+            if aborted and not receipt.failed:
+                receipt.report.fallback_reason = "aborted"
+            finished.append((request, receipt.report))
         return finished
+
+    def _collect(self, receipt: _Receipt) -> None:
+        """Fold the ended pulls into the receipt's report."""
+        ended, receipt.pulls = receipt.pulls, []
+        report = receipt.report
+        for future, early in ended:
+            try:
+                result = future.result()
+            except KvTransferError as exc:
+                self.fail(receipt.request, exc.reason, str(exc))
+                continue
+            except Exception as exc:  # noqa: BLE001 - any transport bug becomes a fallback
+                logger.exception("KV pull for %s failed", receipt.request.request_id)
+                self.fail(receipt.request, "protocol", str(exc))
+                continue
+            report.blocks_pulled += result.num_blocks
+            report.blocks_pulled_early += result.num_blocks if early else 0
+            report.num_bytes += result.num_bytes
+            report.seconds += result.seconds
+            report.transport = result.transport
 
     def close(self) -> None:
         if self.producer is not None:

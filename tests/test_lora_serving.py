@@ -148,9 +148,9 @@ def test_models_lists_the_adapters_and_unknown_names_are_refused(suite: Suite) -
                 lora_name="sq1"), timeout=30))
     with grpc.insecure_channel(suite.replicas["prefill"].target) as channel:
         with pytest.raises(grpc.RpcError) as prefill:
-            engine_pb2_grpc.EngineStub(channel).Prefill(engine_pb2.PrefillRequest(
+            list(engine_pb2_grpc.EngineStub(channel).Prefill(engine_pb2.PrefillRequest(
                 request_id="bad-lora", prompt_token_ids=[5, 6, 7], sampling_params=sampling,
-                lora_name="sq1"), timeout=30)
+                lora_name="sq1"), timeout=30))
     for refused in (generate.value, prefill.value):
         assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "LoRA adapter 'sq1' is not loaded on this replica (loaded: poet, sql)" in \

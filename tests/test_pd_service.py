@@ -209,10 +209,11 @@ def test_killing_the_prefill_replica_mid_flight_falls_back(tiny_llama_dir, tmp_p
 def test_bad_prefill_requests_get_clear_errors(pd, message, code, words):
     prefill, decode = pd
     with pytest.raises(grpc.RpcError) as error:
-        stub(prefill.target).Prefill(message, timeout=30)
+        list(stub(prefill.target).Prefill(message, timeout=30))
     assert error.value.code() == code and words in error.value.details()
     with pytest.raises(grpc.RpcError) as error:  # a decode replica pins nothing
-        stub(decode.target).Prefill(epb.PrefillRequest(request_id="y", prompt_token_ids=[5]), timeout=30)
+        list(stub(decode.target).Prefill(epb.PrefillRequest(request_id="y", prompt_token_ids=[5]),
+                                         timeout=30))
     assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     wait_all_free(prefill.target)
 
@@ -307,15 +308,15 @@ def test_a_second_prefill_under_a_pinned_id_is_refused_and_harms_nothing(pd):
     prefill, _ = pd
     message = epb.PrefillRequest(request_id="twice", prompt_token_ids=list(range(5, 40)),
                                  sampling_params=epb.SamplingParams(temperature=0))
-    first = stub(prefill.target).Prefill(message, timeout=60)
+    first = list(stub(prefill.target).Prefill(message, timeout=60))[-1]
     assert first.HasField("kv_handle")
     with pytest.raises(grpc.RpcError) as error:
-        stub(prefill.target).Prefill(message, timeout=60)
+        list(stub(prefill.target).Prefill(message, timeout=60))
     assert error.value.code() == grpc.StatusCode.ALREADY_EXISTS
     assert prefill.health() == 1  # SERVING
     stub(prefill.target).ReleaseKv(epb.ReleaseKvRequest(
         request_id="twice", engine_id=first.kv_handle.engine_id), timeout=10)
-    again = stub(prefill.target).Prefill(message, timeout=60)  # the id is free again
+    again = list(stub(prefill.target).Prefill(message, timeout=60))[-1]  # the id is free again
     stub(prefill.target).ReleaseKv(epb.ReleaseKvRequest(
         request_id="twice", engine_id=again.kv_handle.engine_id), timeout=10)
     wait_all_free(prefill.target)

@@ -172,18 +172,24 @@ def kv_transfer_to_pb(report: KvTransferReport) -> epb.KvTransferInfo:
     return epb.KvTransferInfo(
         prefill_engine_id=report.prefill_engine_id, blocks_pulled=report.blocks_pulled,
         blocks_local=report.blocks_local, bytes=report.num_bytes, seconds=report.seconds,
-        fallback_reason=report.fallback_reason or "")
+        fallback_reason=report.fallback_reason or "",
+        blocks_pulled_early=report.blocks_pulled_early)
 
 
 def kv_transfer_from_pb(message: epb.KvTransferInfo) -> KvTransferReport:
     return KvTransferReport(
         prefill_engine_id=message.prefill_engine_id, blocks_pulled=message.blocks_pulled,
         blocks_local=message.blocks_local, num_bytes=message.bytes, seconds=message.seconds,
-        fallback_reason=message.fallback_reason or None)
+        fallback_reason=message.fallback_reason or None,
+        blocks_pulled_early=message.blocks_pulled_early)
 
 
-def kv_handle_to_pb(handle: KvHandle, layout: KvLayout, num_cached_tokens: int) -> epb.KvHandle:
+def kv_handle_to_pb(handle: KvHandle, layout: KvLayout, num_cached_tokens: int,
+                    request_id: str) -> epb.KvHandle:
+    """``request_id``: the request's; the handle's lease is named apart when it differs (an
+    announcement's)."""
     return epb.KvHandle(
+        lease_id="" if handle.request_id == request_id else handle.request_id,
         engine_id=handle.engine_id, ucx_address=handle.host, ucx_port=handle.port,
         block_ids=handle.block_ids, num_tokens=handle.num_tokens,
         lease_deadline_unix_ms=int(handle.lease_deadline * 1000),
@@ -195,9 +201,10 @@ def kv_handle_to_pb(handle: KvHandle, layout: KvLayout, num_cached_tokens: int) 
 
 
 def kv_handle_from_pb(message: epb.KvHandle, request_id: str) -> KvHandle:
+    """The handle's ``request_id`` is the lease a pull names: ``lease_id``, else the request's."""
     return KvHandle(
         engine_id=message.engine_id, host=message.ucx_address, port=message.ucx_port,
-        request_id=request_id, block_ids=tuple(message.block_ids), num_tokens=message.num_tokens,
+        request_id=message.lease_id or request_id, block_ids=tuple(message.block_ids), num_tokens=message.num_tokens,
         lease_deadline=message.lease_deadline_unix_ms / 1000,
         layout_fingerprint=message.layout.fingerprint)
 

@@ -32,6 +32,9 @@ from services.model_settings import add_model_settings_args, model_settings_from
 MAX_WAITING = 256  # requests admitted beyond max_num_seqs before RESOURCE_EXHAUSTED
 SHUTDOWN_GRACE_S = 30.0
 MAX_PINNED_FRACTION = 0.75  # of a prefill replica's KV blocks, per caller
+# A prefill replica's chunk of a long prompt when the transfer overlaps its compute
+# (docs/kv-transfer.md, "Overlapping the transfer with the prefill", for the measurement).
+KV_OVERLAP_CHUNK_TOKENS = 512
 
 _GROUP_TITLE = "engine (the same on every replica; tandem up passes them to each)"
 _UNITS = {
@@ -51,6 +54,16 @@ def parse_bytes(text: str) -> int:
             f"{text!r} is not a size; use bytes or a unit such as 512MiB, 1GiB, 2G")
     number, unit = match.groups()
     return int(float(number) * _UNITS[(unit or "").lower()])
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
 
 
 def ngram_range(text: str) -> tuple[int, int]:
@@ -157,6 +170,17 @@ def _add_transfer_args(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--kv-fallback", default=kv.fallback, choices=("recompute", "fail"),
                    help="P/D: when the prefill replica or the transfer fails, recompute the "
                         "prefill here, or fail the request")
+    p.add_argument("--kv-overlap", default="on", choices=("on", "off"),
+                   help="P/D: overlap the KV transfer with the prefill's compute: a decode "
+                        "replica asks the prefill replica to announce the prompt's blocks as "
+                        "they become final and pulls them while it computes the rest, which a "
+                        "prefill replica computes in chunks of --kv-overlap-chunk-tokens; off: "
+                        "the pull starts once the whole prompt is computed")
+    p.add_argument("--kv-overlap-chunk-tokens", type=non_negative_int,
+                   default=KV_OVERLAP_CHUNK_TOKENS,
+                   help="P/D, on a prefill replica with --kv-overlap on: the most prompt "
+                        "tokens of one request per step (0: --max-num-batched-tokens), so "
+                        "that a long prompt's first chunks move while the next are computed")
 
 
 def engine_argv(args: argparse.Namespace, omit: Collection[str] = ()) -> list[str]:
@@ -200,9 +224,18 @@ def engine_config(args: argparse.Namespace, device: str, engine_id: str,
             enable_prefix_caching=not args.no_prefix_caching),
         scheduler=replace(
             SchedulerConfig(), max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs, policy=args.scheduling_policy),
+            max_num_seqs=args.max_num_seqs, policy=args.scheduling_policy,
+            long_prefill_token_threshold=prefill_chunk_tokens(args, kv)),
         kv_transfer=kv,
         speculative=replace(SpeculativeConfig(), num_tokens=args.speculative_ngram,
                             ngram_min=args.speculative_ngram_range[0],
                             ngram_max=args.speculative_ngram_range[1],
                             max_batch_size=args.speculative_max_batch))
+
+
+def prefill_chunk_tokens(args: argparse.Namespace, kv: KvTransferConfig) -> int:
+    """The scheduler's cap on one request's prompt tokens per step: a prefill replica that
+    announces KV chunks long prompts (``--kv-overlap-chunk-tokens``); 0 (no cap) otherwise."""
+    if kv.role == "producer" and args.kv_overlap == "on":
+        return args.kv_overlap_chunk_tokens
+    return 0

@@ -3,10 +3,11 @@
 Owns the handlers: Generate (tokenized requests streamed back as ``GenerateResponse`` deltas),
 Abort, GetLoad (the scheduler's latest statistics and the cumulative prefix-cache counters),
 WatchKvEvents, GetInfo, and the P/D pair on a prefill replica: Prefill (compute the prompt,
-sample the first token, pin the blocks under a lease, answer with a KV handle) and ReleaseKv
-(a decode replica is done with them). A Generate that names a ``prefill_peer`` gets its KV
-from that replica when this one decodes (``LocalEngine``); any other role computes the prefill
-here and says so in ``kv_transfer.fallback_reason``.
+sample the first token, pin the blocks under a lease, answer with a KV handle; asked to
+announce the KV, it first streams handles on the blocks that become final while later chunks
+are computed) and ReleaseKv (a decode replica is done with them). A Generate that names a
+``prefill_peer`` gets its KV from that replica when this one decodes (``LocalEngine``); any
+other role computes the prefill here and says so in ``kv_transfer.fallback_reason``.
 
 WatchKvEvents replays the batches after ``since_seq`` and then streams new ones live. Every
 message carries the engine's incarnation, a random id drawn once per engine start, and a
@@ -32,6 +33,8 @@ import grpc.aio
 
 from engine_common.generation_request import GenerationRequest
 from engine_common.kv_events import KVCacheSnapshotChunk, KVEventBatch
+from engine_common.output_processor import RequestOutput
+from engine_common.outputs import ANNOUNCEMENT_LEASE_SEPARATOR
 from engine_common.sampling_params import SamplingParams
 from protos.tandem.v1 import engine_pb2 as epb
 from protos.tandem.v1 import engine_pb2_grpc as epb_grpc
@@ -127,7 +130,7 @@ class EngineServicer(epb_grpc.EngineServicer):
 
     @rpc_handler
     async def Prefill(self, request: epb.PrefillRequest,  # noqa: N802
-                      context: grpc.aio.ServicerContext) -> epb.PrefillResponse:
+                      context: grpc.aio.ServicerContext) -> None:
         self._check_prefill_caller(request, context.peer())
         params = _one_choice(sampling_params_from_pb(request.sampling_params))
         prompt = list(request.prompt_token_ids)
@@ -137,14 +140,40 @@ class EngineServicer(epb_grpc.EngineServicer):
         caller, blocks = caller_of(context.peer()), -(-len(prompt) // self.llm.info.block_size)
         self.callers.check_new(request.request_id)
         self.callers.check_pin(caller, blocks)
+        generation = GenerationRequest(prompt, params, request.priority,
+                                       request.cache_salt or None,
+                                       self._lora_name(request.lora_name))
+        answered = False
         with self.engine.admission.admit(request.request_id):
-            output, handle = await self.llm.prefill(request.request_id, GenerationRequest(
-                prompt, params, request.priority, request.cache_salt or None,
-                self._lora_name(request.lora_name)))
-        self.callers.pin(request.request_id, caller, blocks, handle.lease_deadline)
-        response = epb.PrefillResponse(
-            request_id=request.request_id, first_token_id=output.new_token_ids[0],
-            kv_handle=kv_handle_to_pb(handle, self.llm.info.kv_layout, output.num_cached_tokens))
+            outputs = self.llm.prefill(request.request_id, generation, request.announce_kv)
+            try:
+                async with aclosing(outputs):
+                    first_block = 0  # of the next announcement: they come in prompt order
+                    async for output in outputs:
+                        assert output.kv_handle is not None
+                        # Pinned from the first announcement on: the caller may release them.
+                        self.callers.pin(request.request_id, caller, blocks,
+                                         output.kv_handle.lease_deadline)
+                        message = self._prefill_message(request.request_id, output, first_block)
+                        first_block += len(output.kv_handle.block_ids)
+                        answered = message.HasField("first_token_id")
+                        await context.write(message)
+            finally:
+                if not answered:  # ended early: the engine released what it pinned
+                    self.callers.released(request.request_id)
+
+    def _prefill_message(self, request_id: str, output: RequestOutput,
+                         first_block: int) -> epb.PrefillResponse:
+        """An announcement of the blocks from ``first_block`` (an output without tokens), or
+        the result: the first token and a handle on every block."""
+        assert output.kv_handle is not None
+        handle = kv_handle_to_pb(output.kv_handle, self.llm.info.kv_layout,
+                                 output.num_cached_tokens, request_id)
+        if not output.new_token_ids:
+            return epb.PrefillResponse(request_id=request_id, kv_handle=handle,
+                                       first_block=first_block)
+        response = epb.PrefillResponse(request_id=request_id, kv_handle=handle,
+                                       first_token_id=output.new_token_ids[0])
         delta = self.engine.delta_of(output)
         if delta.logprobs:
             response.first_token_logprobs.CopyFrom(position_to_pb(delta.logprobs[0]))
@@ -158,6 +187,10 @@ class EngineServicer(epb_grpc.EngineServicer):
         if not request.request_id:
             raise InvalidArgument("request_id is required: the decode replica releases the "
                                   "blocks under it")
+        if ANNOUNCEMENT_LEASE_SEPARATOR in request.request_id:
+            raise InvalidArgument("request_id must not contain the character U+001F: it "
+                                  "separates the ids of the leases announced blocks are "
+                                  "pinned under")
         kv_host = self.llm.config.kv_transfer.host
         if not may_advertise(kv_host, peer):
             raise FailedPrecondition(

@@ -15,7 +15,7 @@ format.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from typing import cast
 
@@ -25,7 +25,7 @@ from engine_common.async_llm import AsyncLLM
 from engine_common.core_process import EngineDeadError
 from engine_common.generation_request import GenerationRequest
 from engine_common.output_processor import RequestOutput
-from engine_common.outputs import KvTransferReport, RemotePrefill, TokenLogprobs
+from engine_common.outputs import KvTransferReport, RemoteKvChunk, RemotePrefill, TokenLogprobs
 from services.engine_api.prefill_handback import PrefillHandedBack
 from services.frontend.engine_seam import (
     CallContext,
@@ -37,6 +37,20 @@ from services.frontend.errors import Unavailable
 from services.frontend.routing_headers import PREFILL_OUTCOME_HEADER, prefill_outcome
 from services.replica.admission import Admission
 from services.replica.prefill_peers import PrefillFailed, PrefillPeers
+
+# A prefill replica's answer: its result, or its stream of announced chunks, then the result.
+RemoteFeed = RemotePrefill | AsyncIterator[RemoteKvChunk | RemotePrefill]
+
+
+async def _resumed(first: RemoteKvChunk,
+                   rest: AsyncGenerator[RemoteKvChunk | RemotePrefill, None]
+                   ) -> AsyncGenerator[RemoteKvChunk | RemotePrefill, None]:
+    """The stream again from its first item, which was read already; closing it closes
+    ``rest``."""
+    async with aclosing(rest):
+        yield first
+        async for item in rest:
+            yield item
 
 
 class LocalEngine:
@@ -58,7 +72,8 @@ class LocalEngine:
         with self.admission.admit(request_id):
             if self.llm.dead_reason is not None:
                 raise Unavailable(f"the engine is not running: {self.llm.dead_reason}")
-            remote, report = await self._remote_prefill(request_id, request, peer, hand_back)
+            remote, engine_id, report = await self._remote_prefill(
+                request_id, request, peer, hand_back)
             if peer:  # the public call tells the endpoint picker where the prefill ran
                 call.response_headers[PREFILL_OUTCOME_HEADER] = prefill_outcome(
                     None if report is None else report.fallback_reason)
@@ -74,27 +89,32 @@ class LocalEngine:
                         if report is not None:  # a fallback, reported on the first delta
                             delta.kv_transfer, report = report, None
                         if output.kv_transfer is not None and not released:
-                            self._release(peer, remote, request_id)
+                            self._release(peer, engine_id, request_id)
                             released = True
                         yield delta
             except EngineDeadError as error:
                 raise Unavailable(f"the engine stopped mid-request: {error}") from error
             finally:
                 if not released:  # cancelled or finished before the pull: free P's blocks
-                    self._release(peer, remote, request_id)
+                    self._release(peer, engine_id, request_id)
 
     async def _remote_prefill(self, request_id: str, request: GenerationRequest, peer: str | None,
-                              hand_back: bool = False,
-                              ) -> tuple[RemotePrefill | None, KvTransferReport | None]:
-        """Ask the prefill replica ``peer`` for the prompt's KV. Returns its answer, or (None,
-        a fallback report) when this replica computes the prefill itself."""
+                              hand_back: bool = False) -> tuple[RemoteFeed | None, str,
+                                                                KvTransferReport | None]:
+        """Ask the prefill replica ``peer`` for the prompt's KV. Returns its result, or its
+        stream still running (announced chunks, then the result) when it announces KV, with
+        its engine id; or (None, "", a fallback report) when this replica computes the
+        prefill itself. A failure after the stream's first message is the engine's to
+        handle (``AsyncLLM.generate``): it computes the prompt here."""
         if not peer:
-            return None, None
+            return None, "", None
         if self.prefill_peers is None:
             report = KvTransferReport(prefill_engine_id="", fallback_reason="not_a_decode_replica")
         else:
+            stream = self.prefill_peers.prefill(peer, request_id, request,
+                                                announce_kv=self.prefill_peers.announce_kv)
             try:
-                return await self.prefill_peers.prefill(peer, request_id, request), None
+                first = await anext(stream)
             except PrefillFailed as error:
                 report = KvTransferReport(prefill_engine_id="", fallback_reason=error.reason)
                 if hand_back and error.code == grpc.StatusCode.UNAVAILABLE:
@@ -107,12 +127,20 @@ class LocalEngine:
                     raise Unavailable(
                         f"the prefill replica failed ({error}) and this replica runs with "
                         "--kv-fallback fail") from error
+            except BaseException:
+                await stream.aclose()  # cancelled: the call ends, P's blocks are released
+                raise
+            else:
+                if isinstance(first, RemotePrefill):
+                    await stream.aclose()
+                    return first, first.handle.engine_id, None
+                return _resumed(first, stream), first.handle.engine_id, None
         self.llm.metrics.record_kv_transfer(report)
-        return None, report
+        return None, "", report
 
-    def _release(self, peer: str | None, remote: RemotePrefill | None, request_id: str) -> None:
-        if remote is not None and self.prefill_peers is not None and peer:
-            self.prefill_peers.release(peer, request_id, remote.handle.engine_id)
+    def _release(self, peer: str | None, engine_id: str, request_id: str) -> None:
+        if engine_id and self.prefill_peers is not None and peer:
+            self.prefill_peers.release(peer, request_id, engine_id)
 
     def abort(self, request_ids: Sequence[str]) -> list[str]:
         """Abort the requests still running here; their streams end with "abort"."""

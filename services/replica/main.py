@@ -124,7 +124,8 @@ def options_from_args(args: argparse.Namespace) -> ReplicaOptions:
         metrics_port=args.metrics_port, served_model_name=args.served_model_name,
         max_waiting=args.max_waiting, shutdown_grace_s=args.shutdown_grace,
         max_stored_responses=args.max_stored_responses, tls=tls_from_args(args),
-        max_pinned_fraction=args.kv_max_pinned_fraction, health_port=args.health_port)
+        max_pinned_fraction=args.kv_max_pinned_fraction, health_port=args.health_port,
+        kv_overlap=args.kv_overlap == "on")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,22 +1,24 @@
 """A decode replica's calls to prefill replicas: ``Prefill``, then ``ReleaseKv``.
 
-Owns one gRPC channel per prefill replica (reused across requests), the Prefill call and the
-fire-and-forget release once the decode side has pulled the blocks (or given up on them). It
-does not move KV: the decode engine core pulls the blocks over UCX with the handle Prefill
-returns. Cancelling a caller cancels its Prefill call, which aborts the request on the
-prefill replica.
+Owns one gRPC channel per prefill replica (reused across requests), the Prefill stream read as
+the engine's records (``RemoteKvChunk`` announcements, then the ``RemotePrefill`` result) and
+the fire-and-forget release once the decode side has pulled the blocks (or given up on them).
+It does not move KV: the decode engine core pulls the blocks over UCX with the handles the
+stream carries. Closing the stream before its result cancels the call, which aborts the request
+on the prefill replica, and releases whatever it pinned.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncGenerator
 
 import grpc
 import grpc.aio
 
 from engine_common.generation_request import GenerationRequest
-from engine_common.outputs import RemotePrefill
+from engine_common.outputs import RemoteKvChunk, RemotePrefill, RemotePrefillLost
 from protos.tandem.v1 import engine_pb2 as epb
 from protos.tandem.v1 import engine_pb2_grpc as epb_grpc
 from services.engine_api.messages import (
@@ -29,19 +31,22 @@ from services.suite_tls import SuiteTls, aio_channel
 logger = logging.getLogger(__name__)
 
 
-class PrefillFailed(Exception):
+class PrefillFailed(RemotePrefillLost):
     """The prefill replica could not be used; ``reason`` goes into the fallback metric,
     ``code`` is the status its Prefill call ended with (None: it answered, but wrongly)."""
 
     def __init__(self, reason: str, detail: str, code: grpc.StatusCode | None = None):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
+        super().__init__(reason, detail)
         self.code = code
 
 
 class PrefillPeers:
-    def __init__(self, timeout_s: float = 120.0, tls: SuiteTls | None = None) -> None:
+    def __init__(self, timeout_s: float = 120.0, tls: SuiteTls | None = None,
+                 announce_kv: bool = True) -> None:
         self.timeout_s = timeout_s
+        # Ask prefill replicas to announce KV blocks as they become final (--kv-overlap), so
+        # that the engine pulls them while later chunks of the prompt are computed.
+        self.announce_kv = announce_kv
         # With the suite's mutual TLS, only a suite member's certificate is accepted: a
         # request naming any other address fails its Prefill and falls back.
         self.tls = tls
@@ -54,26 +59,46 @@ class PrefillPeers:
             channel = self._channels[peer] = aio_channel(peer, self.tls)
         return epb_grpc.EngineStub(channel)
 
-    async def prefill(self, peer: str, request_id: str,
-                      request: GenerationRequest) -> RemotePrefill:
+    async def prefill(self, peer: str, request_id: str, request: GenerationRequest,
+                      announce_kv: bool = False
+                      ) -> AsyncGenerator[RemoteKvChunk | RemotePrefill, None]:
+        """The prefill replica's stream: with ``announce_kv`` the chunks it announces, then
+        its result, the last item. Raises ``PrefillFailed`` when it ends otherwise."""
         message = epb.PrefillRequest(
             request_id=request_id, prompt_token_ids=request.prompt_token_ids,
             sampling_params=sampling_params_to_pb(request.params),
             cache_salt=request.cache_salt or "", priority=request.priority,
-            lora_name=request.lora_name or "")
+            lora_name=request.lora_name or "", announce_kv=announce_kv)
+        call = self._stub(peer).Prefill(message, timeout=self.timeout_s)
+        done = False
         try:
-            response = await self._stub(peer).Prefill(message, timeout=self.timeout_s)
-        except asyncio.CancelledError:
-            # The request was cancelled here. Had the prompt just finished there, its blocks
-            # are pinned under a handle this side never read (the answer is dropped with the
-            # cancellation): free them now, not when the lease ends. If it had not, the
-            # prefill replica frees them itself and this finds nothing.
-            self.release(peer, request_id, "")
-            raise
+            async for response in call:
+                if response.HasField("first_token_id"):
+                    result = self._result(peer, request_id, request, response)
+                    done = True
+                    yield result
+                    return
+                if not response.HasField("kv_handle"):
+                    raise PrefillFailed("prefill_failed", f"{peer} announced no KV handle")
+                yield RemoteKvChunk(kv_handle_from_pb(response.kv_handle, request_id),
+                                    response.first_block)
         except grpc.aio.AioRpcError as error:
             raise PrefillFailed(
                 "prefill_failed", f"{peer} answered {error.code().name}: {error.details()}",
                 error.code()) from error
+        finally:
+            if not done:
+                # Given up (cancelled here, or the stream failed): the prefill replica aborts
+                # the request when its call ends; what it pinned for it (announced blocks, or
+                # every block if its answer crossed the cancellation) is freed now, not when
+                # the lease ends.
+                call.cancel()
+                self.release(peer, request_id, "")
+        raise PrefillFailed("prefill_failed", f"{peer} ended the Prefill stream without a result")
+
+    @staticmethod
+    def _result(peer: str, request_id: str, request: GenerationRequest,
+                response: epb.PrefillResponse) -> RemotePrefill:
         if not response.HasField("kv_handle"):
             raise PrefillFailed("prefill_failed", f"{peer} returned no KV handle")
         return RemotePrefill(

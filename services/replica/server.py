@@ -84,6 +84,9 @@ class ReplicaOptions:
     # A plaintext port answering grpc.health.v1 only, for probes without the suite's
     # certificate (a kubelet's); 0: none.
     health_port: int = 0
+    # A decode replica asks its prefill replicas to announce KV as it becomes final and pulls
+    # it while they compute the rest (--kv-overlap).
+    kv_overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -110,7 +113,8 @@ class ReplicaServer:
             options.engine.model, info.max_model_len, options.served_model_name,
             options.engine.model_settings.lora_modules)
         self.admission = Admission(options.engine.scheduler.max_num_seqs, options.max_waiting)
-        self.prefill_peers = PrefillPeers(tls=options.tls) if options.role == "decode" else None
+        self.prefill_peers = (PrefillPeers(tls=options.tls, announce_kv=options.kv_overlap)
+                              if options.role == "decode" else None)
         self.engine = LocalEngine(llm, self.admission, self.prefill_peers)
         self.health = health_aio.HealthServicer()
         # One log line per request; its choices' n observed as vLLM does.

@@ -128,20 +128,22 @@ class PositionLogprobs(_message.Message):
     def __init__(self, sampled: _Optional[_Union[TokenLogprob, _Mapping]] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class KvTransferInfo(_message.Message):
-    __slots__ = ("prefill_engine_id", "blocks_pulled", "bytes", "seconds", "fallback_reason", "blocks_local")
+    __slots__ = ("prefill_engine_id", "blocks_pulled", "bytes", "seconds", "fallback_reason", "blocks_local", "blocks_pulled_early")
     PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_PULLED_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_PULLED_EARLY_FIELD_NUMBER: _ClassVar[int]
     prefill_engine_id: str
     blocks_pulled: int
     bytes: int
     seconds: float
     fallback_reason: str
     blocks_local: int
-    def __init__(self, prefill_engine_id: _Optional[str] = ..., blocks_pulled: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., fallback_reason: _Optional[str] = ..., blocks_local: _Optional[int] = ...) -> None: ...
+    blocks_pulled_early: int
+    def __init__(self, prefill_engine_id: _Optional[str] = ..., blocks_pulled: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., fallback_reason: _Optional[str] = ..., blocks_local: _Optional[int] = ..., blocks_pulled_early: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "new_token_ids", "delta_text", "finish_reason", "stop_reason", "stop_token_id", "logprobs", "prompt_tokens", "completion_tokens", "cached_tokens", "kv_transfer", "prompt_logprobs")
@@ -172,20 +174,22 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., delta_text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_transfer: _Optional[_Union[KvTransferInfo, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "cache_salt", "priority", "lora_name")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "cache_salt", "priority", "lora_name", "announce_kv")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    ANNOUNCE_KV_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: SamplingParams
     cache_salt: str
     priority: int
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    announce_kv: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ..., announce_kv: _Optional[bool] = ...) -> None: ...
 
 class KvLayout(_message.Message):
     __slots__ = ("model", "dtype", "num_layers", "num_kv_heads", "head_size", "block_size", "fingerprint")
@@ -206,7 +210,7 @@ class KvLayout(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., block_size: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("engine_id", "ucx_address", "ucx_port", "block_ids", "num_tokens", "lease_deadline_unix_ms", "layout", "num_cached_tokens")
+    __slots__ = ("engine_id", "ucx_address", "ucx_port", "block_ids", "num_tokens", "lease_deadline_unix_ms", "layout", "num_cached_tokens", "lease_id")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     UCX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     UCX_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +219,7 @@ class KvHandle(_message.Message):
     LEASE_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     ucx_address: str
     ucx_port: int
@@ -223,21 +228,24 @@ class KvHandle(_message.Message):
     lease_deadline_unix_ms: int
     layout: KvLayout
     num_cached_tokens: int
-    def __init__(self, engine_id: _Optional[str] = ..., ucx_address: _Optional[str] = ..., ucx_port: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_deadline_unix_ms: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    lease_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., ucx_address: _Optional[str] = ..., ucx_port: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_deadline_unix_ms: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_token_logprobs", "kv_handle", "prompt_logprobs")
+    __slots__ = ("request_id", "first_token_id", "first_token_logprobs", "kv_handle", "prompt_logprobs", "first_block")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     first_token_logprobs: PositionLogprobs
     kv_handle: KvHandle
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PositionLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[PositionLogprobs, _Mapping]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ...) -> None: ...
+    first_block: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[PositionLogprobs, _Mapping]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., first_block: _Optional[int] = ...) -> None: ...
 
 class ReleaseKvRequest(_message.Message):
     __slots__ = ("request_id", "engine_id")

@@ -40,7 +40,7 @@ class EngineStub:
                 request_serializer=protos_dot_tandem_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=protos_dot_tandem_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
                 _registered_method=True)
-        self.Prefill = channel.unary_unary(
+        self.Prefill = channel.unary_stream(
                 '/tandem.v1.Engine/Prefill',
                 request_serializer=protos_dot_tandem_dot_v1_dot_engine__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=protos_dot_tandem_dot_v1_dot_engine__pb2.PrefillResponse.FromString,
@@ -96,7 +96,9 @@ class EngineServicer:
 
     def Prefill(self, request, context):
         """Prefills on this replica, samples the first token and pins the request's KV blocks until
-        ReleaseKv or the lease deadline.
+        ReleaseKv or the lease deadline. The last message carries the first token and a handle on
+        every prompt block; with PrefillRequest.announce_kv, messages before it announce the
+        blocks that became final while later chunks of the prompt are still being computed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -158,7 +160,7 @@ def add_EngineServicer_to_server(servicer, server):
                     request_deserializer=protos_dot_tandem_dot_v1_dot_engine__pb2.GenerateRequest.FromString,
                     response_serializer=protos_dot_tandem_dot_v1_dot_engine__pb2.GenerateResponse.SerializeToString,
             ),
-            'Prefill': grpc.unary_unary_rpc_method_handler(
+            'Prefill': grpc.unary_stream_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=protos_dot_tandem_dot_v1_dot_engine__pb2.PrefillRequest.FromString,
                     response_serializer=protos_dot_tandem_dot_v1_dot_engine__pb2.PrefillResponse.SerializeToString,
@@ -248,7 +250,7 @@ class Engine:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/tandem.v1.Engine/Prefill',
