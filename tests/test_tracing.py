@@ -41,7 +41,15 @@ from tests.replica_process import (
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"
-PROMPT = " ".join(f"word{i}" for i in range(40))
+
+
+def prompt(tag: str) -> str:
+    """40 words no other test's prompt starts with: the decode replica holds none of it, so
+    the gateway sends it through the prefill replica (a cached prompt skips the hop)."""
+    return " ".join(f"{tag}{i}" for i in range(40))
+
+
+PROMPT = prompt("word")
 
 
 @dataclass(frozen=True)
@@ -206,7 +214,9 @@ def test_a_request_without_a_traceparent_starts_a_trace_at_the_gateway(suite: Su
     collector, _ = collector
     before = {s.trace_id for s in collector.spans}
     with Client(suite.gateway, timeout=120) as client:
-        client.complete(PROMPT + " again", max_tokens=2)
+        # A prompt of its own: one sharing PROMPT's start is cached on the decode replica,
+        # which then skips the prefill hop, and the Prefill span awaited below never comes.
+        client.complete(prompt("again"), max_tokens=2)
     deadline = time.monotonic() + 30
     while True:
         roots = [s for s in collector.spans if s.trace_id not in before
@@ -232,7 +242,8 @@ def test_an_http_clients_traceparent_passes_through_envoy(suite: Suite, collecto
         trace_id, span_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
         request = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/completions", method="POST",
-            data=json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 2}).encode(),
+            data=json.dumps({"model": "tiny", "prompt": prompt("http"),  # uncached: P/D
+                             "max_tokens": 2}).encode(),
             headers={"content-type": "application/json",
                      "traceparent": f"00-{trace_id}-{span_id}-01"})
         with urllib.request.urlopen(request, timeout=120) as response:
