@@ -28,7 +28,8 @@ from typing import Any, Literal
 from kv_transfer.connector import KvTransferError
 from kv_transfer.layout import KvLayout
 
-Mode = Literal["direct", "staged"]
+# "read": a direct plan that the consumer reads itself (ucx_rma), as pulls report it.
+Mode = Literal["direct", "staged", "read"]
 
 # A pull goes direct when its messages average at least this many bytes (see the module
 # docstring; the crossover measured by bench/kv_transfer_bandwidth.py).

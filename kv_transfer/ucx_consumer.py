@@ -10,7 +10,9 @@ once, in ``ucx_connector``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -41,11 +43,14 @@ from kv_transfer.ucx_io import (
     settle,
     tune_control_socket,
 )
+from kv_transfer.ucx_rma import Reader, RemoteKey
 from kv_transfer.ucx_runtime import UcxRuntime
 from kv_transfer.wire import (
     STATUS_OK,
     BlockRequest,
     Hello,
+    ReadableCache,
+    ReadDone,
     TransferStatus,
     TransportKind,
     Welcome,
@@ -54,7 +59,11 @@ from kv_transfer.wire import (
     read_frame,
 )
 
+logger = logging.getLogger(__name__)
+
 TRANSPORT_CHOICES = ("auto", "tcp")
+# A burst of reads ends by itself (a dead producer fails them at once); this bounds a bug.
+READ_SETTLE_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -68,6 +77,8 @@ class _Connection:
     connection_id: int
     transport: str  # ucp_introspection.transport_label of the endpoint's lanes
     lanes: list[tuple[str, str]]
+    readable: ReadableCache | None = None  # the producer's cache, when we read it ourselves
+    rkey: RemoteKey | None = None  # readable's key, unpacked on this endpoint
     seq: int = 0
 
     def broken(self) -> bool:
@@ -102,6 +113,8 @@ class UcxKvConsumer(KvConsumer):
     pulls off shared memory (for comparison and as an operator's escape hatch).
     ``chunk_bytes`` bounds a staged payload message; ``direct_min_message_bytes`` is the
     mean message size from which a pull goes cache to cache (``transfer_plan``).
+    ``remote_read=False`` has same-host producers send direct pulls instead of letting
+    this consumer read them (``ucx_rma``; for comparison: reading is faster).
     """
 
     def __init__(
@@ -113,6 +126,7 @@ class UcxKvConsumer(KvConsumer):
         transport: str = "auto",
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         direct_min_message_bytes: int = DIRECT_MIN_MESSAGE_BYTES,
+        remote_read: bool = True,
     ):
         if transport not in TRANSPORT_CHOICES:
             raise ValueError(f"transport must be 'auto' or 'tcp', got {transport!r}")
@@ -125,6 +139,9 @@ class UcxKvConsumer(KvConsumer):
         self._transport = transport
         self._chunk_bytes = chunk_bytes
         self._direct_min_message_bytes = direct_min_message_bytes
+        # Reads need host memory on both sides (GPU caches are sent: see ucx_connector).
+        self._remote_read = remote_read and not kv_cache.is_cuda
+        self._reader = Reader()
         self._runtime = UcxRuntime.shared(self.host)
         self._closed = threading.Event()
         # Touched only on the runtime's loop.
@@ -240,7 +257,8 @@ class UcxKvConsumer(KvConsumer):
             connection_id = self._runtime.next_connection_id()
             addresses = {kind: self._runtime.worker_address(kind)
                          for kind in (("shm", "tcp") if prefer == "shm" else ("tcp",))}
-            writer.write(Hello(handle.engine_id, connection_id, prefer, addresses).encode())
+            writer.write(Hello(handle.engine_id, connection_id, prefer, addresses,
+                               self._remote_read).encode())
             welcome = Welcome.decode(await asyncio.wait_for(read_frame(reader, "welcome"),
                                                             self._connect_timeout))
             if welcome.engine_id != handle.engine_id:
@@ -249,6 +267,8 @@ class UcxKvConsumer(KvConsumer):
                     f"{handle.engine_id!r}{_loopback_hint(host)}")
             endpoint = await open_endpoint(welcome.address)
             lanes = endpoint_lanes(endpoint.ucp_endpoint)
+            readable = welcome.readable if self._remote_read else None
+            rkey = None if readable is None else RemoteKey(endpoint.ucp_endpoint, readable.rkey)
         except BaseException as exc:
             close_writer(writer)
             if isinstance(exc, KvTransferError) or not (
@@ -258,7 +278,7 @@ class UcxKvConsumer(KvConsumer):
                 "unreachable", f"{host}:{port}: {_describe(exc)} (this replica's KV address "
                 f"is {self.host}){_loopback_hint(host)}") from None
         return _Connection(reader, writer, endpoint, welcome.engine_id, connection_id,
-                           transport_label(lanes), lanes)
+                           transport_label(lanes), lanes, readable, rkey)
 
     async def _exchange(self, peer: _Peer, handle: KvHandle, remote: list[int],
                         local: list[int]) -> TransferPlan:
@@ -275,6 +295,13 @@ class UcxKvConsumer(KvConsumer):
         seq = connection.next_seq()
         plan = plan_transfer(self._layout, remote, local, self._chunk_bytes,
                              self._direct_min_message_bytes)
+        if plan.mode == "direct" and connection.rkey is not None:
+            try:
+                await self._read(connection, seq, handle, remote, local, plan)
+                return dataclasses.replace(plan, mode="read")
+            except BaseException:
+                self._drop(peer)
+                raise
         staging = peer.staging.blocks(len(local)) if plan.mode == "staged" else None
         receives = post(connection.endpoint, [
             (buffer, payload_tag(connection.connection_id, seq, i))
@@ -309,6 +336,55 @@ class UcxKvConsumer(KvConsumer):
             # cancelled: no write into the local blocks may outlive the pull, whose
             # failure lets the engine reuse them.
             await asyncio.gather(*scatters, return_exceptions=True)
+
+    async def _read(self, connection: _Connection, seq: int, handle: KvHandle,
+                    remote: list[int], local: list[int], plan: TransferPlan) -> None:
+        """A direct pull that this consumer reads itself (``ucx_rma``): the request, its
+        admission, one GET per (layer, K/V, run), then "read done" and the final status.
+        The bytes count only once the final status says the lease held throughout."""
+        nbytes = len(local) * self._layout.bytes_per_block
+        try:
+            connection.writer.write(BlockRequest(
+                handle.request_id, remote, self._fingerprint, seq, plan.to_wire(),
+                read=True).encode())
+            await connection.writer.drain()
+        except (ConnectionError, OSError) as exc:
+            raise _StaleConnection() from exc
+        TransferStatus.decode(await read_frame(connection.reader, "status")).raise_for_failure()
+        await self._read_runs(connection, plan)
+        connection.writer.write(ReadDone(seq).encode())
+        status = TransferStatus.decode(await read_frame(connection.reader, "status"))
+        status.raise_for_failure()
+        if status.nbytes != nbytes:
+            raise KvTransferError("protocol", f"producer admitted {status.nbytes} bytes; "
+                                  f"expected {nbytes}")
+
+    async def _read_runs(self, connection: _Connection, plan: TransferPlan) -> None:
+        """GET every run into the local blocks; returns only once no read is in flight
+        (also when cancelled), since the engine may reuse the blocks after a failure."""
+        readable, rkey = connection.readable, connection.rkey
+        assert readable is not None and rkey is not None
+        row_bytes = self._layout.bytes_per_block // (2 * self._layout.num_layers)
+        reads = [(self._copier.run_view(m.group, m.run.local_start, m.run.count).data_ptr(),
+                  m.run.count * row_bytes,
+                  readable.address + (m.group * readable.num_blocks + m.run.remote_start)
+                  * row_bytes)
+                 for m in plan.direct_messages(self._layout)]
+        burst = self._reader.get(connection.endpoint.ucp_endpoint, rkey, reads)
+        waiter = asyncio.ensure_future(self._runtime.run_copy(
+            functools.partial(burst.wait, _worker_handle(), READ_SETTLE_TIMEOUT_S)))
+        try:
+            over = await asyncio.shield(waiter)
+        except asyncio.CancelledError:
+            await asyncio.wait({waiter})
+            raise
+        finally:
+            self._reader.forget(burst)
+        if not over:
+            logger.error("UCX reads still in flight %ss after they were posted",
+                         READ_SETTLE_TIMEOUT_S)
+            raise KvTransferError("unreachable", "reads from the producer did not end")
+        burst.raise_for_failure()
 
     def _receive_buffers(self, plan: TransferPlan, staging: torch.Tensor | None) -> list[Any]:
         if plan.mode == "direct":
@@ -350,12 +426,21 @@ class UcxKvConsumer(KvConsumer):
         connection, peer.connection = peer.connection, None
         if connection is not None:
             close_writer(connection.writer)
+            if connection.rkey is not None:
+                connection.rkey.destroy()  # before its endpoint; no read is in flight
             abort_endpoint(connection.endpoint)
 
     async def _drop_all(self) -> None:
         for peer in self._peers.values():
             self._drop(peer)
         self._peers.clear()
+
+
+def _worker_handle() -> int:
+    """The process's UCX worker (ucxx's one worker, which the runtime started)."""
+    import ucxx
+
+    return int(ucxx.get_ucp_worker())
 
 
 def _describe(exc: BaseException) -> str:

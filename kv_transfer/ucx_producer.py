@@ -38,11 +38,14 @@ from kv_transfer.ucx_io import (
     settle,
     tune_control_socket,
 )
+from kv_transfer.ucx_rma import MappedMemory
 from kv_transfer.ucx_runtime import UcxRuntime
 from kv_transfer.wire import (
     STATUS_OK,
     BlockRequest,
     Hello,
+    ReadableCache,
+    ReadDone,
     TransferStatus,
     TransportKind,
     Welcome,
@@ -91,6 +94,7 @@ class UcxKvProducer(KvProducer):
         # Touched only on the runtime's loop.
         self._server: asyncio.Server | None = None
         self._served: set[asyncio.Task[Any]] = set()
+        self._mapped: MappedMemory | None = None  # the cache, for consumers' reads
 
     # -- engine-facing, any thread --------------------------------------------------
 
@@ -98,6 +102,8 @@ class UcxKvProducer(KvProducer):
         if self._runtime is not None:
             raise RuntimeError("producer already started")
         self._runtime = UcxRuntime.shared(self.host)
+        if not self._kv_cache.is_cuda:
+            self._mapped = self._runtime.call(self._map_cache(), timeout=30)
         self.port = self._runtime.call(self._listen(), timeout=30)
         return self.host, self.port
 
@@ -154,10 +160,29 @@ class UcxKvProducer(KvProducer):
     def close(self) -> None:
         if self._runtime is not None:
             self._runtime.call(self._shutdown(), timeout=30)
+            if self._mapped is not None:
+                self._mapped.close()  # no connection is left to read it
+                self._mapped = None
             self._runtime = None
         self._leases.clear()
 
     # -- the runtime's loop -----------------------------------------------------------
+
+    async def _map_cache(self) -> MappedMemory:
+        """The whole cache mapped once for reads by consumers on this host (host memory
+        only: GPU caches are sent, see ucx_connector)."""
+        import ucxx
+
+        context = ucxx.core._get_ctx().context.handle
+        return MappedMemory(context, self._kv_cache.data_ptr(),
+                            self._kv_cache.numel() * self._kv_cache.element_size())
+
+    def _readable(self, hello: Hello, kind: TransportKind) -> ReadableCache | None:
+        """Offered only over shared memory (where UCX reads by itself, one cma read per
+        run) and only to a consumer that asks."""
+        if kind != "shm" or not hello.read or self._mapped is None:
+            return None
+        return ReadableCache(self._mapped.rkey, self._mapped.address, self._kv_cache.shape[2])
 
     async def _listen(self) -> int:
         self._server = await asyncio.start_server(
@@ -187,11 +212,16 @@ class UcxKvProducer(KvProducer):
                                                         HELLO_TIMEOUT_S))
             kind = self._transport_for(hello, writer)
             endpoint = await open_endpoint(hello.addresses[kind])
-            writer.write(Welcome(self.engine_id, kind, self._runtime.worker_address(kind)).encode())
+            readable = self._readable(hello, kind)
+            writer.write(Welcome(self.engine_id, kind, self._runtime.worker_address(kind),
+                                 readable).encode())
             await writer.drain()
             staging = StagingBuffer(self._kv_cache)
             while True:
                 frame = await read_frame(reader, "request")
+                if frame.get("read") is True:
+                    await self._serve_read(reader, writer, readable is not None, frame)
+                    continue
                 await self._serve_request(reader, writer, endpoint, hello.connection_id, frame,
                                           staging)
         except (_ConsumerGone, asyncio.IncompleteReadError, TimeoutError):
@@ -240,6 +270,29 @@ class UcxKvProducer(KvProducer):
             raise _ConsumerGone("the consumer closed the connection or wrote out of turn")
         writer.write(final.encode())
         await writer.drain()
+
+    async def _serve_read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                          offered: bool, frame: dict[str, Any]) -> None:
+        """A consumer that reads the runs itself: admit (the status "ok" lets it read),
+        then, once it says its reads are over, whether the lease held meanwhile."""
+        request = BlockRequest.decode(frame)
+        if not offered:
+            raise KvTransferError("protocol", "a read request on a connection without reads")
+        try:
+            lease, plan = self._admit(request)
+            if plan.mode != "direct":
+                raise KvTransferError("protocol", "a read request must be planned direct")
+        except KvTransferError as failure:
+            writer.write(TransferStatus(failure.reason, detail=failure.detail).encode())
+            return
+        nbytes = len(request.block_ids) * self._layout.bytes_per_block
+        writer.write(TransferStatus(STATUS_OK, nbytes).encode())
+        ReadDone.decode(await read_frame(reader, "read done"), request.seq)
+        # The consumer read the cache without the lease held (as a direct send does):
+        # blocks freed meanwhile may have been rewritten, so it must not keep them.
+        final = (TransferStatus(STATUS_OK, nbytes) if self._leases.holds(lease) else
+                 TransferStatus("lease_expired", detail="the lease ended during the transfer"))
+        writer.write(final.encode())
 
     def _admit(self, request: BlockRequest) -> tuple[Lease, TransferPlan]:
         """The lease and plan to serve, or the KvTransferError to answer."""

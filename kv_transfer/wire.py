@@ -29,7 +29,7 @@ import torch
 
 from kv_transfer.connector import TRANSFER_FAILURES, KvTransferError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_FRAME_BYTES = 256 * 1024
 STATUS_OK = "ok"
 _LENGTH = struct.Struct("<I")
@@ -98,11 +98,12 @@ class Hello:
     connection_id: int
     prefer: TransportKind  # "shm" only when the producer's address is one of ours
     addresses: dict[str, bytes]  # UCX worker address by transport kind ("tcp": network only)
+    read: bool = False  # it can read the producer's cache itself (RMA GET; see ucx_rma)
 
     def encode(self) -> bytes:
         return encode_frame({
             "hello": self.engine_id, "connection_id": self.connection_id,
-            "prefer": self.prefer,
+            "prefer": self.prefer, "read": self.read,
             "addresses": {k: base64.b64encode(v).decode() for k, v in self.addresses.items()}})
 
     @classmethod
@@ -116,7 +117,31 @@ class Hello:
                 addresses) <= set(TRANSPORT_KINDS):
             raise KvTransferError("protocol", f"{what}: bad transport offer")
         return cls(engine_id, connection_id, prefer,
-                   {k: _address(v, what) for k, v in addresses.items()})
+                   {k: _address(v, what) for k, v in addresses.items()},
+                   message.get("read") is True)
+
+
+@dataclass(frozen=True)
+class ReadableCache:
+    """Where a consumer may read the producer's cache by itself: the packed remote key
+    of the mapped cache, its address and its number of blocks (row offsets follow)."""
+
+    rkey: bytes
+    address: int
+    num_blocks: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"rkey": base64.b64encode(self.rkey).decode(), "address": self.address,
+                "num_blocks": self.num_blocks}
+
+    @classmethod
+    def from_wire(cls, message: Any, what: str) -> ReadableCache | None:
+        if message is None:
+            return None
+        if not isinstance(message, dict):
+            raise KvTransferError("protocol", f"{what}: bad readable cache")
+        return cls(_address(message.get("rkey"), what), _field(message, "address", int, what),
+                   _field(message, "num_blocks", int, what))
 
 
 @dataclass(frozen=True)
@@ -126,10 +151,12 @@ class Welcome:
     engine_id: str
     transport: TransportKind
     address: bytes
+    readable: ReadableCache | None = None  # only on shm, to a consumer that can read
 
     def encode(self) -> bytes:
         return encode_frame({"welcome": self.engine_id, "transport": self.transport,
-                             "address": base64.b64encode(self.address).decode()})
+                             "address": base64.b64encode(self.address).decode(),
+                             "readable": self.readable and self.readable.to_wire()})
 
     @classmethod
     def decode(cls, message: dict[str, Any]) -> Welcome:
@@ -138,7 +165,8 @@ class Welcome:
         if transport not in TRANSPORT_KINDS:
             raise KvTransferError("protocol", f"{what}: bad transport")
         return cls(_field(message, "welcome", str, what), transport,
-                   _address(message.get("address"), what))
+                   _address(message.get("address"), what),
+                   ReadableCache.from_wire(message.get("readable"), what))
 
 
 @dataclass(frozen=True)
@@ -150,11 +178,12 @@ class BlockRequest:
     fingerprint: str  # the consumer's KvLayout fingerprint
     seq: int  # this pull's number on the connection (its payload tags carry it)
     plan: dict[str, Any]  # TransferPlan.to_wire()
+    read: bool = False  # the consumer reads the runs itself (see ReadDone)
 
     def encode(self) -> bytes:
         return encode_frame({"request_id": self.request_id, "block_ids": self.block_ids,
                              "fingerprint": self.fingerprint, "seq": self.seq,
-                             "plan": self.plan})
+                             "plan": self.plan, "read": self.read})
 
     @classmethod
     def decode(cls, message: dict[str, Any]) -> BlockRequest:
@@ -164,7 +193,26 @@ class BlockRequest:
             raise KvTransferError("protocol", f"{what}: block ids must be integers")
         return cls(_field(message, "request_id", str, what), block_ids,
                    _field(message, "fingerprint", str, what), _field(message, "seq", int, what),
-                   _field(message, "plan", dict, what))
+                   _field(message, "plan", dict, what), message.get("read") is True)
+
+
+@dataclass(frozen=True)
+class ReadDone:
+    """Consumer -> producer, after a read request was admitted: its reads are over (they
+    all landed, or ``failed``); the producer answers with the final status."""
+
+    seq: int
+    failed: bool = False
+
+    def encode(self) -> bytes:
+        return encode_frame({"read_done": self.seq, "failed": self.failed})
+
+    @classmethod
+    def decode(cls, message: dict[str, Any], seq: int) -> ReadDone:
+        done = cls(_field(message, "read_done", int, "read done"), message.get("failed") is True)
+        if done.seq != seq:
+            raise KvTransferError("protocol", f"read done for pull {done.seq}, not {seq}")
+        return done
 
 
 @dataclass(frozen=True)

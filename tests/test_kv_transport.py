@@ -80,8 +80,8 @@ def _pulled(consumer: PeerProcess | None, kv: torch.Tensor | None, local: list[i
 
 def test_same_host_pulls_take_shared_memory_and_tcp_on_request() -> None:
     """A producer on this host's loopback: the listener binds only that address (its
-    control socket and UCX's TCP transport alike); pulls go over shared memory, direct and
-    staged, or over TCP when the consumer asks; a handle naming another engine fails."""
+    control socket and UCX's TCP transport alike); pulls go over shared memory (read by
+    the consumer, sent direct, or staged), or over TCP when the consumer asks; a handle naming another engine fails."""
     producer = PeerProcess("producer", SMALL, 48, seed=1, host="127.0.0.1", engine_id="p-lo")
     source = kv_pattern(SMALL, 48, seed=1)
     try:
@@ -94,16 +94,19 @@ def test_same_host_pulls_take_shared_memory_and_tcp_on_request() -> None:
         rng = random.Random(3)
         remote = rng.sample(range(48), 20)
         handle = producer.pin("same-host", remote)
-        for transport, direct_min, mode in (("auto", 0, "direct"), ("auto", 2**62, "staged"),
-                                            ("tcp", 0, "direct"), ("tcp", 2**62, "staged")):
+        # A same-host consumer reads direct pulls itself (ucx_rma) unless told not to;
+        # TCP is always sent.
+        for transport, direct_min, read, mode, carried in (
+                ("auto", 0, True, "read", "shm"), ("auto", 0, False, "direct", "shm"),
+                ("auto", 2**62, True, "staged", "shm"), ("tcp", 0, True, "direct", "tcp"),
+                ("tcp", 2**62, True, "staged", "tcp")):
             kv = kv_pattern(SMALL, 40, seed=9)
             consumer = UcxKvConsumer(kv, SMALL, transport=transport,
-                                     direct_min_message_bytes=direct_min)
+                                     direct_min_message_bytes=direct_min, remote_read=read)
             try:
                 local = rng.sample(range(40), 20)
                 result = consumer.pull(handle, remote, local, 20).result(30)
-                assert (result.transport, result.mode) == (
-                    "shm" if transport == "auto" else "tcp", mode)
+                assert (result.transport, result.mode) == (carried, mode)
                 assert torch.equal(as_bits(kv[:, :, local]), as_bits(source[:, :, remote]))
 
                 imposter = replace(handle, engine_id="another-engine")

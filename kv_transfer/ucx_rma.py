@@ -1,0 +1,266 @@
+"""One-sided reads over UCX (RMA GET), which ``ucxx`` 0.52 does not expose: mapping memory,
+packing and unpacking its remote key, and reading runs of a peer's mapped memory.
+
+Owns the ctypes binding of ``ucp_mem_map``/``ucp_mem_unmap``, ``ucp_rkey_pack``,
+``ucp_ep_rkey_unpack``/``ucp_rkey_destroy`` and ``ucp_get_nbx`` of the libucp that ``ucxx``
+loaded, and waiting for a burst of GETs to land. It does not own when a read
+is allowed or whether its bytes may be kept (``ucx_producer``, ``ucx_consumer``).
+
+Why: a tagged message costs each side a match and the receiver a round trip to the
+sender (rendezvous) per message, and a direct pull is one message per (layer, K/V) run; a
+GET is the consumer's alone (over cma one ``process_vm_readv`` from the producer's
+memory, nothing for the producer to do), so the producer's work per pull shrinks to
+checking its lease. Used only where UCX reads the peer's memory by itself (shared memory
+on host memory); TCP would emulate it with messages, so TCP keeps tagged sends.
+
+Threading: ucxx's worker runs in UCS_THREAD_MODE_MULTI (``worker_thread_mode`` says so),
+so GETs are posted from the runtime's loop and the worker is progressed from a copy
+thread (``ReadBurst.wait``) while ucxx's own progress thread may progress it too; a GET's
+completion callback runs on whichever thread progressed it and only counts.
+
+Struct layouts are those of UCX 1.21's ``ucp.h``; every struct starts with a
+``field_mask``, and only fields present since UCX 1.10 are set.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import itertools
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+_MEM_MAP_FIELD_ADDRESS, _MEM_MAP_FIELD_LENGTH, _MEM_MAP_FIELD_PROT = 1 << 0, 1 << 1, 1 << 3
+_PROT_LOCAL_READ, _PROT_REMOTE_READ = 1 << 0, 1 << 8
+_OP_ATTR_FIELD_CALLBACK, _OP_ATTR_FIELD_USER_DATA = 1 << 1, 1 << 2
+_WORKER_ATTR_FIELD_THREAD_MODE = 1 << 0
+UCS_THREAD_MODE_MULTI = 2
+_UCS_OK = 0
+_UCS_ERR_LAST = -100  # status pointers in (-100, 0) are errors (UCS_PTR_IS_ERR)
+
+
+class _MemMapParams(ctypes.Structure):
+    _fields_ = [
+        ("field_mask", ctypes.c_uint64),
+        ("address", ctypes.c_void_p),
+        ("length", ctypes.c_size_t),
+        ("flags", ctypes.c_uint),
+        ("prot", ctypes.c_uint),
+        ("memory_type", ctypes.c_int),
+        ("exported_memh_buffer", ctypes.c_void_p),
+    ]
+
+
+_SendCallback = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
+
+
+class _RequestParam(ctypes.Structure):
+    _fields_ = [
+        ("op_attr_mask", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("request", ctypes.c_void_p),
+        ("cb", _SendCallback),  # a union of callbacks: all pointer-sized
+        ("datatype", ctypes.c_uint64),
+        ("user_data", ctypes.c_void_p),
+        ("reply_buffer", ctypes.c_void_p),
+        ("memory_type", ctypes.c_int),
+        ("recv_info", ctypes.c_void_p),
+        ("memh", ctypes.c_void_p),
+    ]
+
+
+class _WorkerAttrThreadMode(ctypes.Structure):
+    _fields_ = [("field_mask", ctypes.c_uint64), ("thread_mode", ctypes.c_int),
+                ("_rest", ctypes.c_ubyte * 128)]
+
+
+@functools.cache
+def _libucp() -> ctypes.CDLL:
+    # The same file ucxx loaded (libucx's wheel): dlopen returns the loaded library.
+    import libucx
+
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so.0"))
+    vp, pvp = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
+    signatures: dict[str, tuple[list[Any], Any]] = {
+        "ucp_mem_map": ([vp, ctypes.POINTER(_MemMapParams), pvp], ctypes.c_int),
+        "ucp_mem_unmap": ([vp, vp], ctypes.c_int),
+        "ucp_rkey_pack": ([vp, vp, pvp, ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int),
+        "ucp_rkey_buffer_release": ([vp], None),
+        "ucp_ep_rkey_unpack": ([vp, vp, pvp], ctypes.c_int),
+        "ucp_rkey_destroy": ([vp], None),
+        "ucp_get_nbx": ([vp, vp, ctypes.c_size_t, ctypes.c_uint64, vp,
+                         ctypes.POINTER(_RequestParam)], ctypes.c_ssize_t),
+        "ucp_request_free": ([vp], None),
+        "ucp_worker_progress": ([vp], ctypes.c_uint),
+        "ucp_worker_query": ([vp, ctypes.POINTER(_WorkerAttrThreadMode)], ctypes.c_int),
+    }
+    for name, (argtypes, restype) in signatures.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, restype
+    return lib
+
+
+class RmaError(OSError):
+    """A UCX call of this module failed; ``status`` is the UCS status (negative)."""
+
+    def __init__(self, what: str, status: int):
+        super().__init__(f"{what} failed with UCS status {status}")
+        self.status = status
+
+
+def _check(status: int, what: str) -> None:
+    if status != _UCS_OK:
+        raise RmaError(what, status)
+
+
+def worker_thread_mode(worker_handle: int) -> int:
+    attr = _WorkerAttrThreadMode(field_mask=_WORKER_ATTR_FIELD_THREAD_MODE)
+    _check(_libucp().ucp_worker_query(worker_handle, ctypes.byref(attr)), "ucp_worker_query")
+    return int(attr.thread_mode)
+
+
+class MappedMemory:
+    """``[address, address + length)`` mapped for remote reads; ``rkey`` is its packed key."""
+
+    def __init__(self, context_handle: int, address: int, length: int):
+        lib = _libucp()
+        params = _MemMapParams(
+            field_mask=_MEM_MAP_FIELD_ADDRESS | _MEM_MAP_FIELD_LENGTH | _MEM_MAP_FIELD_PROT,
+            address=address, length=length, prot=_PROT_LOCAL_READ | _PROT_REMOTE_READ)
+        memh = ctypes.c_void_p()
+        _check(lib.ucp_mem_map(context_handle, ctypes.byref(params), ctypes.byref(memh)),
+               "ucp_mem_map")
+        self._context, self._memh = context_handle, memh
+        buffer, size = ctypes.c_void_p(), ctypes.c_size_t()
+        try:
+            _check(lib.ucp_rkey_pack(context_handle, memh, ctypes.byref(buffer),
+                                     ctypes.byref(size)), "ucp_rkey_pack")
+        except RmaError:
+            lib.ucp_mem_unmap(context_handle, memh)
+            raise
+        try:
+            self.rkey = ctypes.string_at(buffer, size.value)
+        finally:
+            lib.ucp_rkey_buffer_release(buffer)
+        self.address, self.length = address, length
+
+    def close(self) -> None:
+        if self._memh:
+            _libucp().ucp_mem_unmap(self._context, self._memh)
+            self._memh = ctypes.c_void_p()
+
+
+class RemoteKey:
+    """A peer's packed rkey unpacked on one endpoint (destroy before forgetting it)."""
+
+    def __init__(self, endpoint_handle: int, packed: bytes):
+        rkey = ctypes.c_void_p()
+        _check(_libucp().ucp_ep_rkey_unpack(endpoint_handle, packed, ctypes.byref(rkey)),
+               "ucp_ep_rkey_unpack")
+        self.handle = rkey
+
+    def destroy(self) -> None:
+        if self.handle:
+            _libucp().ucp_rkey_destroy(self.handle)
+            self.handle = ctypes.c_void_p()
+
+
+class ReadBurst:
+    """GETs posted together; over when every one landed or failed (``wait``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._outstanding = 0
+        self._posted = False
+        self.error = _UCS_OK
+        self._over = threading.Event()
+
+    def _add(self) -> None:
+        with self._lock:
+            self._outstanding += 1
+
+    def completed(self, status: int) -> None:
+        """One GET is over (any thread)."""
+        with self._lock:
+            self._outstanding -= 1
+            if status != _UCS_OK and self.error == _UCS_OK:
+                self.error = status
+            if self._posted and self._outstanding == 0:
+                self._over.set()
+
+    def _all_posted(self) -> None:
+        with self._lock:
+            self._posted = True
+            if self._outstanding == 0:
+                self._over.set()
+
+    def wait(self, worker_handle: int, timeout: float) -> bool:
+        """Progress the worker on this thread until every GET is over (True), or
+        ``timeout`` seconds passed (False). Blocking: run it off the loop.
+
+        Why progress here rather than leave it to ucxx's progress thread: that thread
+        sleeps in epoll until a message arrives, and a GET's completion sends none (over
+        cma, progressing the worker is what performs the copy, segment by segment)."""
+        lib = _libucp()
+        deadline = time.monotonic() + timeout
+        while not self._over.is_set():
+            if not lib.ucp_worker_progress(worker_handle) and time.monotonic() > deadline:
+                return False
+        return True
+
+    def raise_for_failure(self) -> None:
+        if self.error != _UCS_OK:
+            raise RmaError("ucp_get_nbx", self.error)
+
+
+class Reader:
+    """Posts bursts of GETs. One per consumer: it holds the C callback every GET names."""
+
+    def __init__(self) -> None:
+        self._bursts: dict[int, ReadBurst] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._callback = _SendCallback(self._completed)
+
+    def _completed(self, request: int | None, status: int, user_data: int | None) -> None:
+        """On whichever thread progressed the worker: a GET that did not end at once."""
+        _libucp().ucp_request_free(request)
+        with self._lock:
+            burst = self._bursts.get(user_data or 0)
+        if burst is not None:
+            burst.completed(status)
+
+    def get(self, endpoint_handle: int, rkey: RemoteKey,
+            reads: Sequence[tuple[int, int, int]]) -> ReadBurst:
+        """Post a GET of each (local address, nbytes, remote address). Call from the
+        thread that may close the endpoint (the runtime's loop), so that the endpoint is
+        alive while GETs are posted; keep the local memory alive until the burst is over
+        (``wait``; closing the endpoint cancels what is in flight)."""
+        burst = ReadBurst()
+        burst_id = next(self._ids)
+        with self._lock:
+            self._bursts[burst_id] = burst
+        param = _RequestParam(op_attr_mask=_OP_ATTR_FIELD_CALLBACK | _OP_ATTR_FIELD_USER_DATA,
+                              cb=self._callback, user_data=burst_id)
+        lib = _libucp()
+        for local, nbytes, remote in reads:
+            burst._add()
+            result = lib.ucp_get_nbx(endpoint_handle, local, nbytes, remote, rkey.handle,
+                                     ctypes.byref(param))
+            if not result:  # completed at once
+                burst.completed(_UCS_OK)
+            elif _UCS_ERR_LAST < result < 0:
+                burst.completed(result)
+                break  # the endpoint failed: the rest would fail alike
+        burst._all_posted()
+        return burst
+
+    def forget(self, burst: ReadBurst) -> None:
+        """Drop a burst that is over."""
+        with self._lock:
+            for burst_id, known in list(self._bursts.items()):
+                if known is burst:
+                    del self._bursts[burst_id]
