@@ -6,8 +6,12 @@ For each transfer size (SmolLM2-135M's KV layout: 30 layers, 3 KV heads, head si
 asks for TCP, as it does for a producer on another host), with the producer in another
 process, it measures, interleaved round by round:
 
-  connector_direct  ``UcxKvConsumer.pull`` of n blocks consecutive on both sides: the
-                    plan sends each (layer, K/V) run from cache to cache, no staging
+  connector_direct  ``UcxKvConsumer.pull`` of n blocks consecutive on both sides, cache to
+                    cache, no staging: on shm the consumer reads each (layer, K/V) run
+                    itself (RMA GET over cma, ``ucx_rma``); on tcp the producer sends it
+  connector_sent    (shm only) the same pull with the consumer's reads turned off
+                    (``remote_read=False``): the producer sends each run as a tagged
+                    message, as every direct pull did before reads (the "before")
   connector_staged  a pull of n scattered blocks into n shuffled ones: gather, layer
                     chunks on the wire, scatter (overlapped)
   raw               the network floor: one pre-allocated buffer of the same byte count,
@@ -223,9 +227,15 @@ class Bench:
                 self.producers[kind].send(("pin", (request_id, remote, num_blocks * 16, 600.0)))
                 handle = self.producers[kind].recv()
                 pinned.append((kind, request_id))
-                expect = (kind if self.device == "cpu" else None, mode)
+                expect = (kind if self.device == "cpu" else None,
+                          "read" if (kind, mode, self.device) == ("shm", "direct", "cpu")
+                          else mode)
                 runs[f"{kind}_connector_{mode}"] = functools.partial(
                     time_pull, self.consumers[kind][mode], handle, remote, local, expect)
+                if kind == "shm" and mode == "direct":
+                    runs["shm_connector_sent"] = functools.partial(
+                        time_pull, self.consumers[kind]["sent"], handle, remote, local,
+                        (expect[0], "direct"))
             runs[f"{kind}_raw"] = functools.partial(self.raw.fetch, kind, nbytes, 1)
             runs[f"{kind}_raw_direct_shape"] = functools.partial(
                 self.raw.fetch, kind, nbytes, 2 * LAYOUT.num_layers)
@@ -260,8 +270,11 @@ def measure(bench: Bench, num_blocks: int, iters: int, warmup: int) -> dict[str,
         row[f"{name}_gbps"] = round(nbytes / statistics.median(values) / 1e9, 3)
     for kind in TRANSPORTS:
         raw = statistics.median(seconds[f"{kind}_raw"])
-        for variant in ("connector_direct", "connector_staged", "raw_direct_shape"):
+        for variant in ("connector_direct", "connector_sent", "connector_staged",
+                        "raw_direct_shape"):
             name = f"{kind}_{variant}"
+            if name not in seconds:
+                continue
             row[f"{name}_ratio"] = round(raw / statistics.median(seconds[name]), 3)
             # Best case against best case: less exposed to other tenants' load.
             row[f"{name}_ratio_of_min"] = round(min(seconds[f"{kind}_raw"]) /
@@ -279,6 +292,8 @@ def report_line(row: dict[str, Any]) -> str:
         parts.append(
             f"{kind}: raw {row[f'{kind}_raw_gbps']:5.2f} direct "
             f"{row[f'{kind}_connector_direct_gbps']:5.2f} (x{row[f'{kind}_connector_direct_ratio']:.2f})"
+            + (f" sent {row['shm_connector_sent_gbps']:5.2f} "
+               f"(x{row['shm_connector_sent_ratio']:.2f})" if kind == "shm" else "") +
             f" staged {row[f'{kind}_connector_staged_gbps']:5.2f} "
             f"(x{row[f'{kind}_connector_staged_ratio']:.2f}) GB/s")
     parts.append(f"gather {row['gather_ms_median']:.1f} ms scatter {row['scatter_ms_median']:.1f} ms")
@@ -293,8 +308,9 @@ def start_bench(producers: dict[TransportKind, Connection], device: str) -> Benc
         # recorded with the results).
         kind: {mode: UcxKvConsumer(kv, LAYOUT, host=HOST,
                                    transport="auto" if kind == "shm" else "tcp",
-                                   direct_min_message_bytes=0 if mode == "direct" else 2**62)
-               for mode in ("direct", "staged")}
+                                   direct_min_message_bytes=2**62 if mode == "staged" else 0,
+                                   remote_read=mode != "sent")
+               for mode in ("direct", "sent", "staged")}
         for kind in TRANSPORTS}
     addresses = {kind: conn.recv() for kind, conn in producers.items()}
     raw = RawClient(runtime, addresses, max(SIZES) * LAYOUT.bytes_per_block, device)
