@@ -12,10 +12,18 @@ Connections
     producer are serialised (pulls to different producers run concurrently). On it:
 
         consumer -> producer   Hello      engine id it expects, connection number,
-                                          its UCX worker address(es), transport wanted
-        producer -> consumer   Welcome    its engine id, transport chosen, its address
+                                          its UCX worker address(es), transport wanted,
+                                          whether it can read the producer's cache
+        producer -> consumer   Welcome    its engine id, transport chosen, its address;
+                                          on shm to a reader: its cache's remote key
         (both open a UCX endpoint to the other's worker address)
-        per pull:
+        per pull the consumer reads (shm, host memory, a direct plan):
+        consumer -> producer   BlockRequest   as below, marked "read"
+        producer -> consumer   TransferStatus admission: "ok" (read now) or why not
+        consumer =>            GETs           one RMA read per plan item (``ucx_rma``)
+        consumer -> producer   ReadDone       its reads are over
+        producer -> consumer   TransferStatus final: "ok" if the lease held throughout
+        per pull sent by the producer (otherwise):
         consumer -> producer   BlockRequest   request id, blocks, layout fingerprint,
                                               sequence number, transfer plan
         producer -> consumer   TransferStatus admission: "ok" or why not
@@ -44,18 +52,23 @@ Transports
 
 Copies per byte (a pull of n blocks; ``transfer_plan`` picks the mode per pull)
     direct (the blocks form runs consecutive in both caches; each message at least
-    ``DIRECT_MIN_MESSAGE_BYTES`` on average): messages go from the producer's cache
-    straight into the consumer's cache, one per (layer, K/V, run).
-        shm: 1 copy per byte (cma's process_vm_readv, cache to cache).
-        tcp: no copy outside UCX; UCX's TCP rendezvous copies through its bounce buffers
-             and the kernel's socket buffers on each side.
+    ``DIRECT_MIN_MESSAGE_BYTES`` on average): one (layer, K/V, run) at a time, from the
+    producer's cache straight into the consumer's cache.
+        shm, host memory: read by the consumer (mode "read"): an RMA GET per run, which
+             UCX performs as cma's process_vm_readv: 1 copy per byte, cache to cache, and
+             no work per run for the producer (it maps its cache once, at start).
+        shm with ``remote_read=False``, or GPU caches: one tagged message per run from
+             the producer, received in place: 1 copy per byte on shm (cma).
+        tcp: tagged messages; no copy outside UCX; UCX's TCP rendezvous copies through
+             its bounce buffers and the kernel's socket buffers on each side.
     staged (scattered blocks): gather into a staging buffer, send it in layer chunks,
     scatter each chunk as it lands (gather i+1 and scatter i overlap the wire).
         shm: 3 copies per byte (gather, cma, scatter).
         tcp: 2 copies outside UCX (gather, scatter) plus UCX's and the kernel's.
-    Nothing is registered with UCX: on host memory cma and tcp need no registration
-    (staging buffers are kept and reused per connection all the same). On GPU caches
-    the same code hands UCX CUDA memory (``wire.as_wire``), for cuda_ipc or RDMA.
+    Only a producer's host cache is registered (``ucp_mem_map``, for reads); sends and
+    receives need no registration on cma and tcp (staging buffers are kept and reused
+    per connection all the same). On GPU caches the same code hands UCX CUDA memory
+    (``wire.as_wire``), for cuda_ipc or RDMA, and pulls are sent, never read.
 
 Failure detection
     A producer killed mid-transfer closes its control connection (the kernel does, at
@@ -66,7 +79,9 @@ Failure detection
     recomputes). Backstops: UCX's own error handling (every endpoint asks for peer-failure
     handling: tcp sees the socket close, shared memory is checked by process id every
     ``KEEPALIVE_INTERVAL``), TCP keepalive on the control connection (a vanished host), and
-    the pull's timeout (a frozen producer). A consumer that goes away is noticed the same
+    the pull's timeout (a frozen producer). A read pull does not watch the control
+    connection while its GETs run: a dead producer fails them at once (its memory is
+    gone: process_vm_readv fails), and the next control frame finds the connection closed. A consumer that goes away is noticed the same
     way by the producer, which force-closes its endpoint (cancelling its sends).
 
 Leases while serving
@@ -75,15 +90,19 @@ Leases while serving
     chunk's memcpy at a time (``LeaseTable.reading``), so the engine can end a lease
     mid-transfer and waits at most one chunk's copy, never the network. A direct transfer
     reads the cache over the network, so it does not hold the lease; the producer checks
-    afterwards that the lease stayed in force (``LeaseTable.holds``) and otherwise answers
-    "lease_expired" (the consumer then discards what it received). Because the consumer
+    afterwards (after the last send completed, or after the consumer's ReadDone) that the
+    lease it admitted stayed in force (``LeaseTable.holds``) and otherwise answers
+    "lease_expired" (the consumer then discards what it received). A reader reads only
+    after the admission "ok". Because the consumer
     keeps bytes only after the final "ok", which the producer sends only once every send
     completed (the consumer's reads finished), no buffer is reused under a reader, which
     is what makes ``CMA_MEMORY_INVALIDATE`` (``ucx_runtime``) safe here.
 
 Security
     KV bytes over UCX are not encrypted or authenticated: a deployment keeps them on a
-    private network. The control plane (mTLS gRPC) decides which producer a decode replica
+    private network. A producer's remote key lets a same-host consumer read its whole
+    cache, not only leased blocks; it is handed out only over shared memory, where cma
+    already needs the permission to read the producer's memory (ptrace access). The control plane (mTLS gRPC) decides which producer a decode replica
     pulls from; the engine-id check above makes sure the KV listener that answers is that
     producer's, as far as an unauthenticated peer can be trusted.
 """
