@@ -1,5 +1,6 @@
 """Shared pytest fixtures: tiny random Hugging Face model directories, built once a session,
-and the OpenAI HTTP cluster the Responses API modules share."""
+the OpenAI HTTP cluster the Responses API modules share, and the one replica behind a gateway
+that the gRPC API modules share."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tests.model_factory import build_tiny_model  # noqa: E402
 
 if TYPE_CHECKING:
     from tests.openai_http import Stack
+    from tests.replica_process import GatewayStack
 
 
 @pytest.fixture(scope="session")
@@ -56,3 +58,18 @@ def openai_stack(tiny_llama_dir: Path,
 
     with running_stack(tiny_llama_dir, tmp_path_factory.mktemp("openai-stack-logs")) as stack:
         yield stack
+
+
+@pytest.fixture(scope="session")
+def gateway_stack(tiny_llama_dir: Path,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayStack]:
+    """One replica (float32, 16 MiB of KV cache) behind a gateway, started once for the
+    modules that send gRPC requests to either (``test_allowed_and_bad_words``,
+    ``test_collateral_damage``, ``test_logit_bias``, ``test_structured_output``): each test
+    leaves it serving and idle, as it found it, and asserts nothing about what came before
+    (a module that counts metrics, reads logs or stops a process starts its own)."""
+    from tests.replica_process import replica_behind_gateway  # see openai_stack's note
+
+    with replica_behind_gateway(tiny_llama_dir, tmp_path_factory.mktemp("gateway-stack-logs"), [
+            "--dtype", "float32", "--kv-cache-memory", "16MiB", "--log-level", "WARNING"]) as s:
+        yield s

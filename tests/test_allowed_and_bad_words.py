@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import random
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ from tandem.errors import InvalidRequestError as ClientInvalidRequestError
 from tandem.errors import TandemError
 from tandem.request_builders import chat_request, completion_request
 from tests.hf_reference import hf_greedy, random_prompts
-from tests.replica_process import GatewayStack, replica_behind_gateway
+from tests.replica_process import GatewayStack
 
 sampler = Sampler()
 VOCAB = 400  # the tiny test models' vocabulary
@@ -460,10 +460,8 @@ def test_speculation_keeps_the_restricted_output(tiny_llama_dir, llm, prompts, p
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayStack]:
-    with replica_behind_gateway(tiny_llama_dir, tmp_path_factory.mktemp("allowed-logs"), [
-            "--dtype", "float32", "--kv-cache-memory", "16MiB", "--log-level", "WARNING"]) as s:
-        yield s
+def stack(gateway_stack: GatewayStack) -> GatewayStack:
+    return gateway_stack  # the session's (conftest), not one of the module's own
 
 
 def target_of(stack: GatewayStack, via: str) -> str:

@@ -19,8 +19,6 @@ import math
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -32,7 +30,7 @@ from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
 from services.frontend.errors import MAX_STATUS_MESSAGE_BYTES
 from tests.openai_http import Stack
-from tests.replica_process import GatewayStack, replica_behind_gateway
+from tests.replica_process import GatewayStack
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -131,11 +129,8 @@ async def _stream_under_fire(target: str) -> tuple[list[str], list[str] | str, l
 
 
 @pytest.fixture(scope="module")
-def grpc_stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory,
-               ) -> Iterator[GatewayStack]:
-    with replica_behind_gateway(tiny_llama_dir, tmp_path_factory.mktemp("collateral-logs"),
-                                ["--dtype", "float32", "--kv-cache-memory", "16MiB"]) as stack:
-        yield stack
+def grpc_stack(gateway_stack: GatewayStack) -> GatewayStack:
+    return gateway_stack  # the session's (conftest), not one of the module's own
 
 
 @pytest.mark.parametrize("where", ["gateway", "replica"])

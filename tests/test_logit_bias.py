@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import random
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -33,7 +32,7 @@ from services.engine_api.messages import sampling_params_from_pb, sampling_param
 from tandem.client import Client
 from tandem.errors import TandemError
 from tests.hf_reference import hf_greedy, random_prompts
-from tests.replica_process import GatewayStack, replica_behind_gateway
+from tests.replica_process import GatewayStack
 
 sampler = Sampler()
 
@@ -237,10 +236,8 @@ def test_offline_engine_rejects_out_of_vocab_ids(tiny_llama_dir) -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayStack]:
-    with replica_behind_gateway(tiny_llama_dir, tmp_path_factory.mktemp("logit-bias-logs"), [
-            "--dtype", "float32", "--kv-cache-memory", "16MiB", "--log-level", "WARNING"]) as s:
-        yield s
+def stack(gateway_stack: GatewayStack) -> GatewayStack:
+    return gateway_stack  # the session's (conftest), not one of the module's own
 
 
 @pytest.fixture(scope="module")

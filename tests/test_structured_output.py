@@ -39,7 +39,7 @@ from services.engine_api.messages import sampling_params_from_pb, sampling_param
 from tandem.client import Client
 from tandem.errors import TandemError
 from tests.hf_reference import random_prompts
-from tests.replica_process import GatewayStack, replica_behind_gateway
+from tests.replica_process import GatewayStack
 from tests.test_pd_engine import decode, make_core, prefill, reference, wait_released
 
 COLORS = ["red", "green", "blue"]
@@ -428,10 +428,8 @@ def test_pd_split_equals_one_engine(cores, prompts, params) -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayStack]:
-    with replica_behind_gateway(tiny_llama_dir, tmp_path_factory.mktemp("structured-output-logs"), [
-            "--dtype", "float32", "--kv-cache-memory", "16MiB", "--log-level", "WARNING"]) as s:
-        yield s
+def stack(gateway_stack: GatewayStack) -> GatewayStack:
+    return gateway_stack  # the session's (conftest), not one of the module's own
 
 
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
