@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-resumptions", type=int, default=retry.max_resumptions,
                    help="times a broken stream is resumed elsewhere (default: %(default)s)")
     p.add_argument("--load-interval", type=float, default=options.load_interval_s,
-                   help="seconds between GetLoad polls per replica (default: %(default)s)")
+                   help="the most often a replica sends its load report, in seconds "
+                   "(WatchLoad; an older replica is polled with GetLoad) (default: %(default)s)")
     p.add_argument("--dns-interval", type=float, default=options.dns_interval_s,
                    help="seconds between DNS resolutions (default: %(default)s)")
     add_model_settings_args(p)

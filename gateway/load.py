@@ -1,8 +1,10 @@
 """How busy each replica is: its own load reports, plus what this gateway has sent it.
 
-Owns polling ``Engine.GetLoad`` on every registered replica (every ``interval_s``, 50 ms by
-default, so a report is never much older than that) and the gateway's own count of open
-streams per replica, incremented at pick time. The reports lag (a request the gateway just
+Owns watching every registered replica's load (``Engine.WatchLoad``: the replica sends a
+report when it changes, at most every ``interval_s``, 50 ms by default, and at least every
+``heartbeat_s``; a replica that predates WatchLoad is polled with ``GetLoad`` every
+``interval_s`` instead) and the gateway's own count of open streams per replica, incremented
+at pick time. The reports lag (a request the gateway just
 sent shows up in the replica's queue only after its next engine step), so a burst of picks
 between two reports would all land on the replica that looked idlest; counting our own
 in-flight streams closes that gap. The reports also carry the LoRA adapters a replica serves
@@ -17,6 +19,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import grpc.aio
 
@@ -57,18 +60,21 @@ class _ReplicaLoad:
 
 
 class LoadTracker:
-    """A ``ReplicaListener``: starts a poller per replica the registry adds."""
+    """A ``ReplicaListener``: starts a watcher per replica the registry adds."""
 
-    def __init__(self, interval_s: float = 0.05, rpc_timeout_s: float = 0.5) -> None:
+    def __init__(self, interval_s: float = 0.05, rpc_timeout_s: float = 0.5,
+                 heartbeat_s: float = 0.5) -> None:
         self.interval_s = interval_s
         self.rpc_timeout_s = rpc_timeout_s
+        # Well under PickerConfig.max_load_age_s: an idle replica's report stays trusted.
+        self.heartbeat_s = max(heartbeat_s, interval_s)
         self._loads: dict[str, _ReplicaLoad] = {}
 
     # ----------------------------------------------------------------- listener
     def replica_added(self, replica: Replica) -> None:
         load = self._loads.setdefault(replica.address, _ReplicaLoad())
         load.task = asyncio.get_running_loop().create_task(
-            self._poll(replica, load), name=f"load-{replica.address}")
+            self._watch(replica, load), name=f"load-{replica.address}")
 
     def replica_removed(self, replica: Replica) -> None:
         load = self._loads.pop(replica.address, None)
@@ -117,19 +123,46 @@ class LoadTracker:
         load = self._loads.get(address)
         return None if load is None else load.report
 
-    # ----------------------------------------------------------------- polling
+    # ----------------------------------------------------------------- watching
+    def _received(self, replica: Replica, load: _ReplicaLoad,
+                  report: engine_pb2.LoadReport) -> None:
+        load.report = report
+        load.received_at = time.monotonic()
+        # Adapters come and go at run time (and with a restart): routing follows.
+        replica.lora_adapters = frozenset(report.lora_adapters)
+
+    async def _watch(self, replica: Replica, load: _ReplicaLoad) -> None:
+        request = engine_pb2.WatchLoadRequest(min_interval_s=self.interval_s,
+                                              heartbeat_s=self.heartbeat_s)
+        # A stream that stays silent past a few heartbeats is stuck (a partition that drops
+        # packets leaves the connection open): it is cancelled and opened again.
+        silent_limit = 3 * self.heartbeat_s + self.rpc_timeout_s
+        while True:
+            call = replica.engine.WatchLoad(request)
+            try:
+                while (report := await asyncio.wait_for(call.read(), silent_limit)) \
+                        is not grpc.aio.EOF:
+                    self._received(replica, load, cast(engine_pb2.LoadReport, report))
+            except TimeoutError:
+                logger.debug("WatchLoad on %s went silent; reconnecting", replica.address)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    await self._poll(replica, load)  # an older replica: for good
+                # The report ages; the picker stops trusting it once it is too old.
+                logger.debug("WatchLoad on %s failed: %s", replica.address, e.code())
+            finally:
+                call.cancel()
+            await asyncio.sleep(max(self.interval_s, 0.2))
+
     async def _poll(self, replica: Replica, load: _ReplicaLoad) -> None:
         request = engine_pb2.GetLoadRequest()
         while True:
             started = time.monotonic()
             try:
-                load.report = await replica.engine.GetLoad(request, timeout=self.rpc_timeout_s)
-                load.received_at = time.monotonic()
-                # Adapters come and go at run time (and with a restart): routing follows.
-                replica.lora_adapters = frozenset(load.report.lora_adapters)
+                self._received(replica, load, await replica.engine.GetLoad(
+                    request, timeout=self.rpc_timeout_s))
                 pause = self.interval_s - (load.received_at - started)
             except grpc.aio.AioRpcError as e:
-                # The report ages; the picker stops trusting it once it is too old.
                 logger.debug("GetLoad on %s failed: %s", replica.address, e.code())
                 pause = max(self.interval_s, 0.2)
             await asyncio.sleep(max(pause, 0.0))

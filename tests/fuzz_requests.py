@@ -78,6 +78,7 @@ TEMPLATES: dict[str, dict[str, Any]] = {
     "ReleaseKvRequest": {"request_id": "fuzz-prefill"},
     "AbortRequest": {"request_ids": ["fuzz-generate"]},
     "GetLoadRequest": {},
+    "WatchLoadRequest": {"min_interval_s": 0.05, "heartbeat_s": 0.5},
     "WatchKvEventsRequest": {"since_seq": 0},
     "GetInfoRequest": {},
     "LoadLoraRequest": {"lora_name": "fuzz", "lora_path": "/nonexistent"},
@@ -120,8 +121,8 @@ class Rpc:
 
     @property
     def endless(self) -> bool:
-        """A stream that only ends when the caller leaves (KV events)."""
-        return self.method.name == "WatchKvEvents"
+        """A stream that only ends when the caller leaves (KV events, load reports)."""
+        return self.method.name in ("WatchKvEvents", "WatchLoad")
 
 
 def rpcs(service: Any) -> list[Rpc]:

@@ -1,7 +1,7 @@
 """The gateway in front of three real replicas on loopback (subprocesses, a tiny model).
 
 Everything here is observed from outside: the public API through the gateway, the replicas'
-own /metrics, GetLoad and KV events, and the gateway's /metrics. The tests share one cluster
+own /metrics, GetLoad, WatchLoad and KV events, and the gateway's /metrics. The tests share one cluster
 and run in file order; the last one kills a replica and restarts it.
 """
 
@@ -333,6 +333,36 @@ def test_dns_discovery_finds_replicas(cluster: Cluster) -> None:
             await registry.stop()
 
     assert asyncio.run(discover()) == [(f"127.0.0.1:{port}", "both")]
+
+
+def test_a_replicas_load_is_sent_as_it_changes(cluster: Cluster) -> None:
+    """WatchLoad, what the gateway routes on: a report at once, heartbeats while nothing
+    changes, one soon after a request moves the counters; pacing that makes no sense is
+    refused with INVALID_ARGUMENT."""
+    replica = cluster.replicas[0]
+    with grpc.insecure_channel(replica.address) as channel:
+        stub = engine_pb2_grpc.EngineStub(channel)
+        refused = stub.WatchLoad(engine_pb2.WatchLoadRequest(min_interval_s=1.0,
+                                                             heartbeat_s=0.5), timeout=10)
+        with pytest.raises(grpc.RpcError) as error:
+            next(refused)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "heartbeat_s" in (error.value.details() or "")
+        watch = stub.WatchLoad(engine_pb2.WatchLoadRequest(min_interval_s=0.05,
+                                                           heartbeat_s=0.3), timeout=60)
+        try:
+            first = next(watch)
+            quiet = [next(watch) for _ in range(2)]
+            gaps = [b.timestamp - a.timestamp for a, b in zip([first, *quiet[:-1]], quiet,
+                                                              strict=True)]
+            assert all(0.28 <= gap < 2.0 for gap in gaps), gaps  # heartbeats only
+            with Client(replica.address, timeout=60) as client:
+                client.complete("a request that moves the counters", max_tokens=2,
+                                temperature=0)
+            moved = next(r for r in watch if r.prefix_cache_queries > first.prefix_cache_queries)
+            assert moved.engine_id == first.engine_id and moved.role == "both"
+        finally:
+            watch.cancel()
 
 
 def test_killed_replica_is_avoided_its_stream_resumes_and_restart_returns(

@@ -1,7 +1,8 @@
 """The internal ``tandem.v1.Engine`` service of one replica (gateway -> replica, peer -> peer).
 
 Owns the handlers: Generate (tokenized requests streamed back as ``GenerateResponse`` deltas),
-Abort, GetLoad (the scheduler's latest statistics and the cumulative prefix-cache counters),
+Abort, GetLoad and WatchLoad (the scheduler's latest statistics and the cumulative prefix-cache
+counters, once or as they change: ``load_watch`` paces them),
 WatchKvEvents, GetInfo, and the P/D pair on a prefill replica: Prefill (compute the prompt,
 sample the first token, pin the blocks under a lease, answer with a KV handle; asked to
 announce the KV, it first streams handles on the blocks that become final while later chunks
@@ -52,6 +53,7 @@ from services.frontend.lora_updates import LoraUpdates, runtime_updates_off
 from services.frontend.served_model import ServedModel
 from services.replica.callers import CallerScopes, caller_of
 from services.replica.kv_address import may_advertise
+from services.replica.load_watch import LoadPacing, paced_reports
 from services.replica.local_engine import LocalEngine
 
 
@@ -221,6 +223,17 @@ class EngineServicer(epb_grpc.EngineServicer):
     @rpc_handler
     async def GetLoad(self, request: epb.GetLoadRequest,  # noqa: N802
                       context: grpc.aio.ServicerContext) -> epb.LoadReport:
+        return self._load_report()
+
+    @rpc_handler
+    async def WatchLoad(self, request: epb.WatchLoadRequest,  # noqa: N802
+                        context: grpc.aio.ServicerContext) -> None:
+        reports = paced_reports(self._load_report, LoadPacing.of(request))
+        async with aclosing(reports):
+            async for report in reports:
+                await context.write(report)
+
+    def _load_report(self) -> epb.LoadReport:
         stats, info = self.llm.stats, self.llm.info
         return epb.LoadReport(
             engine_id=info.engine_id,

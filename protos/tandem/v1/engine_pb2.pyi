@@ -277,6 +277,14 @@ class GetLoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class WatchLoadRequest(_message.Message):
+    __slots__ = ("min_interval_s", "heartbeat_s")
+    MIN_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
+    min_interval_s: float
+    heartbeat_s: float
+    def __init__(self, min_interval_s: _Optional[float] = ..., heartbeat_s: _Optional[float] = ...) -> None: ...
+
 class LoadReport(_message.Message):
     __slots__ = ("engine_id", "role", "model", "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_free_blocks", "num_total_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "block_size", "kv_events_last_seq", "timestamp", "lora_adapters")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
