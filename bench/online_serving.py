@@ -319,11 +319,15 @@ def wait_ready(base_url: str, alive: Callable[[], None], timeout: float) -> str:
 
 
 @contextmanager
-def tandem_server(args: argparse.Namespace, model: Path, log_dir: Path) -> Iterator[Server]:
-    replica_port, gateway_port, http_port = free_ports(1), free_ports(1), free_ports(1)
-    metrics_port = free_ports(2)  # the replica's, then the gateway's
+def tandem_server(args: argparse.Namespace, model: Path, log_dir: Path,
+                  layout: tuple[int, int, int] = (0, 0, 1)) -> Iterator[Server]:
+    """The suite behind Envoy; ``layout``: its (prefill, decode, both) replicas."""
+    replicas = sum(layout)
+    replica_port, gateway_port, http_port = free_ports(replicas), free_ports(1), free_ports(1)
+    metrics_port = free_ports(replicas + 2)  # the replicas', the gateway's, Envoy's admin
     cfg = SuiteConfig(
-        model=str(model), num_prefill=0, num_decode=0, num_both=1, base_port=replica_port,
+        model=str(model), num_prefill=layout[0], num_decode=layout[1], num_both=layout[2],
+        base_port=replica_port,
         gateway_port=gateway_port, metrics_base_port=metrics_port,
         kv_cache_memory=f"{args.kv_cache_gib}GiB", envoy=True, envoy_http_port=http_port,
         extra_replica_args=["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),

@@ -6,7 +6,7 @@ KV blocks is computed by the KV cache sizing in the model runner from the memory
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -39,6 +39,20 @@ class SchedulerConfig:
     max_prefill_tokens_while_decoding: int = 512
     # 0: the token cap alone.
     max_prefill_time_per_decode_step: float = 1.0
+    # With more than one prompt queued (waiting to start or being computed): the token cap
+    # times their number (up to max_num_batched_tokens) and no time cap. On an aggregated
+    # replica past its capacity prompts queue behind the decodes: with fixed caps they
+    # trickled in (the time cap's chunks shrink to one block a step when no step is
+    # decode-only, see Scheduler._prefill_room) while the queue grew, and TTFT and throughput
+    # fell far below vLLM's, which fills the budget with prompts after the decodes (issue
+    # 27: TTFT p99 3.3x vLLM's). Scaled, one prompt at a time (light load) still costs a
+    # stream about one decode step, and a queue gets up to the whole budget, as vLLM gives
+    # it: the running streams then wait a longer step, the price of the queue's TTFT.
+    # A decode replica keeps the fixed caps: a prompt it computes is a P/D fallback, and its
+    # streams must not stall behind a queue of them.
+    # None: by the engine's role (EngineConfig: fixed on a KV consumer, scaled elsewhere);
+    # a Scheduler built without an EngineConfig takes None as fixed.
+    prefill_caps_scale_with_queue: bool | None = None
     # Fraction of blocks kept free when admitting new requests, so running ones can grow.
     watermark: float = 0.01
     policy: str = "fcfs"  # "fcfs" or "priority"
@@ -137,3 +151,10 @@ class EngineConfig:
     # CPUs the engine core process runs on, one torch thread each (None: its parent's CPUs
     # and threads). Keeping the frontend off them stops it from stalling the model's threads.
     cpus: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.scheduler.prefill_caps_scale_with_queue is None:
+            # A decode replica (KV consumer) computes prompts only as P/D fallbacks, beside
+            # streams that must not stall: fixed caps there (SchedulerConfig).
+            self.scheduler = replace(self.scheduler, prefill_caps_scale_with_queue=(
+                self.kv_transfer.role != "consumer"))

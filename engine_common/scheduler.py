@@ -7,7 +7,10 @@ then WAITING ones (chunked prefill is just ``min(remaining, budget)``). While an
 request is decoding, the prompt tokens of a step are capped apart, in tokens and in time
 (``max_prefill_tokens_while_decoding``, ``max_prefill_time_per_decode_step``, timed with
 ``StepCosts``): a long prompt computed here then runs in chunks between the decodes, and a
-running stream waits for at most one such chunk beside its own step. When the KV pool is
+running stream waits for at most one such chunk beside its own step. On an aggregated replica
+(``prefill_caps_scale_with_queue``) a queue of prompts lifts the time cap and multiplies the
+token cap by its length, up to the whole budget, so that a queue past capacity is not starved
+by the decodes. When the KV pool is
 exhausted a running request is preempted by recompute: its blocks are freed and it goes back
 to the front of the waiting queue with ``num_computed_tokens = 0`` (its prompt and output so
 far are recomputed, mostly from the prefix cache; a grammar keeps its state, since the
@@ -462,19 +465,31 @@ class Scheduler:
         While a running request is decoding: ``max_prefill_tokens_while_decoding``, and no
         more than take ``max_prefill_time_per_decode_step`` decode steps by the measured
         costs (at least one block, so the prompt moves on), so that the decodes' next token
-        waits for about that much beside their own step. Else the whole budget; without
-        chunked prefill a prompt runs whole, so there is no such cap."""
+        waits for about that much beside their own step. With ``prefill_caps_scale_with_queue``
+        and more than one prompt queued (waiting or being computed): the token cap times
+        their number, up to the budget, without the time cap. Else the whole
+        budget; without chunked prefill a prompt runs whole, so there is no such cap."""
         cap = self.config.max_prefill_tokens_while_decoding
+        prefilling = sum(1 for r in self.running if _is_prefilling(r))
         if (cap <= 0 or not self.config.enable_chunked_prefill
-                or all(_is_prefilling(r) for r in self.running)):
+                or prefilling == len(self.running)):
             return self.config.max_num_batched_tokens
-        ratio = self.config.max_prefill_time_per_decode_step
+        # With prefill_caps_scale_with_queue (an aggregated replica), each queued prompt adds
+        # a token cap: a queue past capacity drains instead of trickling in. The time cap
+        # holds for one prompt only: under a queue the steps carry decodes and prompts alike,
+        # so StepCosts never sees a decode-only step to measure the decodes' share by (its
+        # estimate stays the warm-up's batch of one), charges the growing decode batch to the
+        # prompt tokens, and its chunks shrank to one block a step (the 107 s TTFT tail).
+        queued = max(1, prefilling + len(self.waiting)) \
+            if self.config.prefill_caps_scale_with_queue else 1
+        cap *= queued
+        ratio = self.config.max_prefill_time_per_decode_step if queued == 1 else 0.0
         if ratio > 0:
             # Costs not seen yet (a decode replica's first fallback: its prompts came as
             # KV so far): one block, to measure by.
             fits = self.step_costs.prefill_tokens_within(ratio) or 0
             cap = min(cap, max(fits, self.kv_cache_manager.block_size))
-        return cap
+        return min(cap, self.config.max_num_batched_tokens)
 
     def _note_step(self, out: SchedulerOutput) -> None:
         """Remember what the step holds, to time it when its output comes back."""
