@@ -34,9 +34,10 @@ from tests.replica_process import (
     envoy_answers,
     free_port,
     is_serving,
+    launch_replicas,
     spawn_module,
-    start_replicas,
     stop_all,
+    wait_serving,
     wait_until,
 )
 
@@ -78,12 +79,29 @@ def http_status(port: int, path: str) -> int:
         return 0
 
 
+def healthy_replicas(metrics_port: int) -> int:
+    """How many replicas the gateway whose metrics are on ``metrics_port`` has healthy (0
+    when it does not answer)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
+                                    timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return 0
+    return int(sum(sample.value for family in text_string_to_metric_families(text)
+                   for sample in family.samples
+                   if sample.name == "tandem:gateway_replicas"
+                   and sample.labels.get("healthy") == "true"))
+
+
 @contextmanager
 def running_stack(model_dir: Path, logs: Path) -> Iterator[Stack]:
     """The cluster, up until the block ends; every process stopped after it."""
     common = ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--served-model-name", "tiny",
               "--log-level", "WARNING"]
-    replicas = start_replicas(model_dir, logs, {
+    # Every process starts at once (the gateway and Envoy retry their upstreams until they
+    # answer), so that their imports overlap; the waits below say when the whole is ready.
+    replicas = launch_replicas(model_dir, logs, {
         "prefill": [*common, "--role", "prefill"],
         "decode": [*common, "--role", "decode", "--max-num-seqs", "1", "--max-waiting", "0"],
     })
@@ -101,13 +119,16 @@ def running_stack(model_dir: Path, logs: Path) -> Iterator[Stack]:
         spawn("envoy", ["deploy.envoy_runner", "--http-port", str(http_port), "--upstream",
                         f"127.0.0.1:{gateway_port}", "--upstream-metrics",
                         f"127.0.0.1:{gateway_metrics_port}", "--concurrency", "1"])
+        wait_serving(replicas)
         deadline = time.monotonic() + 120
         wait_until(lambda: is_serving(f"127.0.0.1:{gateway_port}"), deadline, "gateway", logs)
         wait_until(lambda: envoy_answers(http_port), deadline, "envoy", logs)
         # /health: Envoy's own health check of the gateway says a decode replica is ready.
         wait_until(lambda: http_status(http_port, "/health") == 200, deadline, "envoy /health",
                    logs)
-        time.sleep(1.0)  # the prefill replica registered too, load reports in
+        wait_until(lambda: healthy_replicas(gateway_metrics_port) == len(replicas), deadline,
+                   "the gateway's view of every replica", logs)
+        time.sleep(1.0)  # load reports in
         yield Stack(replicas, f"127.0.0.1:{gateway_port}", gateway_metrics_port, http_port, logs)
     finally:
         stop_all(processes, replicas)

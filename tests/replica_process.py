@@ -2,15 +2,19 @@
 
 ``start_replicas`` launches one or more replicas at once (their start-ups overlap, which is
 most of the cost), waits until each answers health SERVING and returns ``ReplicaProcess``
-handles; ``ReplicaProcess.stop`` ends one gracefully (SIGTERM, then SIGKILL), ``kill`` at
-once. A replica's stderr goes to
-a log file whose tail is shown when it fails to start.
+handles (``launch_replicas`` and ``wait_serving`` are its two halves, for a caller that starts
+more processes in between); ``ReplicaProcess.stop`` ends one gracefully (SIGTERM, then
+SIGKILL), ``kill`` at once. A replica's stderr goes to a log file whose tail is shown when it
+fails to start.
 
 For the rest of a suite (gateway, Envoy): ``spawn_module`` starts ``python -m MODULE`` in its
 own session with its output in a log, ``wait_until`` polls a readiness check (showing every
 log's tail when it times out), ``is_serving`` and ``envoy_answers`` are such checks.
 ``replica_behind_gateway`` is the common small stack: one replica and a gateway in front
-(``gateway_before`` puts a gateway in front of replicas already running).
+(``gateway_before`` puts a gateway in front of replicas already running). The gateway starts
+together with its replica, not after it: it watches a replica until it answers (retrying
+every 0.2 s, reconnecting within 1 s) and reports SERVING once one can decode, so the two
+processes' imports overlap.
 """
 
 from __future__ import annotations
@@ -220,10 +224,15 @@ def _wait_serving(replica: ReplicaProcess, deadline: float) -> None:
         time.sleep(0.2)
 
 
-def start_replicas(model_dir: Path, log_dir: Path,
-                   configs: dict[str, list[str]]) -> dict[str, ReplicaProcess]:
-    """Start one replica per ``{name: extra_args}``, concurrently; wait until all serve."""
-    replicas = {name: _launch(model_dir, log_dir, name, args) for name, args in configs.items()}
+def launch_replicas(model_dir: Path, log_dir: Path,
+                    configs: dict[str, list[str]]) -> dict[str, ReplicaProcess]:
+    """Start one replica per ``{name: extra_args}``, concurrently; returns at once (their
+    ports are chosen, nothing answers on them yet: ``wait_serving``)."""
+    return {name: _launch(model_dir, log_dir, name, args) for name, args in configs.items()}
+
+
+def wait_serving(replicas: dict[str, ReplicaProcess]) -> None:
+    """Wait until every replica serves; kill them all if one fails or is late."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     try:
         for replica in replicas.values():
@@ -232,6 +241,13 @@ def start_replicas(model_dir: Path, log_dir: Path,
         for replica in replicas.values():
             replica.kill()
         raise
+
+
+def start_replicas(model_dir: Path, log_dir: Path,
+                   configs: dict[str, list[str]]) -> dict[str, ReplicaProcess]:
+    """Start one replica per ``{name: extra_args}``, concurrently; wait until all serve."""
+    replicas = launch_replicas(model_dir, log_dir, configs)
+    wait_serving(replicas)
     return replicas
 
 
@@ -256,18 +272,16 @@ class GatewayStack:
 
 
 @contextmanager
-def gateway_before(model_dir: Path, log_dir: Path, targets: Sequence[str],
-                   gateway_args: Sequence[str] = (), name: str = "gateway") -> Iterator[str]:
-    """A gateway routing to the replicas at ``targets`` (``gateway_args`` added to its
-    command line; served model name "tiny"), killed on the way out; yields its target."""
+def _gateway(model_dir: Path, log_dir: Path, targets: Sequence[str],
+             gateway_args: Sequence[str], name: str) -> Iterator[str]:
+    """A gateway process started (not yet serving) and killed on the way out; yields its
+    target."""
     port = free_port()
     gateway = spawn_module(log_dir, name, [
         "gateway", "--model", str(model_dir), "--served-model-name", "tiny",
         "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
         *[arg for target in targets for arg in ("--replica", target)], *gateway_args])
     try:
-        wait_until(lambda: is_serving(f"127.0.0.1:{port}"), time.monotonic() + 60, name,
-                   log_dir)
         yield f"127.0.0.1:{port}"
     finally:
         if gateway.poll() is None:
@@ -276,15 +290,29 @@ def gateway_before(model_dir: Path, log_dir: Path, targets: Sequence[str],
 
 
 @contextmanager
+def gateway_before(model_dir: Path, log_dir: Path, targets: Sequence[str],
+                   gateway_args: Sequence[str] = (), name: str = "gateway") -> Iterator[str]:
+    """A gateway routing to the replicas at ``targets`` (``gateway_args`` added to its
+    command line; served model name "tiny"), killed on the way out; yields its target once
+    it serves (one of the replicas can decode)."""
+    with _gateway(model_dir, log_dir, targets, gateway_args, name) as gateway:
+        wait_until(lambda: is_serving(gateway), time.monotonic() + 60, name, log_dir)
+        yield gateway
+
+
+@contextmanager
 def replica_behind_gateway(model_dir: Path, log_dir: Path, replica_args: list[str],
                            gateway_args: Sequence[str] = ()) -> Iterator[GatewayStack]:
     """One replica (``replica_args`` added to its command line) and a gateway routing to it
-    (``gateway_args`` added to its); both are killed on the way out. The served model name
-    is "tiny"."""
-    replicas = start_replicas(model_dir, log_dir, {"a": [
+    (``gateway_args`` added to its), started together; both are killed on the way out. The
+    served model name is "tiny"."""
+    replicas = launch_replicas(model_dir, log_dir, {"a": [
         "--served-model-name", "tiny", *replica_args]})
     try:
-        with gateway_before(model_dir, log_dir, [replicas["a"].target], gateway_args) as gateway:
+        with _gateway(model_dir, log_dir, [replicas["a"].target], gateway_args,
+                      "gateway") as gateway:
+            wait_serving(replicas)
+            wait_until(lambda: is_serving(gateway), time.monotonic() + 60, "gateway", log_dir)
             yield GatewayStack(replicas["a"], gateway)
     finally:
         replicas["a"].kill()
