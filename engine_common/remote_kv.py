@@ -167,8 +167,8 @@ class RemoteKv:
         chunks, request.kv_chunks = request.kv_chunks, []
         if receipt.failed or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
             return
-        for chunk in chunks:
-            self._pull_range(receipt, chunk.handle, chunk.first_block, early=True)
+        for chunk in chunks:  # early: while the prefill replica still computes the prompt
+            self._pull_range(receipt, chunk.handle, chunk.first_block, early=request.stream_kv)
         result = request.remote_prefill
         if result is None or receipt.result_pulled or receipt.failed:
             return

@@ -69,11 +69,7 @@ class RequestLogInterceptor(grpc.aio.ServerInterceptor):
                     getattr(request, "request_id", ""), self.finished))
             with request_scope(record):
                 try:
-                    response = await behaviour(request, context)
-                    if isinstance(response, epb.PrefillResponse):
-                        record.observe(response.request_id, 1, len(request.prompt_token_ids))
-                        record_engine_phases(self.finished, response.request_id)
-                    return response
+                    return await behaviour(request, context)
                 except BaseException as error:
                     record.code = _code_of(error, context)
                     raise
@@ -96,8 +92,8 @@ def _open_engine_request(record: RequestRecord, request: Any) -> None:
 
 
 class _ObservedContext:
-    """The handler's context, with each response it writes (an ``Engine.Generate`` stream's)
-    read into the request's record first."""
+    """The handler's context, with each response it writes (an ``Engine.Generate`` or
+    ``Engine.Prefill`` stream's) read into the request's record first."""
 
     def __init__(self, context: grpc.aio.ServicerContext, record: RequestRecord,
                  phases: SequencePhases) -> None:
@@ -106,6 +102,10 @@ class _ObservedContext:
         self._phases = phases
 
     async def write(self, message: Any) -> None:
+        if isinstance(message, epb.PrefillResponse) and message.HasField("first_token_id"):
+            # A Prefill stream's last message (those before it announce KV blocks).
+            self._record.observe(message.request_id, 1, message.kv_handle.num_tokens)
+            record_engine_phases(self._phases.finished, message.request_id)
         if isinstance(message, epb.GenerateResponse):
             finished = message.HasField("finish_reason")
             self._record.observe(message.request_id, message.completion_tokens,
