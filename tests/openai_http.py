@@ -33,6 +33,7 @@ from tests.replica_process import (
     ReplicaProcess,
     envoy_answers,
     free_port,
+    healthy_replicas,
     is_serving,
     launch_replicas,
     spawn_module,
@@ -77,21 +78,6 @@ def http_status(port: int, path: str) -> int:
         return error.code
     except OSError:
         return 0
-
-
-def healthy_replicas(metrics_port: int) -> int:
-    """How many replicas the gateway whose metrics are on ``metrics_port`` has healthy (0
-    when it does not answer)."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
-                                    timeout=5) as response:
-            text = response.read().decode()
-    except OSError:
-        return 0
-    return int(sum(sample.value for family in text_string_to_metric_families(text)
-                   for sample in family.samples
-                   if sample.name == "tandem:gateway_replicas"
-                   and sample.labels.get("healthy") == "true"))
 
 
 @contextmanager

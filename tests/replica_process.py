@@ -9,9 +9,11 @@ fails to start.
 
 For the rest of a suite (gateway, Envoy): ``spawn_module`` starts ``python -m MODULE`` in its
 own session with its output in a log, ``wait_until`` polls a readiness check (showing every
-log's tail when it times out), ``is_serving`` and ``envoy_answers`` are such checks.
+log's tail when it times out), ``is_serving``, ``envoy_answers`` and ``healthy_replicas`` (how
+many replicas a gateway routes to) are such checks.
 ``replica_behind_gateway`` is the common small stack: one replica and a gateway in front
-(``gateway_before`` puts a gateway in front of replicas already running). The gateway starts
+(``gateway_before`` puts a gateway in front of replicas already running, ``gateway_started``
+one in front of replicas still starting). The gateway starts
 together with its replica, not after it: it watches a replica until it answers (retrying
 every 0.2 s, reconnecting within 1 s) and reports SERVING once one can decode, so the two
 processes' imports overlap.
@@ -35,6 +37,7 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.suite_tls import SuiteTls
 from services.suite_tls import channel as suite_channel
@@ -184,6 +187,21 @@ def envoy_answers(port: int) -> bool:
     return True
 
 
+def healthy_replicas(metrics_port: int) -> int:
+    """How many replicas the gateway whose metrics are on ``metrics_port`` has healthy (0
+    when it does not answer)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
+                                    timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return 0
+    return int(sum(sample.value for family in text_string_to_metric_families(text)
+                   for sample in family.samples
+                   if sample.name == "tandem:gateway_replicas"
+                   and sample.labels.get("healthy") == "true"))
+
+
 def wait_until(condition: Callable[[], bool], deadline: float, what: str, logs: Path) -> None:
     while not condition():
         if time.monotonic() > deadline:
@@ -272,10 +290,10 @@ class GatewayStack:
 
 
 @contextmanager
-def _gateway(model_dir: Path, log_dir: Path, targets: Sequence[str],
-             gateway_args: Sequence[str], name: str) -> Iterator[str]:
-    """A gateway process started (not yet serving) and killed on the way out; yields its
-    target."""
+def gateway_started(model_dir: Path, log_dir: Path, targets: Sequence[str],
+                    gateway_args: Sequence[str] = (), name: str = "gateway") -> Iterator[str]:
+    """A gateway process routing to ``targets``, started (not yet serving: its replicas may
+    still be starting too) and killed on the way out; yields its target."""
     port = free_port()
     gateway = spawn_module(log_dir, name, [
         "gateway", "--model", str(model_dir), "--served-model-name", "tiny",
@@ -295,7 +313,7 @@ def gateway_before(model_dir: Path, log_dir: Path, targets: Sequence[str],
     """A gateway routing to the replicas at ``targets`` (``gateway_args`` added to its
     command line; served model name "tiny"), killed on the way out; yields its target once
     it serves (one of the replicas can decode)."""
-    with _gateway(model_dir, log_dir, targets, gateway_args, name) as gateway:
+    with gateway_started(model_dir, log_dir, targets, gateway_args, name) as gateway:
         wait_until(lambda: is_serving(gateway), time.monotonic() + 60, name, log_dir)
         yield gateway
 
@@ -309,8 +327,8 @@ def replica_behind_gateway(model_dir: Path, log_dir: Path, replica_args: list[st
     replicas = launch_replicas(model_dir, log_dir, {"a": [
         "--served-model-name", "tiny", *replica_args]})
     try:
-        with _gateway(model_dir, log_dir, [replicas["a"].target], gateway_args,
-                      "gateway") as gateway:
+        with gateway_started(model_dir, log_dir, [replicas["a"].target],
+                             gateway_args) as gateway:
             wait_serving(replicas)
             wait_until(lambda: is_serving(gateway), time.monotonic() + 60, "gateway", log_dir)
             yield GatewayStack(replicas["a"], gateway)

@@ -32,10 +32,13 @@ from tandem.client import Client
 from tests.replica_process import (
     envoy_answers,
     free_port,
-    gateway_before,
+    gateway_started,
+    healthy_replicas,
+    is_serving,
+    launch_replicas,
     spawn_module,
-    start_replicas,
     stop_all,
+    wait_serving,
     wait_until,
 )
 
@@ -118,15 +121,22 @@ def suite(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory,
     logs = tmp_path_factory.mktemp("trace-logs")
     otlp = ["--otlp-traces-endpoint", f"127.0.0.1:{port}"]
     common = ["--dtype", "float32", "--num-kv-blocks", "256", *otlp]
+    metrics_port = free_port()
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export every 0.1 s, not every 5 s
-        replicas = start_replicas(tiny_llama_dir, logs, {
+        # The gateway starts with the replicas (it retries them until they answer).
+        replicas = launch_replicas(tiny_llama_dir, logs, {
             "prefill": ["--role", "prefill", *common],
             "decode": ["--role", "decode", *common]})
         try:
-            with gateway_before(tiny_llama_dir, logs,
-                                [r.target for r in replicas.values()],
-                                ["--prefill-min-uncached-tokens", "1", *otlp]) as gateway:
+            with gateway_started(tiny_llama_dir, logs,
+                                 [r.target for r in replicas.values()],
+                                 ["--prefill-min-uncached-tokens", "1", "--metrics-port",
+                                  str(metrics_port), *otlp]) as gateway:
+                wait_serving(replicas)
+                # Both registered: the first request's P/D pick sees the prefill replica.
+                wait_until(lambda: is_serving(gateway) and healthy_replicas(metrics_port) == 2,
+                           time.monotonic() + 60, "the gateway's view of both replicas", logs)
                 yield Suite(gateway, replicas["decode"].target, replicas["prefill"].target, logs)
         finally:
             stop_all([], replicas)
