@@ -44,11 +44,13 @@ from tests.replica_process import (
     ReplicaProcess,
     envoy_answers,
     free_port,
+    healthy_replicas,
     is_serving,
+    launch_replicas,
     restart_replica,
     spawn_module,
-    start_replicas,
     stop_all,
+    wait_serving,
     wait_until,
 )
 
@@ -103,25 +105,30 @@ def greedy(offline: LLM, lora_name: str | None, max_tokens: int = MAX_TOKENS) ->
 @pytest.fixture(scope="module")
 def suite(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Suite]:
     logs = tmp_path_factory.mktemp("runtime-lora-logs")
-    replicas = start_replicas(tiny_llama_dir, logs, {
+    # The gateway and Envoy start with the replicas (they retry their upstreams).
+    replicas = launch_replicas(tiny_llama_dir, logs, {
         "prefill": [*COMMON, *RUNTIME, "--role", "prefill"],
         "decode": [*COMMON, *RUNTIME, "--role", "decode", "--max-loras", "2"],
         # Not behind the gateway: a replica that keeps its adapters fixed.
         "fixed": [*COMMON, "--role", "both"]})
-    gateway_port, http_port = free_port(), free_port()
+    gateway_port, metrics_port, http_port = free_port(), free_port(), free_port()
     processes = []
     try:
         processes.append(spawn_module(logs, "gateway", [
             "gateway", "--model", str(tiny_llama_dir), "--served-model-name", "tiny",
-            "--host", "127.0.0.1", "--port", str(gateway_port), "--metrics-port", "0", *RUNTIME,
+            "--host", "127.0.0.1", "--port", str(gateway_port), "--metrics-port",
+            str(metrics_port), *RUNTIME,
             "--replica", replicas["prefill"].target, "--replica", replicas["decode"].target]))
         processes.append(spawn_module(logs, "envoy", [
             "deploy.envoy_runner", "--http-port", str(http_port), "--upstream",
             f"127.0.0.1:{gateway_port}", "--concurrency", "1"]))
+        wait_serving(replicas)
         deadline = time.monotonic() + 120
         wait_until(lambda: is_serving(f"127.0.0.1:{gateway_port}"), deadline, "gateway", logs)
         wait_until(lambda: envoy_answers(http_port), deadline, "envoy", logs)
-        time.sleep(1.0)  # both replicas registered, load reports in: P/D routes
+        wait_until(lambda: healthy_replicas(metrics_port) == 2, deadline,
+                   "the gateway's view of both replicas", logs)
+        time.sleep(1.0)  # load reports in: P/D routes
         yield Suite(tiny_llama_dir, logs, replicas, f"127.0.0.1:{gateway_port}", http_port)
     finally:
         stop_all(processes, replicas)

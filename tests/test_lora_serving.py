@@ -35,9 +35,11 @@ from tests.openai_http import offline_engine
 from tests.replica_process import (
     ReplicaProcess,
     free_port,
+    healthy_replicas,
     is_serving,
+    launch_replicas,
     spawn_module,
-    start_replicas,
+    wait_serving,
     wait_until,
 )
 
@@ -70,18 +72,20 @@ def suite(tiny_llama_dir: Path, adapters: dict[str, str],
     lora_args = ["--lora-modules", *(f"{name}={path}" for name, path in adapters.items())]
     common = ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--served-model-name", "tiny",
               "--log-level", "WARNING", *lora_args]
-    replicas = start_replicas(tiny_llama_dir, logs, {
+    # The gateway starts with the replicas (it retries them until they answer).
+    replicas = launch_replicas(tiny_llama_dir, logs, {
         "prefill": [*common, "--role", "prefill"], "decode": [*common, "--role", "decode"]})
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     gateway: subprocess.Popen[bytes] | None = None
     try:
         gateway = spawn_module(logs, "gateway", [
             "gateway", "--model", str(tiny_llama_dir), "--served-model-name", "tiny",
-            "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", *lora_args,
-            *[a for r in replicas.values() for a in ("--replica", r.target)]])
-        wait_until(lambda: is_serving(f"127.0.0.1:{port}"), time.monotonic() + 60, "gateway",
-                   logs)
-        time.sleep(1.0)  # both replicas registered, load reports in: P/D routes
+            "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port),
+            *lora_args, *[a for r in replicas.values() for a in ("--replica", r.target)]])
+        wait_serving(replicas)
+        wait_until(lambda: is_serving(f"127.0.0.1:{port}") and healthy_replicas(metrics_port)
+                   == 2, time.monotonic() + 60, "the gateway's view of both replicas", logs)
+        time.sleep(1.0)  # load reports in: P/D routes
         yield Suite(replicas, f"127.0.0.1:{port}")
     finally:
         if gateway is not None and gateway.poll() is None:
