@@ -146,12 +146,13 @@ def cluster(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         logs.mkdir()
         tls = SuiteTls.load(next(iter(secrets.values()))) if secrets else None
         cluster = Cluster(hosts, tls, logs)
+        # Every pod at once, as a cluster starts them: the picker and Envoy retry their
+        # upstreams until those answer, and the processes' imports overlap.
         for pod in PODS:
             _start_pod(cluster, objects, pod, work, volumes)
-            if pod == "decode":
-                for replica in ("prefill", "decode"):
-                    _wait(cluster, replica, lambda r=replica: _serving(
-                        f"{cluster.address(r)}:{REPLICA_PORT}", tls))
+        for replica in ("prefill", "decode"):
+            _wait(cluster, replica, lambda r=replica: _serving(
+                f"{cluster.address(r)}:{REPLICA_PORT}", tls))
         _wait(cluster, "envoy", lambda: _http_answers(
             f"http://{cluster.address('envoy')}:{HTTP_PORT}/v1/models"))
         _wait(cluster, "the picker's view of both replicas", lambda: _routes_pd(cluster))
