@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 
@@ -19,7 +20,13 @@ from engine_common.sampling_params import SamplingParams
 from engine_common.tokenizer import load_tokenizer, read_chat_template
 from tandem.client import Client
 from tandem.errors import InvalidRequestError
-from tests.replica_process import gateway_before, replica_behind_gateway
+from tests.replica_process import (
+    gateway_started,
+    is_serving,
+    launch_replicas,
+    wait_serving,
+    wait_until,
+)
 
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -55,16 +62,26 @@ def test_a_model_without_a_template_is_served_with_the_given_one(tiny_llama_dir,
     flags = ["--dtype", "float32", "--kv-cache-memory", "16MiB"]
     logs = tmp_path / "logs"
     logs.mkdir()
-    with replica_behind_gateway(model, logs, [*flags, "--chat-template", str(template)],
-                                ["--chat-template", str(template)]) as stack:
-        for target in (stack.gateway, stack.replica.target):
-            with Client(target, timeout=60) as client:
-                answer = client.chat(MESSAGES, max_tokens=12, temperature=0, ignore_eos=True)
-                assert answer.content == want
-                assert answer.usage.prompt_tokens == len(prompt)
-        # A gateway given no template renders no chat for this model, and says how to.
-        with gateway_before(model, logs, [stack.replica.target],
-                            name="gateway-without-template") as plain, \
-                Client(plain, timeout=60) as client, \
-                pytest.raises(InvalidRequestError, match="no chat template.*--chat-template"):
-            client.chat(MESSAGES, max_tokens=4)
+    # Both gateways start with the replica (they retry it until it answers).
+    [replica] = launch_replicas(model, logs, {"a": [
+        "--served-model-name", "tiny", *flags, "--chat-template", str(template)]}).values()
+    try:
+        with gateway_started(model, logs, [replica.target],
+                             ["--chat-template", str(template)]) as gateway, \
+                gateway_started(model, logs, [replica.target],
+                                name="gateway-without-template") as plain:
+            wait_serving({"a": replica})
+            for started in (gateway, plain):
+                wait_until(lambda g=started: is_serving(g), time.monotonic() + 60, started, logs)
+            for target in (gateway, replica.target):
+                with Client(target, timeout=60) as client:
+                    answer = client.chat(MESSAGES, max_tokens=12, temperature=0,
+                                         ignore_eos=True)
+                    assert answer.content == want
+                    assert answer.usage.prompt_tokens == len(prompt)
+            # A gateway given no template renders no chat for this model, and says how to.
+            with Client(plain, timeout=60) as client, \
+                    pytest.raises(InvalidRequestError, match="no chat template.*--chat-template"):
+                client.chat(MESSAGES, max_tokens=4)
+    finally:
+        replica.kill()

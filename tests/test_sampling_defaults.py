@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,13 @@ from services.frontend.completions.request import completion_to_engine_request
 from services.frontend.responses import translate as responses_api
 from services.replica.main import build_parser as replica_parser
 from tandem.client import Client
-from tests.replica_process import gateway_before, start_replicas
+from tests.replica_process import (
+    gateway_started,
+    is_serving,
+    launch_replicas,
+    wait_serving,
+    wait_until,
+)
 
 RECOMMENDED = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
                "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.25}
@@ -152,13 +159,16 @@ def test_a_model_that_recommends_greedy_is_served_greedy(tiny_llama_dir, tmp_pat
     flags = ["--dtype", "float32", "--kv-cache-memory", "16MiB"]
     logs = tmp_path / "logs"
     logs.mkdir()
-    replicas = start_replicas(model, logs, {
+    # The gateway starts with the replicas (it retries them until they answer).
+    replicas = launch_replicas(model, logs, {
         "auto": [*flags, "--served-model-name", "tiny"],
         # The file off, one value set by hand: sampled at temperature 1, 16 tokens by default.
         "vllm": [*flags, "--generation-config", "vllm",
                  "--override-generation-config", '{"max_new_tokens": 16}']})
     try:
-        with gateway_before(model, logs, [replicas["auto"].target]) as gateway:
+        with gateway_started(model, logs, [replicas["auto"].target]) as gateway:
+            wait_serving(replicas)
+            wait_until(lambda: is_serving(gateway), time.monotonic() + 60, "gateway", logs)
             for target in (gateway, replicas["auto"].target):
                 with Client(target, timeout=60) as client:
                     assert client.chat(messages, max_tokens=16,
