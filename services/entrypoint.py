@@ -2,8 +2,8 @@
 
 Owns the part every server entry point shares (replica, gateway, endpoint picker): configure
 logging and tracing (``services.observability``: ``--log-format``, ``--otlp-traces-endpoint``),
-run the server's ``serve`` coroutine, flush the traces at exit, turn a start-up failure into a logged error
-and exit code 1, and wait for SIGTERM/SIGINT; and the process-wide settings an entry point
+run the server's ``serve`` coroutine, flush the traces and exit promptly, turn a start-up
+failure into a logged error and exit code 1, and wait for SIGTERM/SIGINT; and the process-wide settings an entry point
 makes before it imports what it runs (``set_engine_process_settings``). It does not own
 flags or servers.
 """
@@ -11,6 +11,7 @@ flags or servers.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -49,6 +50,10 @@ def run_service(name: str, settings: ObservabilitySettings, build_options: Calla
     finally:
         if stop_tracing is not None:
             stop_tracing()  # exports the spans still batched
+        # NOTE: the interpreter's last garbage collection at exit walks every object torch
+        # and transformers made (seconds: a replica took ~3.7 s to exit after "stopped");
+        # nothing needs collecting now, so the objects are frozen out of its reach.
+        gc.freeze()
     return 0
 
 
