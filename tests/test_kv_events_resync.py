@@ -42,7 +42,8 @@ from gateway.prefix_index import PrefixIndex
 from gateway.snapshot import take_snapshot
 from protos.tandem.v1 import engine_pb2 as epb
 from protos.tandem.v1 import engine_pb2_grpc as epb_grpc
-from services.replica.server import ReplicaOptions, ReplicaServer
+from services.replica.options import ReplicaOptions
+from services.replica.server import ReplicaServer
 
 pytestmark = pytest.mark.timeout(120)
 

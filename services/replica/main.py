@@ -31,7 +31,7 @@ from services.replica.cpu_binding import (
 )
 from services.replica.engine_flags import add_engine_args, engine_config
 from services.replica.kv_address import resolve_kv_host
-from services.replica.server import ROLES, ReplicaOptions, serve
+from services.replica.options import ROLES, ReplicaOptions
 from services.suite_tls import add_tls_args, tls_from_args
 
 logger = logging.getLogger("services.replica")
@@ -144,5 +144,9 @@ def main(argv: list[str] | None = None) -> int:
             pin_to_cpus(split_engine_cpus(sorted(os.sched_getaffinity(0)), args.engine_cpus))
     except ValueError as error:
         parser.error(str(error))
+    # NOTE: imported only now: serving loads torch (seconds), which a wrong flag or model
+    # path, answered above, must not wait for.
+    from services.replica.server import serve
+
     return run_service("replica", ObservabilitySettings.from_args("tandem-replica", args),
                        lambda: options_from_args(args), serve)

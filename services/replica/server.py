@@ -15,7 +15,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from wsgiref.simple_server import WSGIServer
 
 import grpc.aio
@@ -30,7 +30,7 @@ from protos.tandem.v1 import engine_pb2, engine_pb2_grpc, generation_pb2, genera
 from services.frontend.engine_seam import CallContext
 from services.frontend.generation_servicer import GenerationServicer
 from services.frontend.grpc_server import new_server
-from services.frontend.responses.store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
+from services.frontend.responses.store import ResponseStore
 from services.frontend.routing_headers import PREFILL_PEER_HEADER, prefill_peer_of
 from services.frontend.served_model import ServedModel
 from services.health_port import HealthPort
@@ -40,16 +40,15 @@ from services.observability.throughput_log import ThroughputLog
 from services.reflection import enable_reflection
 from services.replica.admission import Admission
 from services.replica.callers import CallerScopes
-from services.replica.engine_flags import MAX_PINNED_FRACTION, MAX_WAITING, SHUTDOWN_GRACE_S
 from services.replica.engine_servicer import EngineServicer
 from services.replica.local_engine import LocalEngine
 from services.replica.lora_updates import LocalLoraUpdates
+from services.replica.options import ReplicaOptions
 from services.replica.prefill_peers import PrefillPeers
-from services.suite_tls import SuiteTls, add_port
+from services.suite_tls import add_port
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("both", "prefill", "decode")
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 # "" is the server as a whole, as grpc.health.v1 defines it.
@@ -58,42 +57,6 @@ HEALTH_SERVICES = ("", GENERATION_SERVICE, ENGINE_SERVICE)
 # (endless ones too: KV-event and health watchers).
 _FINAL_GRACE_S = 1.0
 _ENGINE_CHECK_INTERVAL_S = 0.5
-
-
-@dataclass
-class ReplicaOptions:
-    engine: EngineConfig
-    role: str = "both"
-    # Bind what you advertise: loopback unless told otherwise (a pod binds 0.0.0.0).
-    host: str = "127.0.0.1"
-    port: int = 50051
-    metrics_port: int = 9400  # 0: no /metrics endpoint
-    # The names clients use (--served-model-name; the first names answers and metrics).
-    served_model_name: str | Sequence[str] | None = None
-    # Requests admitted beyond engine.scheduler.max_num_seqs before RESOURCE_EXHAUSTED.
-    max_waiting: int = MAX_WAITING
-    # Responses kept for previous_response_id and GET /v1/responses/{id}; 0: none.
-    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
-    shutdown_grace_s: float = SHUTDOWN_GRACE_S
-    # Mutual TLS with the suite's other processes (every caller of this port, and the
-    # prefill replicas this one dials); None: plaintext.
-    tls: SuiteTls | None = None
-    # A prefill replica lets one caller (a decode replica) keep at most this fraction of its
-    # KV blocks pinned for pulls.
-    max_pinned_fraction: float = MAX_PINNED_FRACTION
-    # A plaintext port answering grpc.health.v1 only, for probes without the suite's
-    # certificate (a kubelet's); 0: none.
-    health_port: int = 0
-    # A decode replica asks its prefill replicas to announce KV as it becomes final and pulls
-    # it while they compute the rest (--kv-overlap).
-    kv_overlap: bool = True
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if not 0 < self.max_pinned_fraction <= 1:
-            raise ValueError("--kv-max-pinned-fraction must be in (0, 1], got "
-                             f"{self.max_pinned_fraction}")
 
 
 async def start_engine(config: EngineConfig,
