@@ -263,10 +263,12 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection,
                 if not handle(inbox.recv()):
                     return
             if not core.has_runnable_requests():
-                # Only KV transfers are pending (pulls in flight, or blocks pinned for a
-                # consumer): wait briefly for a message rather than spin, so the transport
-                # thread gets the CPU, then do the transfer housekeeping.
-                if inbox.poll(0.002 if core.has_unfinished_requests() else 0.05):
+                # Only KV transfers are pending (pulls in flight, requests waiting for a
+                # prefill replica's announcements, or blocks pinned for a consumer): wait for
+                # a message rather than spin, so the transport thread (and, on a shared host,
+                # the prefill replica's compute) gets the CPU, then do the transfer
+                # housekeeping. Only a pull's end comes without a message: 2 ms then.
+                if inbox.poll(0.002 if core.has_pulls_running() else 0.05):
                     continue
             writer.send(core.step())
     except (EOFError, BrokenPipeError, KeyboardInterrupt):

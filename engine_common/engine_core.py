@@ -160,6 +160,10 @@ class EngineCore:
         """Requests the scheduler can run now (not only waiting on a KV pull)."""
         return bool(self.scheduler.running) or len(self.scheduler.waiting) > 0
 
+    def has_pulls_running(self) -> bool:
+        """KV pulls are in flight (their ends come without a message to the loop)."""
+        return self.remote_kv is not None and self.remote_kv.has_pulls_running
+
     def has_pinned_kv(self) -> bool:
         """Blocks held for a consumer: the loop must keep checking releases and leases."""
         return bool(self.scheduler.held)

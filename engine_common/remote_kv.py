@@ -213,7 +213,14 @@ class RemoteKv:
 
     @property
     def num_pulls_in_flight(self) -> int:
+        """Requests receiving KV (pulling, or waiting for announcements or a result)."""
         return len(self._receipts)
+
+    @property
+    def has_pulls_running(self) -> bool:
+        """A pull has not ended yet, or has ended and is not collected (the core's next step
+        moves its request on)."""
+        return any(receipt.pulls for receipt in self._receipts.values())
 
     def take_finished_pulls(self) -> list[tuple[Request, KvTransferReport]]:
         """Requests whose prompt KV is complete, or will not be: every pull has ended and the
