@@ -254,8 +254,9 @@ def main() -> None:
     common = ["--dtype", "float32", "--kv-cache-memory", "512MiB"]
     logs = Path(tempfile.mkdtemp(prefix="pd-overlap-"))
     plan = {
-        "p_overlap": ["--role", "prefill", "--kv-overlap-chunk-tokens", str(args.chunk_tokens)],
-        "d_overlap": ["--role", "decode"],
+        "p_overlap": ["--role", "prefill", "--kv-overlap", "on",
+                      "--kv-overlap-chunk-tokens", str(args.chunk_tokens)],
+        "d_overlap": ["--role", "decode", "--kv-overlap", "on"],
         "p_plain": ["--role", "prefill", "--kv-overlap", "off"],
         "d_plain": ["--role", "decode", "--kv-overlap", "off"],
         "both": ["--role", "both"],

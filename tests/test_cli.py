@@ -65,13 +65,15 @@ def test_every_replica_gets_up_s_engine_flags(tiny_llama_dir) -> None:
         # Everything but what differs per replica by design (role, engine id, transfer role).
         assert options.engine.cache == expected.engine.cache
         # By role: the prompt caps' policy (fixed on a decode replica) and a prefill
-        # replica's chunk of a long prompt (it announces KV chunk by chunk).
+        # replica's chunk of a long prompt (with --kv-overlap on, it announces KV chunk by
+        # chunk).
         role_free = {"prefill_caps_scale_with_queue": None, "long_prefill_token_threshold": 0}
         assert (replace(options.engine.scheduler, **role_free)
                 == replace(expected.engine.scheduler, **role_free))
         scheduler = options.engine.scheduler
         assert scheduler.prefill_caps_scale_with_queue == (options.role != "decode")
-        assert (scheduler.long_prefill_token_threshold > 0) == (options.role == "prefill")
+        assert (scheduler.long_prefill_token_threshold > 0) == (
+            options.role == "prefill" and options.kv_overlap)
         assert options.engine.speculative == expected.engine.speculative
         for name in ("dtype", "device", "attention_backend", "enforce_eager", "seed",
                      "cuda_graph_max_batch_size", "max_model_len"):

@@ -197,13 +197,15 @@ def test_a_decode_request_aborted_mid_stream_frees_its_blocks(cores):
 # ------------------------------------------------------------------ real replica processes
 
 REPLICA_ARGS = ["--num-kv-blocks", "256", "--max-num-seqs", "32"]
+OVERLAP = ["--kv-overlap", "on"]  # off by default (docs/kv-transfer.md)
 
 
 @pytest.fixture(scope="module")
 def pd(tiny_llama_dir, tmp_path_factory):
     replicas = start_replicas(tiny_llama_dir, tmp_path_factory.mktemp("pd-overlap-logs"), {
-        "prefill-o": ["--role", "prefill", "--kv-overlap-chunk-tokens", "32", *REPLICA_ARGS],
-        "decode-o": ["--role", "decode", "--kv-pull-timeout", "5", *REPLICA_ARGS],
+        "prefill-o": ["--role", "prefill", *OVERLAP, "--kv-overlap-chunk-tokens", "32",
+                      *REPLICA_ARGS],
+        "decode-o": ["--role", "decode", *OVERLAP, "--kv-pull-timeout", "5", *REPLICA_ARGS],
     })
     yield replicas["prefill-o"], replicas["decode-o"]
     for replica in replicas.values():
@@ -267,7 +269,7 @@ def test_killing_the_prefill_replica_mid_stream_falls_back_exactly(
         tiny_llama_dir, tmp_path_factory, pd, hf):
     _, decode = pd
     [doomed] = start_replicas(tiny_llama_dir, tmp_path_factory.mktemp("overlap-doomed"), {
-        "prefill-doomed": ["--role", "prefill", "--kv-overlap-chunk-tokens", "16",
+        "prefill-doomed": ["--role", "prefill", *OVERLAP, "--kv-overlap-chunk-tokens", "16",
                            *REPLICA_ARGS]}).values()
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 250) for _ in range(rng.randrange(300, 480))] for _ in range(6)]

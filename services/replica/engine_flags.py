@@ -170,12 +170,14 @@ def _add_transfer_args(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--kv-fallback", default=kv.fallback, choices=("recompute", "fail"),
                    help="P/D: when the prefill replica or the transfer fails, recompute the "
                         "prefill here, or fail the request")
-    p.add_argument("--kv-overlap", default="on", choices=("on", "off"),
+    p.add_argument("--kv-overlap", default="off", choices=("on", "off"),
                    help="P/D: overlap the KV transfer with the prefill's compute: a decode "
                         "replica asks the prefill replica to announce the prompt's blocks as "
                         "they become final and pulls them while it computes the rest, which a "
-                        "prefill replica computes in chunks of --kv-overlap-chunk-tokens; off: "
-                        "the pull starts once the whole prompt is computed")
+                        "prefill replica computes in chunks of --kv-overlap-chunk-tokens; off "
+                        "(the default: on a CPU the chunking costs more compute than the "
+                        "transfer it hides, docs/kv-transfer.md): the pull starts once the "
+                        "whole prompt is computed")
     p.add_argument("--kv-overlap-chunk-tokens", type=non_negative_int,
                    default=KV_OVERLAP_CHUNK_TOKENS,
                    help="P/D, on a prefill replica with --kv-overlap on: the most prompt "

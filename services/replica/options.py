@@ -44,7 +44,7 @@ class ReplicaOptions:
     health_port: int = 0
     # A decode replica asks its prefill replicas to announce KV as it becomes final and pulls
     # it while they compute the rest (--kv-overlap).
-    kv_overlap: bool = True
+    kv_overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -42,7 +42,7 @@ class PrefillFailed(RemotePrefillLost):
 
 class PrefillPeers:
     def __init__(self, timeout_s: float = 120.0, tls: SuiteTls | None = None,
-                 announce_kv: bool = True) -> None:
+                 announce_kv: bool = False) -> None:
         self.timeout_s = timeout_s
         # Ask prefill replicas to announce KV blocks as they become final (--kv-overlap), so
         # that the engine pulls them while later chunks of the prompt are computed.
