@@ -38,7 +38,9 @@ CONSUMER_BLOCKS = 40
 CHUNK_BYTES = {"bfloat16": 4096, "float32": 2**40}
 # The smallest mean message size that sends a pull cache to cache (transfer_plan): 0 makes
 # every pull direct, a huge one every pull staged.
-DIRECT_MIN = {"direct": 0, "staged": 2**62}
+# A pull's mode, forced: the producer sends its (layer, K/V) runs as they lie ("direct"), or
+# a staged copy ("staged"), or the consumer reads the runs itself ("read", same host only).
+DIRECT_MIN = {"direct": 0, "staged": 2**62, "read": 0}
 
 
 def make_layout(dtype: str) -> KvLayout:
@@ -148,7 +150,8 @@ def make_consumer(dtype: str, seed: int = 99, mode: str = "staged"
     layout = make_layout(dtype)
     kv = kv_pattern(layout, CONSUMER_BLOCKS, seed)
     consumer = UcxKvConsumer(kv, layout, chunk_bytes=CHUNK_BYTES[dtype],
-                             direct_min_message_bytes=DIRECT_MIN[mode])
+                             direct_min_message_bytes=DIRECT_MIN[mode],
+                             remote_read=mode == "read")
     return consumer, kv
 
 
@@ -221,7 +224,7 @@ def test_block_copier_gathers_and_scatters_layer_ranges(dtype: str) -> None:
     assert torch.equal(as_bits(target[:, :, others]), as_bits(before[:, :, others]))
 
 
-@pytest.mark.parametrize("mode", ["staged", "direct"])
+@pytest.mark.parametrize("mode", ["staged", "direct", "read"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_pull_random_subset_into_shuffled_blocks_is_exact(
     producer: ProducerProcess, dtype: str, mode: str
@@ -240,7 +243,7 @@ def test_pull_random_subset_into_shuffled_blocks_is_exact(
     assert producer.call("release", dtype, f"exact-{dtype}-{mode}") == pinned
 
 
-@pytest.mark.parametrize("mode", ["staged", "direct"])
+@pytest.mark.parametrize("mode", ["staged", "direct", "read"])
 def test_pull_of_runs_consecutive_on_both_sides_is_exact(producer: ProducerProcess,
                                                          mode: str) -> None:
     """Runs (a fresh prefill's blocks usually are one): direct pulls send each (layer, K/V,
