@@ -16,7 +16,8 @@ many replicas a gateway routes to) are such checks.
 one in front of replicas still starting). The gateway starts
 together with its replica, not after it: it watches a replica until it answers (retrying
 every 0.2 s, reconnecting within 1 s) and reports SERVING once one can decode, so the two
-processes' imports overlap.
+processes' imports overlap. ``wait_all_free`` waits until replicas hold nothing (no request,
+no KV block).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from protos.tandem.v1 import engine_pb2, engine_pb2_grpc
 from services.suite_tls import SuiteTls
 from services.suite_tls import channel as suite_channel
 
@@ -334,3 +336,19 @@ def replica_behind_gateway(model_dir: Path, log_dir: Path, replica_args: list[st
             yield GatewayStack(replicas["a"], gateway)
     finally:
         replicas["a"].kill()
+
+
+def wait_all_free(*targets: str, timeout: float = 20.0) -> None:
+    """Until every replica at ``targets`` runs nothing, queues nothing and holds no KV block
+    (its GetLoad); fails after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    for target in targets:
+        with grpc.insecure_channel(target) as channel:
+            engine = engine_pb2_grpc.EngineStub(channel)
+            while True:
+                load = engine.GetLoad(engine_pb2.GetLoadRequest(), timeout=5)
+                if (load.num_free_blocks == load.num_total_blocks
+                        and load.num_requests_running == 0 and load.num_requests_waiting == 0):
+                    break
+                assert time.monotonic() < deadline, f"{target} still holds blocks: {load}"
+                time.sleep(0.1)

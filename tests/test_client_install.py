@@ -133,6 +133,6 @@ def test_the_sdk_installs_and_runs_without_torch(tmp_path: Path) -> None:
 
 def test_the_project_s_own_installs_take_the_server_extra() -> None:
     makefile = (REPO / "Makefile").read_text()
-    assert "pip install --quiet -e '.[server,dev]'" in makefile
+    assert "-e '.[server,dev]'" in makefile
     containerfile = (REPO / "Containerfile").read_text()
     assert '["optional-dependencies"]["server"]' in containerfile

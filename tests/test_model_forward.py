@@ -531,8 +531,12 @@ def test_tokenizer_equals_auto_tokenizers_choice_without_its_config_import(
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_default_model(tmp_path_factory.mktemp("default-model") / "SmolLM2")
+def smollm2_dir() -> Path:
+    # NOTE: the cache every default-model user shares ($TANDEM_CACHE_DIR, which `make test`
+    # sets to the checkout's .cache/tandem): converting costs ~30 s here, and whichever test
+    # needs the model first (the demo's, in `make test`) converts it; this one checks the
+    # result either way.
+    return ensure_default_model()
 
 
 def test_default_model_conversion(smollm2_dir):

@@ -40,7 +40,7 @@ from engine_common.outputs import (
 from engine_common.sampling_params import SamplingParams
 from protos.tandem.v1 import engine_pb2 as epb
 from protos.tandem.v1 import engine_pb2_grpc as epb_grpc
-from tests.replica_process import start_replicas
+from tests.replica_process import start_replicas, wait_all_free
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 CHUNK = 8  # the prefill core's tokens per step: a 40-token prompt is 5 chunks
@@ -233,18 +233,6 @@ def generate_request(request_id: str, prompt: list[int], n: int, peer: str) -> e
         request_id=request_id, prompt_token_ids=prompt, prefill_peer=peer,
         sampling_params=epb.SamplingParams(max_tokens=n, min_tokens=n, temperature=0),
         output_options=epb.OutputOptions(return_token_ids=True))
-
-
-def wait_all_free(*targets: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    for target in targets:
-        while True:
-            load = stub(target).GetLoad(epb.GetLoadRequest(), timeout=5)
-            if (load.num_free_blocks == load.num_total_blocks and load.num_requests_running == 0
-                    and load.num_requests_waiting == 0):
-                break
-            assert time.monotonic() < deadline, f"{target} still holds blocks: {load}"
-            time.sleep(0.1)
 
 
 def test_overlapped_pd_greedy_output_equals_hf(pd, hf):

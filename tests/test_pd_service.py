@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import random
 import re
-import time
 import urllib.request
 
 import grpc
@@ -26,7 +25,7 @@ from engine_common.llm import LLM
 from engine_common.sampling_params import SamplingParams
 from protos.tandem.v1 import engine_pb2 as epb
 from protos.tandem.v1 import engine_pb2_grpc as epb_grpc
-from tests.replica_process import start_replicas
+from tests.replica_process import start_replicas, wait_all_free
 
 REPLICA_ARGS = ["--num-kv-blocks", "256", "--max-num-seqs", "32"]
 
@@ -64,18 +63,6 @@ def generate(target: str, request_id: str, prompt: list[int], max_tokens: int, p
     tokens = [t for r in responses for t in r.new_token_ids]
     transfer = next((r.kv_transfer for r in responses if r.HasField("kv_transfer")), None)
     return tokens, transfer
-
-
-def wait_all_free(*targets: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    for target in targets:
-        while True:
-            load = stub(target).GetLoad(epb.GetLoadRequest(), timeout=5)
-            if (load.num_free_blocks == load.num_total_blocks and load.num_requests_running == 0
-                    and load.num_requests_waiting == 0):
-                break
-            assert time.monotonic() < deadline, f"{target} still holds blocks: {load}"
-            time.sleep(0.1)
 
 
 def metric(url: str, name: str) -> float:
