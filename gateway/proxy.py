@@ -18,6 +18,8 @@ replica, and one a decode replica's KV fallback blames, leaves rotation at once.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -39,6 +41,9 @@ from services.engine_api.prefill_handback import HANDBACK_CODE, handback_metadat
 from services.frontend.engine_seam import CallContext
 
 logger = logging.getLogger(__name__)
+
+# How long a finished stream waits for the replica's closing status before it is cancelled.
+_STATUS_WAIT_S = 1.0
 
 # Failures that say "this replica, not this request": another replica may well succeed.
 RETRIABLE_CODES = frozenset({
@@ -295,6 +300,11 @@ class EngineProxy:
                 yield self._relay(stream, response)
                 if response.HasField("finish_reason"):
                     attempt.finished = True
+                    # NOTE: the replica's status follows its last message at once: waiting
+                    # for it (briefly) lets the call end as served there, not as cancelled
+                    # by the ``finally`` below (its request log said CANCELLED at random).
+                    with contextlib.suppress(asyncio.TimeoutError, grpc.aio.AioRpcError):
+                        await asyncio.wait_for(call.code(), _STATUS_WAIT_S)
                     return
         except grpc.aio.AioRpcError as error:
             attempt.error = error
