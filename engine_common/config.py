@@ -55,6 +55,12 @@ class SchedulerConfig:
     prefill_caps_scale_with_queue: bool | None = None
     # Fraction of blocks kept free when admitting new requests, so running ones can grow.
     watermark: float = 0.01
+    # Admission also keeps free the blocks the running requests are expected to grow into
+    # (the rest of their prompts, and their output up to what recent requests produced,
+    # within max_tokens: engine_common/output_room.py), so that a request admitted now does
+    # not force a preemption by recompute a few steps later. False: vLLM's admission, which
+    # admits into any free block and preempts when the running requests outgrow the pool.
+    reserve_output_room: bool = True
     policy: str = "fcfs"  # "fcfs" or "priority"
     enable_chunked_prefill: bool = True
 

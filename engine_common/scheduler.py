@@ -10,7 +10,9 @@ request is decoding, the prompt tokens of a step are capped apart, in tokens and
 running stream waits for at most one such chunk beside its own step. On an aggregated replica
 (``prefill_caps_scale_with_queue``) a queue of prompts lifts the time cap and multiplies the
 token cap by its length, up to the whole budget, so that a queue past capacity is not starved
-by the decodes. When the KV pool is
+by the decodes. A waiting request is admitted only into blocks the running ones are not
+expected to need for their own prompts and output (``OutputRoom``, with
+``reserve_output_room``). When the KV pool is nevertheless
 exhausted a running request is preempted by recompute: its blocks are freed and it goes back
 to the front of the waiting queue with ``num_computed_tokens = 0`` (its prompt and output so
 far are recomputed, mostly from the prefix cache; a grammar keeps its state, since the
@@ -37,6 +39,7 @@ from typing import TYPE_CHECKING
 from engine_common.config import SchedulerConfig, SpeculativeConfig
 from engine_common.kv_cache_manager import KVCacheManager
 from engine_common.ngram_drafter import NgramDrafter
+from engine_common.output_room import OutputRoom
 from engine_common.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
 from engine_common.request import Request, RequestStatus
 from engine_common.step_costs import StepCosts
@@ -199,6 +202,8 @@ class Scheduler:
         self._num_scheduled_tokens = 0  # by the latest step, for its statistics
         self._num_draft_tokens = self._num_accepted_tokens = 0  # since the last statistics
         self._watermark_blocks = int(config.watermark * kv_cache_manager.num_blocks)
+        self.output_room = (OutputRoom(kv_cache_manager.block_size)
+                            if config.reserve_output_room else None)
         # What steps cost, for the prompt chunks beside running decodes (_prefill_room).
         self.step_costs = StepCosts()
         self._step_make_up: tuple[int, int, float] | None = None
@@ -335,7 +340,7 @@ class Scheduler:
         if not out.preempted_request_ids:
             try:
                 # Everything admitted here is a prefill (a remote one takes no budget).
-                self._admit_waiting(out, min(budget, prefill_room))
+                self._admit_waiting(out, min(budget, prefill_room), self._admission_reserve())
             finally:
                 # Requests skipped for max_loras keep their places for the next step.
                 self.waiting.restore_skipped()
@@ -343,9 +348,26 @@ class Scheduler:
         self._note_step(out)
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admission_reserve(self) -> int:
+        """Blocks an admission must leave free: the watermark, and with ``reserve_output_room``
+        what the running requests and those receiving their KV are expected to grow into."""
+        if self.output_room is None:
+            return self._watermark_blocks
+        kv = self.kv_cache_manager
+        return self._watermark_blocks + self.output_room.reserve(
+            (r, len(kv.get_block_ids(r.request_id)))
+            for r in itertools.chain(self.running, self.receiving.values()))
+
+    def _reserve_for(self, request: Request) -> int:
+        """What a request just admitted adds to the reserve of the admissions after it."""
+        if self.output_room is None:
+            return 0
+        held = len(self.kv_cache_manager.get_block_ids(request.request_id))
+        return self.output_room.blocks_still_needed(request, held)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, reserve: int) -> None:
         """Admit waiting requests, in order, while the budget, max_num_seqs and the KV
-        pool allow."""
+        pool (less ``reserve`` blocks, kept free for the admitted requests to grow) allow."""
         kv = self.kv_cache_manager
         # Under a max_loras cap, the adapters of requests running, or about to run once their
         # KV has arrived (a finished pull joins the running requests without coming back
@@ -368,8 +390,9 @@ class Scheduler:
                 continue
             computed_blocks, num_computed = kv.get_computed_blocks(request)
             if is_remote:
-                if not self._admit_remote(request, computed_blocks, num_computed, out):
+                if not self._admit_remote(request, computed_blocks, num_computed, out, reserve):
                     break
+                reserve += self._reserve_for(request)
                 if request.lora_name:
                     active_loras.add(request.lora_name)
                 continue
@@ -383,9 +406,9 @@ class Scheduler:
                     num_new,
                     new_computed_blocks=computed_blocks,
                     num_new_computed_tokens=num_computed,
-                    # The watermark keeps room for running requests to grow; with
+                    # The reserve keeps room for running requests to grow; with
                     # none running it would only keep this one waiting forever.
-                    num_reserved_blocks=0 if alone else self._watermark_blocks,
+                    num_reserved_blocks=0 if alone else reserve,
                 )
                 is None
             ):
@@ -413,16 +436,17 @@ class Scheduler:
                 active_loras.add(request.lora_name)
             out.scheduled.append(ScheduledRequest(request, num_new, kv.get_block_ids(request.request_id)))
             budget -= num_new
+            reserve += self._reserve_for(request)
 
     def _admit_remote(self, request: Request, computed_blocks: list, num_computed: int,
-                      out: SchedulerOutput) -> bool:
+                      out: SchedulerOutput, reserve: int) -> bool:
         """Allocate a decode-side request's prompt blocks and queue the pull of those the
         prefix cache does not already hold here. Takes no token budget: nothing is computed.
         The blocks enter the prefix cache only once their KV has arrived."""
         kv = self.kv_cache_manager
         if kv.allocate_slots(
             request, request.num_prompt_tokens - num_computed, new_computed_blocks=computed_blocks,
-            num_new_computed_tokens=num_computed, num_reserved_blocks=self._watermark_blocks,
+            num_new_computed_tokens=num_computed, num_reserved_blocks=reserve,
             delay_caching=True,
         ) is None:
             return False
@@ -574,6 +598,8 @@ class Scheduler:
                     request.pending_prompt_logprobs, [])
             if finished:
                 self.running.remove(request)
+                if self.output_room is not None:
+                    self.output_room.observe_finished(request.num_output_tokens)
                 output.finish_reason = request.status.finish_reason
                 output.stop_reason = request.stop_reason
                 if request.hold_kv and request.status == RequestStatus.FINISHED_LENGTH:

@@ -21,11 +21,12 @@ MAX_TOKENS = 12
 
 
 def engine(model_dir: Path, *, budget: int = 512, num_blocks: int | None = None,
-           max_num_seqs: int = 64) -> LLM:
+           max_num_seqs: int = 64, reserve_output_room: bool = True) -> LLM:
     return LLM(EngineConfig(
         model=str(model_dir), dtype="float32",
         cache=CacheConfig(block_size=4, num_gpu_blocks_override=num_blocks or 512),
-        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                                  reserve_output_room=reserve_output_room),
     ))
 
 
@@ -75,11 +76,26 @@ def test_prefix_cache_hits_match_hf(model_and_prompts):
 def test_preemption_matches_hf(model_and_prompts):
     model_dir, _, prompts, _, expected = model_and_prompts
     # 8 prompts need far more than 24 blocks of 4 tokens together: the scheduler must
-    # preempt by recompute and still produce HF's tokens.
-    llm = engine(model_dir, num_blocks=24)
+    # preempt by recompute and still produce HF's tokens. (Admission's output reserve
+    # would avoid the preemptions this test is about: off.)
+    llm = engine(model_dir, num_blocks=24, reserve_output_room=False)
     results = llm.generate(prompts, GREEDY)
     assert [r.token_ids for r in results] == expected[: len(prompts)]
     preemptions = llm.metrics.registry.get_sample_value(
         "vllm:num_preemptions_total", {"model_name": model_dir.name, "engine": "engine-0"})
     assert preemptions is not None and preemptions > 0
+    assert llm.core.kv_cache_manager.num_free_blocks == 24
+
+
+def test_output_reserve_admits_without_preempting(model_and_prompts):
+    """The same pool with admission's output reserve on (the default): requests wait for
+    room instead of being admitted into blocks the running ones grow into, so none is
+    preempted, and the tokens are still HF's."""
+    model_dir, _, prompts, _, expected = model_and_prompts
+    llm = engine(model_dir, num_blocks=24)
+    results = llm.generate(prompts, GREEDY)
+    assert [r.token_ids for r in results] == expected[: len(prompts)]
+    preemptions = llm.metrics.registry.get_sample_value(
+        "vllm:num_preemptions_total", {"model_name": model_dir.name, "engine": "engine-0"})
+    assert preemptions == 0
     assert llm.core.kv_cache_manager.num_free_blocks == 24

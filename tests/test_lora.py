@@ -94,12 +94,13 @@ def engine(model_dir: Path, lora_modules: dict[str, str], *, budget: int = 512,
            num_blocks: int = 512, dtype: str = "float32",
            speculative: SpeculativeConfig | None = None, policy: str = "fcfs",
            max_loras: int | None = None, allow_runtime_lora_updating: bool = False,
-           max_lora_rank: int | None = None, **config: object) -> LLM:
+           max_lora_rank: int | None = None, reserve_output_room: bool = True,
+           **config: object) -> LLM:
     return LLM(EngineConfig(
         model=str(model_dir), dtype=dtype,
         cache=CacheConfig(block_size=4, num_gpu_blocks_override=num_blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=64,
-                                  policy=policy),
+                                  policy=policy, reserve_output_room=reserve_output_room),
         model_settings=ModelSettings(lora_modules=lora_modules, max_loras=max_loras,
                                      max_lora_rank=max_lora_rank,
                                      allow_runtime_lora_updating=allow_runtime_lora_updating),
@@ -204,7 +205,7 @@ def test_chunked_prefill_keeps_the_adapter(tiny_llama_dir, adapters, prompts_and
 
 def test_preemption_keeps_the_adapter(tiny_llama_dir, adapters, prompts_and_expected):
     prompts, expected = prompts_and_expected
-    llm = engine(tiny_llama_dir, adapters, num_blocks=20)
+    llm = engine(tiny_llama_dir, adapters, num_blocks=20, reserve_output_room=False)
     batch, names = mixed(prompts)
     results = llm.generate(batch, GREEDY, lora_name=names)
     assert [r.token_ids for r in results] == expected_of(expected, batch, names, prompts)

@@ -28,11 +28,13 @@ TOP = 3
 ATOL = 1e-4
 
 
-def engine(model_dir: Path, *, budget: int = 512, num_blocks: int = 256) -> LLM:
+def engine(model_dir: Path, *, budget: int = 512, num_blocks: int = 256,
+           reserve_output_room: bool = True) -> LLM:
     return LLM(EngineConfig(
         model=str(model_dir), dtype="float32",
         cache=CacheConfig(block_size=4, num_gpu_blocks_override=num_blocks),
-        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16,
+                                  reserve_output_room=reserve_output_room),
     ))
 
 
@@ -122,7 +124,7 @@ def test_preemption_halfway_through_the_prompt(tiny_llama_dir, prompts_and_refer
         preempt(self, request)
 
     monkeypatch.setattr(Scheduler, "_preempt", spy)
-    llm = engine(tiny_llama_dir, budget=8, num_blocks=24)
+    llm = engine(tiny_llama_dir, budget=8, num_blocks=24, reserve_output_room=False)
     long_prompts = [prompts[2], prompts[3], prompts[3][::-1], prompts[2][::-1]]
     results = llm.generate(long_prompts, with_prompt_logprobs(max_tokens=40))
     assert halfway, "no request was preempted with its prompt partly scored"

@@ -59,11 +59,13 @@ def test_drafter_continues_the_latest_longest_match():
 
 
 def engine(model_dir: Path, speculative: SpeculativeConfig | None = None, *,
-           budget: int = 512, num_blocks: int = 512, max_num_seqs: int = 16) -> LLM:
+           budget: int = 512, num_blocks: int = 512, max_num_seqs: int = 16,
+           reserve_output_room: bool = True) -> LLM:
     return LLM(EngineConfig(
         model=str(model_dir), dtype="float32",
         cache=CacheConfig(block_size=4, num_gpu_blocks_override=num_blocks),
-        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                                  reserve_output_room=reserve_output_room),
         speculative=speculative or SpeculativeConfig()))
 
 
@@ -162,7 +164,7 @@ def test_logprobs_of_kept_drafts_are_their_positions_own(tiny_llama_dir, prompts
 
 
 def test_preemption_with_drafts(tiny_llama_dir, prompts):
-    llm = engine(tiny_llama_dir, SPEC, num_blocks=40)
+    llm = engine(tiny_llama_dir, SPEC, num_blocks=40, reserve_output_room=False)
     results = llm.generate(prompts * 2, GREEDY)
     assert [r.token_ids for r in results] == hf_greedy(tiny_llama_dir, prompts, MAX_TOKENS) * 2
     assert llm.core.kv_cache_manager.num_free_blocks == 40

@@ -57,10 +57,11 @@ CHOICE_SPEC = StructuredOutputSpec.parse("choice", json.dumps(CHOICES))
 MAX_TOKENS = 48
 
 
-def engine(model_dir: Path, num_blocks: int = 256) -> LLM:
+def engine(model_dir: Path, num_blocks: int = 256, reserve_output_room: bool = True) -> LLM:
     return LLM(EngineConfig(model=str(model_dir), dtype="float32",
                             cache=CacheConfig(block_size=4, num_gpu_blocks_override=num_blocks),
-                            scheduler=SchedulerConfig(max_num_batched_tokens=512)))
+                            scheduler=SchedulerConfig(max_num_batched_tokens=512,
+                                                      reserve_output_room=reserve_output_room)))
 
 
 @pytest.fixture(scope="module")
@@ -269,7 +270,7 @@ def test_termination_stops_and_max_tokens_cuts(llm, prompts, hf_expected) -> Non
 
 def test_preempted_requests_keep_their_grammar_state(tiny_llama_dir, prompts, hf_expected) -> None:
     # 6 prompts need more than 24 blocks of 4 tokens together: preemption by recompute.
-    small = engine(tiny_llama_dir, num_blocks=24)
+    small = engine(tiny_llama_dir, num_blocks=24, reserve_output_room=False)
     results = small.generate(prompts, greedy(JSON_SPEC))
     assert [r.token_ids for r in results] == hf_expected["json_schema"]
     preemptions = small.metrics.registry.get_sample_value(
