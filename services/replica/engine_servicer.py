@@ -6,7 +6,8 @@ counters, once or as they change: ``load_watch`` paces them),
 WatchKvEvents, GetInfo, and the P/D pair on a prefill replica: Prefill (compute the prompt,
 sample the first token, pin the blocks under a lease, answer with a KV handle; asked to
 announce the KV, it first streams handles on the blocks that become final while later chunks
-are computed) and ReleaseKv (a decode replica is done with them). A Generate that names a
+are computed; asked for keepalives, it sends one whenever ``keepalive_s`` passes without another
+message, since its caller sets no deadline on a prompt that queues) and ReleaseKv (a decode replica is done with them). A Generate that names a
 ``prefill_peer`` gets its KV from that replica when this one decodes (``LocalEngine``); any
 other role computes the prefill here and says so in ``kv_transfer.fallback_reason``.
 
@@ -23,6 +24,7 @@ about this replica with the snapshot and applies the rest on top (see engine.pro
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -52,6 +54,7 @@ from services.frontend.errors import FailedPrecondition, InvalidArgument, rpc_ha
 from services.frontend.lora_updates import LoraUpdates, runtime_updates_off
 from services.frontend.served_model import ServedModel
 from services.replica.callers import CallerScopes, caller_of
+from services.replica.keepalive import with_keepalives
 from services.replica.kv_address import may_advertise
 from services.replica.load_watch import LoadPacing, paced_reports
 from services.replica.local_engine import LocalEngine
@@ -145,13 +148,18 @@ class EngineServicer(epb_grpc.EngineServicer):
         generation = GenerationRequest(prompt, params, request.priority,
                                        request.cache_salt or None,
                                        self._lora_name(request.lora_name))
+        keepalive_s = _keepalive_interval(request.keepalive_s)
         answered = False
         with self.engine.admission.admit(request.request_id):
             outputs = self.llm.prefill(request.request_id, generation, request.announce_kv)
             try:
                 async with aclosing(outputs):
                     first_block = 0  # of the next announcement: they come in prompt order
-                    async for output in outputs:
+                    async for output in with_keepalives(outputs, keepalive_s):
+                        if output is None:
+                            await context.write(epb.PrefillResponse(
+                                request_id=request.request_id, keepalive=True))
+                            continue
                         assert output.kv_handle is not None
                         # Pinned from the first announcement on: the caller may release them.
                         self.callers.pin(request.request_id, caller, blocks,
@@ -320,3 +328,13 @@ def _one_choice(params: SamplingParams) -> SamplingParams:
             f"sampling_params.n must be 1 on the Engine API (got {params.n}); ask the "
             "Generation API for several choices, or make one call per choice")
     return params
+
+
+def _keepalive_interval(keepalive_s: float) -> float:
+    """A Prefill's keepalive interval: 0 (none), or 0.1 to 60 s; InvalidArgument otherwise."""
+    if keepalive_s == 0:
+        return 0.0
+    if not math.isfinite(keepalive_s) or not 0.1 <= keepalive_s <= 60:
+        raise InvalidArgument(f"keepalive_s must be 0 (none) or between 0.1 and 60 seconds, "
+                              f"got {keepalive_s:.3g}")
+    return keepalive_s

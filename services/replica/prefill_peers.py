@@ -4,7 +4,8 @@ Owns one gRPC channel per prefill replica (reused across requests), the Prefill 
 the engine's records (``RemoteKvChunk`` announcements, then the ``RemotePrefill`` result) and
 the fire-and-forget release once the decode side has pulled the blocks (or given up on them).
 It does not move KV: the decode engine core pulls the blocks over UCX with the handles the
-stream carries. Closing the stream before its result cancels the call, which aborts the request
+stream carries. The call has no deadline; the prefill replica's keepalives show it alive while
+the prompt queues, and a silence of ``silence_timeout_s`` ends it. Closing the stream before its result cancels the call, which aborts the request
 on the prefill replica, and releases whatever it pinned.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator
+from typing import cast
 
 import grpc
 import grpc.aio
@@ -41,9 +43,17 @@ class PrefillFailed(RemotePrefillLost):
 
 
 class PrefillPeers:
-    def __init__(self, timeout_s: float = 120.0, tls: SuiteTls | None = None,
-                 announce_kv: bool = False) -> None:
-        self.timeout_s = timeout_s
+    def __init__(self, keepalive_s: float = 5.0, silence_timeout_s: float = 30.0,
+                 tls: SuiteTls | None = None, announce_kv: bool = False) -> None:
+        # NOTE: no deadline on the whole call. Under a queue past capacity a prompt waits at
+        # the prefill replica for minutes, and a fixed deadline (it was 120 s) then gave up on
+        # prompts about to run and computed them again here, under this replica's small
+        # fallback caps (issue 27, workload B: 16-28 of 48 requests). Instead the prefill
+        # replica sends a keepalive every ``keepalive_s`` while the prompt waits or computes,
+        # and only ``silence_timeout_s`` without any message means it is lost. The client's
+        # own deadline still bounds the whole request.
+        self.keepalive_s = keepalive_s
+        self.silence_timeout_s = silence_timeout_s
         # Ask prefill replicas to announce KV blocks as they become final (--kv-overlap), so
         # that the engine pulls them while later chunks of the prompt are computed.
         self.announce_kv = announce_kv
@@ -68,11 +78,14 @@ class PrefillPeers:
             request_id=request_id, prompt_token_ids=request.prompt_token_ids,
             sampling_params=sampling_params_to_pb(request.params),
             cache_salt=request.cache_salt or "", priority=request.priority,
-            lora_name=request.lora_name or "", announce_kv=announce_kv)
-        call = self._stub(peer).Prefill(message, timeout=self.timeout_s)
+            lora_name=request.lora_name or "", announce_kv=announce_kv,
+            keepalive_s=self.keepalive_s)
+        call = self._stub(peer).Prefill(message)
         done = False
         try:
-            async for response in call:
+            while (response := await self._next(peer, call)) is not None:
+                if response.keepalive:
+                    continue
                 if response.HasField("first_token_id"):
                     result = self._result(peer, request_id, request, response)
                     done = True
@@ -95,6 +108,19 @@ class PrefillPeers:
                 call.cancel()
                 self.release(peer, request_id, "")
         raise PrefillFailed("prefill_failed", f"{peer} ended the Prefill stream without a result")
+
+    async def _next(self, peer: str, call: grpc.aio.UnaryStreamCall
+                    ) -> epb.PrefillResponse | None:
+        """The stream's next message (None at its end); PrefillFailed after a silence."""
+        try:
+            response = await asyncio.wait_for(call.read(), self.silence_timeout_s)
+        except TimeoutError:
+            # A replica that cannot even send a keepalive is as good as gone (hung, or its
+            # host unreachable without a reset): UNAVAILABLE, so the request is handed back.
+            raise PrefillFailed(
+                "prefill_failed", f"{peer} sent nothing, not even a keepalive, for "
+                f"{self.silence_timeout_s:g} s", grpc.StatusCode.UNAVAILABLE) from None
+        return None if response is grpc.aio.EOF else cast(epb.PrefillResponse, response)
 
     @staticmethod
     def _result(peer: str, request_id: str, request: GenerationRequest,

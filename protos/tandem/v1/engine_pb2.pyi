@@ -174,7 +174,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., delta_text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_transfer: _Optional[_Union[KvTransferInfo, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "cache_salt", "priority", "lora_name", "announce_kv")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "cache_salt", "priority", "lora_name", "announce_kv", "keepalive_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +182,7 @@ class PrefillRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     ANNOUNCE_KV_FIELD_NUMBER: _ClassVar[int]
+    KEEPALIVE_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: SamplingParams
@@ -189,7 +190,8 @@ class PrefillRequest(_message.Message):
     priority: int
     lora_name: str
     announce_kv: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ..., announce_kv: _Optional[bool] = ...) -> None: ...
+    keepalive_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ..., announce_kv: _Optional[bool] = ..., keepalive_s: _Optional[float] = ...) -> None: ...
 
 class KvLayout(_message.Message):
     __slots__ = ("model", "dtype", "num_layers", "num_kv_heads", "head_size", "block_size", "fingerprint")
@@ -232,20 +234,22 @@ class KvHandle(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., ucx_address: _Optional[str] = ..., ucx_port: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_deadline_unix_ms: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_token_logprobs", "kv_handle", "prompt_logprobs", "first_block")
+    __slots__ = ("request_id", "first_token_id", "first_token_logprobs", "kv_handle", "prompt_logprobs", "first_block", "keepalive")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    KEEPALIVE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     first_token_logprobs: PositionLogprobs
     kv_handle: KvHandle
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PositionLogprobs]
     first_block: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[PositionLogprobs, _Mapping]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., first_block: _Optional[int] = ...) -> None: ...
+    keepalive: bool
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[PositionLogprobs, _Mapping]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., first_block: _Optional[int] = ..., keepalive: _Optional[bool] = ...) -> None: ...
 
 class ReleaseKvRequest(_message.Message):
     __slots__ = ("request_id", "engine_id")
