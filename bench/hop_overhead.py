@@ -16,12 +16,20 @@ the difference to the path without it, measured in the same round; its CPU is it
 over the replica's (the replica and its engine core) in the same phase. Goals (issue 27): the
 gateway adds < 2 ms p99 per request and < 5% of a replica's CPU.
 
+Then the per-request latency probe (``--probe`` iterations): one request at a time, one
+output token of the same (prefix-cached) prompt, each iteration sending one request down each
+path in shuffled order over connections kept open, as a client's are. With no queue and no
+other request in flight, a path's latency is its hops' plus one engine step, and the paired
+difference per iteration (the gateway path's latency minus the direct one's sent moments
+apart) is what the hop adds to a request, with the engine's drift mostly cancelled; its p50
+and p99 are the figures for the goal's "< 2 ms p99".
+
 It also times what the gateway does per streamed message that a byte-for-byte relay would
 not: parse the replica's ``GenerateResponse``, turn it into a ``GenerationDelta`` and then
 into an OpenAI chunk, serialize it (``--micro`` iterations), against parsing and serializing
 the message alone.
 
-    python bench/hop_overhead.py [--rounds 3] [--requests 32] [--concurrency 4]
+    python bench/hop_overhead.py [--rounds 3] [--requests 32] [--concurrency 4] [--probe 200]
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ class Suite:
     replica: str
     gateway: str
     envoy_port: int
+    gateway_metrics_port: int
 
     def cpu_seconds(self) -> dict[str, float]:
         return {name: _cpu_seconds(proc.pid) for name, proc in self.processes.items()}
@@ -101,19 +110,20 @@ def _spawn(log_dir: Path, name: str, argv: list[str]) -> subprocess.Popen[bytes]
 
 def start_suite(log_dir: Path, replica_args: list[str]) -> Suite:
     replica_port, gateway_port, envoy_port = _free_port(), _free_port(), _free_port()
+    gateway_metrics_port = _free_port()
     processes = {
         "replica": _spawn(log_dir, "replica", [
             "services.replica", "--role", "both", "--port", str(replica_port),
             "--metrics-port", "0", *replica_args]),
         "gateway": _spawn(log_dir, "gateway", [
-            "gateway", "--port", str(gateway_port), "--metrics-port", "0",
+            "gateway", "--port", str(gateway_port), "--metrics-port", str(gateway_metrics_port),
             "--replica", f"127.0.0.1:{replica_port}"]),
         "envoy": _spawn(log_dir, "envoy", [
             "deploy.envoy_runner", "--http-port", str(envoy_port), "--concurrency", "1",
             "--upstream", f"127.0.0.1:{gateway_port}"]),
     }
     suite = Suite(processes, f"127.0.0.1:{replica_port}", f"127.0.0.1:{gateway_port}",
-                  envoy_port)
+                  envoy_port, gateway_metrics_port)
     deadline = time.monotonic() + 300
     for target in (suite.replica, suite.gateway, f"127.0.0.1:{envoy_port}"):
         while not _answers(target):
@@ -197,6 +207,70 @@ async def run_path(suite: Suite, path: str, requests: int, concurrency: int,
     return timings
 
 
+async def probe_latency(suite: Suite, iterations: int) -> dict[str, list[float]]:
+    """Seconds per one-token request on each path, ``iterations`` rounds of one request per
+    path in shuffled order, strictly one at a time, over kept-open connections."""
+    clients = {"direct": AsyncClient(suite.replica, timeout=60),
+               "gateway": AsyncClient(suite.gateway, timeout=60),
+               "envoy": AsyncClient(f"127.0.0.1:{suite.envoy_port}", timeout=60)}
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": 1,
+            "temperature": 0, "stream": True}
+    url = f"http://127.0.0.1:{suite.envoy_port}/v1/completions"
+    latencies: dict[str, list[float]] = {path: [] for path in PATHS}
+    async with httpx2.AsyncClient(timeout=60) as http:
+        for iteration in range(iterations + 3):  # the first 3: warm-up, not kept
+            for path in random.Random(1000 + iteration).sample(PATHS, len(PATHS)):
+                started = time.perf_counter()
+                if path == "http":
+                    async with http.stream("POST", url, json=body) as response:
+                        async for _ in response.aiter_lines():
+                            pass
+                else:
+                    async for _ in clients[path].complete_stream(PROMPT, max_tokens=1,
+                                                                 temperature=0.0):
+                        pass
+                if iteration >= 3:
+                    latencies[path].append(time.perf_counter() - started)
+    for client in clients.values():
+        await client.close()
+    return latencies
+
+
+def gateway_routing_time(suite: Suite) -> dict[str, float]:
+    """The gateway's own routing work per request (its ``routing_latency`` histogram: the
+    snapshot, hashing and picking before it forwards): how many requests, and the fraction
+    done within 1 ms and within 2 ms (the buckets' bounds)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx2.get(f"http://127.0.0.1:{suite.gateway_metrics_port}/metrics", timeout=10).text
+    buckets: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "tandem:gateway_routing_latency_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    buckets[float(sample.labels["le"])] = sample.value
+    total = buckets.get(float("inf"), 0.0)
+    return {"requests": total,
+            "fraction_within_1ms": buckets.get(0.001, 0.0) / max(total, 1.0),
+            "fraction_within_2.5ms": buckets.get(0.0025, 0.0) / max(total, 1.0)}
+
+
+def probe_summary(latencies: dict[str, list[float]]) -> dict[str, object]:
+    """Per path p50/p99 (ms), and per hop the paired per-iteration differences' p50/p99."""
+    paths = {path: {"p50_ms": 1e3 * statistics.median(v), "p99_ms": 1e3 * _pct(v, 0.99)}
+             for path, v in latencies.items()}
+    hops = {"gateway": ("direct", "gateway"), "envoy_grpc": ("gateway", "envoy"),
+            "envoy_http": ("envoy", "http")}
+    added = {}
+    for hop, (without, with_hop) in hops.items():
+        diffs = [b - a for a, b in zip(latencies[without], latencies[with_hop], strict=True)]
+        added[hop] = {"paired_p50_ms": 1e3 * statistics.median(diffs),
+                      "paired_p99_ms": 1e3 * _pct(diffs, 0.99),
+                      "p50_difference_ms": paths[with_hop]["p50_ms"] - paths[without]["p50_ms"],
+                      "p99_difference_ms": paths[with_hop]["p99_ms"] - paths[without]["p99_ms"]}
+    return {"iterations": len(latencies["direct"]), "paths": paths, "added": added}
+
+
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -254,6 +328,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--micro", type=int, default=2000)
+    parser.add_argument("--probe", type=int, default=200,
+                        help="iterations of the one-at-a-time latency probe (0: none)")
     parser.add_argument("--replica-args", default="--max-num-seqs 16",
                         help="extra flags of the replica")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/hop_overhead.json")
@@ -276,10 +352,16 @@ def main() -> None:
                 results[path] = {**summarize(timings), "cpu_seconds": cpu}
                 print(f"round {number} {path}: {results[path]}", flush=True)
             rounds.append(results)
+        probe = probe_summary(asyncio.run(probe_latency(suite, args.probe))) \
+            if args.probe else None
+        print(f"probe: {probe}", flush=True)
+        routing = gateway_routing_time(suite)
+        print(f"gateway routing: {routing}", flush=True)
     finally:
         stop_suite(suite)
     write_report(args.out, "hop_overhead", settings=vars(args) | {"out": str(args.out)},
-                 rounds=rounds, added=added_by_hops(rounds),
+                 rounds=rounds, added=added_by_hops(rounds), probe=probe,
+                 gateway_routing=routing,
                  micro=micro_relay_cost(args.micro))
 
 
