@@ -16,8 +16,13 @@ long in its own blocks; the values in the cache do not change the kernels' work)
 For each: the CPU time to issue the step, the GPU time between CUDA events around it and
 the wall time to a synchronize, as medians; then ``torch.profiler`` (CPU and CUDA) over a
 few steps, its top kernels by CUDA time written to a text file. Last, the engine end to end
-(``LLM.generate``, greedy) at the largest batch with graphs and with them switched off, and
-a profile of a few of those steps. Everything goes to ``--out`` (JSON plus the tables).
+(``LLM.generate``, greedy) at the largest batch with graphs and with them switched off: the
+wall time of every ``ModelRunner.execute`` (a timeline of tokens and ms) and a profile of a
+few steps. Everything goes to ``--out`` (JSON plus the tables).
+
+Found with it (docs/gpu.md): the replays were fast at every batch; the batch-256 slowdown
+was the scheduler's prefill time cap shrinking prompt chunks to one block beside replayed
+decodes.
 
 Owns none of the engine; it reaches into the model runner and the graph runner to time
 their parts. ``--device cpu --shape tiny`` checks the script's logic off the GPU (no
@@ -29,6 +34,7 @@ capture, Triton in its interpreter).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -36,7 +42,8 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +105,7 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def time_steps(step: Callable[[], Any], iters: int, warmup: int) -> dict[str, float]:
+def time_steps(step: Callable[[], Any], iters: int, warmup: int) -> dict[str, Any]:
     """Medians over ``iters`` steps: CPU time to issue one, GPU time between events around
     it, wall time to a synchronize after it."""
     for _ in range(warmup):
@@ -154,7 +161,8 @@ def profile_steps(step: Callable[[], Any], steps: int, out: Path, name: str) -> 
     cpu_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15,
                                           max_name_column_width=90)
     (out / f"{name}.txt").write_text(f"== by {key}\n{table}\n== by self CPU time\n{cpu_table}\n")
-    kernels, cpu_ops = [], []
+    kernels: list[dict[str, Any]] = []
+    cpu_ops: list[dict[str, Any]] = []
     for evt in prof.key_averages():
         row = {"name": evt.key[:160], "count": evt.count / steps,
                "device_us_per_step": float(getattr(evt, device_attr, 0.0) or 0.0) / steps,
@@ -274,16 +282,16 @@ def microbenchmarks(prof: Profiler, llm: LLM) -> None:
         with torch.inference_mode():
             for mode, step in step_modes(runner, graphs, static, inputs).items():
                 entry[mode] = prof.stage(f"time {mode} x{n}",
-                                         lambda s=step: time_steps(s, args.iters, args.warmup))
+                                         partial(time_steps, step, args.iters, args.warmup))
                 if n in args.batches:
                     entry[f"{mode}_profile"] = prof.stage(
                         f"profile {mode} x{n}",
-                        lambda s=step, name=f"profile_{mode}_x{n}": profile_steps(
-                            s, args.profile_steps, prof.out, name))
+                        partial(profile_steps, step, args.profile_steps, prof.out,
+                                f"profile_{mode}_x{n}"))
             hidden = static.run(inputs)
             entry["lm_head_argmax"] = prof.stage(
-                f"time lm head x{n}", lambda h=hidden: time_steps(lm_head_step(runner, h),
-                                                                  args.iters, args.warmup))
+                f"time lm head x{n}",
+                partial(time_steps, lm_head_step(runner, hidden), args.iters, args.warmup))
             if graphs is None or n != largest:
                 continue
             variants = (("alone_private_pool", graphs.max_model_len, True, False),
@@ -291,15 +299,42 @@ def microbenchmarks(prof: Profiler, llm: LLM) -> None:
                         ("alone_side_stream_warmup", graphs.max_model_len, True, True))
             for label, plan_len, private, side in variants:
                 other = prof.stage(f"capture {label} x{n}",
-                                   lambda size=n, p=plan_len, q=private, r=side: recaptured(
-                                       runner, graphs, size, p, q, r))
+                                   partial(recaptured, runner, graphs, n, plan_len, private,
+                                           side))
                 if other is not None:
                     entry[f"graph_{label}"] = prof.stage(
                         f"time graph {label} x{n}",
-                        lambda o=other, i=inputs: time_steps(lambda: o.run(i), args.iters,
-                                                             args.warmup))
+                        partial(time_steps, partial(other.run, inputs), args.iters,
+                                args.warmup))
                     del other
                     gc.collect()
+
+
+@contextlib.contextmanager
+def step_timeline(runner: ModelRunner) -> Iterator[list[tuple[int, float]]]:
+    """Records (tokens scheduled, wall ms) of every ``ModelRunner.execute`` inside; a step
+    that samples waits for its GPU work (the sampled tokens go to the host)."""
+    timeline: list[tuple[int, float]] = []
+    execute = runner.execute
+
+    def timed(scheduler_output: Any) -> Any:
+        start = time.perf_counter()
+        result = execute(scheduler_output)
+        tokens = sum(s.num_new_tokens for s in scheduler_output.scheduled)
+        timeline.append((tokens, 1e3 * (time.perf_counter() - start)))
+        return result
+
+    runner.execute = timed  # type: ignore[method-assign]
+    try:
+        yield timeline
+    finally:
+        del runner.execute
+
+
+def decode_step_medians(timeline: list[tuple[int, float]], batch: int) -> list[float]:
+    """Median ms of the full-batch decode steps, 32 consecutive steps at a time."""
+    decode = [ms for tokens, ms in timeline if tokens == batch]
+    return [statistics.median(decode[i:i + 32]) for i in range(0, len(decode), 32)]
 
 
 def end_to_end(prof: Profiler, llm: LLM) -> None:
@@ -332,17 +367,20 @@ def end_to_end(prof: Profiler, llm: LLM) -> None:
             def measure() -> dict[str, Any]:
                 generate(warm, 4)
                 before = graphs.num_steps if graphs is not None else 0
-                full = generate(prompts, args.output_len)
+                with step_timeline(runner) as timeline:
+                    full = generate(prompts, args.output_len)
                 one = generate(prompts, 1)
                 return {"seconds": full, "one_token_seconds": one,
                         "ms_per_decode_step": 1e3 * (full - one) / (args.output_len - 1),
                         "graph_replays": (graphs.num_steps - before
-                                          if graphs is not None else 0)}
+                                          if graphs is not None else 0),
+                        "decode_step_ms_by_32_steps": decode_step_medians(timeline, n),
+                        "timeline_tokens_ms": timeline}
             result[mode] = prof.stage(f"end to end {mode} x{n}", measure)
             result[f"{mode}_profile"] = prof.stage(
                 f"profile end to end {mode} x{n}",
-                lambda m=mode: profile_steps(lambda: generate(prompts, args.profile_tokens), 1,
-                                             prof.out, f"profile_e2e_{m}_x{n}"))
+                partial(profile_steps, partial(generate, prompts, args.profile_tokens), 1,
+                        prof.out, f"profile_e2e_{mode}_x{n}"))
         finally:
             runner.decode_graphs = graphs
 
@@ -369,6 +407,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=33)
     parser.add_argument("--profile-tokens", type=int, default=6)
     parser.add_argument("--skip-e2e", action="store_true")
+    parser.add_argument("--skip-micro", action="store_true",
+                        help="only the end-to-end runs")
     return parser.parse_args(argv)
 
 
@@ -386,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
                            "captured": None if runner.decode_graphs is None
                            else runner.decode_graphs.sizes,
                            "max_model_len": llm.core.max_model_len}
-    microbenchmarks(prof, llm)
+    if not args.skip_micro:
+        microbenchmarks(prof, llm)
     if not args.skip_e2e:
         end_to_end(prof, llm)
     prof.save()
@@ -418,7 +459,8 @@ def summary(data: dict[str, Any]) -> list[str]:
                          f"{result['self_cpu_ms_per_step']:.1f} ms per generate: {top}")
         if isinstance(result, dict) and "ms_per_decode_step" in result:
             lines.append(f"e2e {mode}: {result['ms_per_decode_step']:.2f} ms per decode step, "
-                         f"{result['graph_replays']} replays")
+                         f"{result['graph_replays']} replays; by 32 steps: "
+                         + " ".join(f"{ms:.1f}" for ms in result["decode_step_ms_by_32_steps"]))
     lines.append(f"errors: {len(data.get('errors', []))}")
     return lines
 
