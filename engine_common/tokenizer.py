@@ -3,15 +3,18 @@
 Owns reading the tokenizer of a local Hugging Face model directory (never the network) and
 combining the end-of-sequence ids the tokenizer and ``generation_config.json`` declare. It
 does not own detokenization or stop-string handling (the detokenizer).
+
+transformers is imported where a tokenizer is loaded, not here, and only as far as the
+tokenizer needs: ``AutoTokenizer`` imports transformers' configuration classes and with them
+torch (4-5 s of CPU), which the gateway does not otherwise need.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
-
-from transformers import AutoTokenizer, PreTrainedConfig
 
 
 def load_tokenizer(model_dir: str | Path, chat_template: str | None = None) -> Any:
@@ -27,11 +30,57 @@ def load_tokenizer(model_dir: str | Path, chat_template: str | None = None) -> A
             f"model directory {str(model_dir)!r} does not exist; expected a local Hugging Face "
             "model directory with tokenizer files"
         )
-    tokenizer = AutoTokenizer.from_pretrained(
-        str(model_dir), local_files_only=True, **_declared_model_config(model_dir))
+    tokenizer_class = _known_tokenizer_class(model_dir)
+    if tokenizer_class is not None:
+        tokenizer = tokenizer_class.from_pretrained(str(model_dir), local_files_only=True)
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(model_dir), local_files_only=True, **_declared_model_config(model_dir))
     if chat_template is not None:
         tokenizer.chat_template = read_chat_template(chat_template)
     return tokenizer
+
+
+# The class AutoTokenizer (transformers 5.23) picks, by config.json's model_type, for a
+# tokenizer_config.json that declares one of _GENERIC_CLASSES and no auto_map: the class it
+# registers for a model type whose hub files it knows to declare the wrong class (qwen2), else
+# the generic one. Mistral's is MistralCommonBackend where mistral_common is installed: there
+# AutoTokenizer decides. tests/test_model_forward.py checks each against AutoTokenizer's choice.
+_GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+_CLASS_BY_MODEL_TYPE = {"llama": "TokenizersBackend", "mistral": "TokenizersBackend",
+                        "qwen2": "Qwen2Tokenizer", "qwen3": "TokenizersBackend"}
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _known_tokenizer_class(model_dir: Path) -> Any:
+    """The tokenizer class AutoTokenizer would pick for ``model_dir``, where that is certain
+    without importing AutoTokenizer (``_CLASS_BY_MODEL_TYPE``); None where AutoTokenizer must
+    decide. Only an absolute directory: AutoTokenizer matches a name like a hub id (org/name)
+    against a list of checkpoints it loads generically, which no absolute path matches."""
+    tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
+    model_config = _read_json(model_dir / "config.json")
+    if tokenizer_config is None or model_config is None or not model_dir.is_absolute():
+        return None
+    if tokenizer_config.get("tokenizer_class") not in _GENERIC_CLASSES or \
+            "auto_map" in tokenizer_config:
+        return None
+    name = _CLASS_BY_MODEL_TYPE.get(str(model_config.get("model_type")))
+    if name is None or (model_config.get("model_type") == "mistral"
+                        and importlib.util.find_spec("mistral_common") is not None):
+        return None
+    import transformers  # the tokenizer classes only (its lazy module imports just them)
+
+    return getattr(transformers, name)
 
 
 def _declared_model_config(model_dir: Path) -> dict[str, Any]:
@@ -45,16 +94,15 @@ def _declared_model_config(model_dir: Path) -> dict[str, Any]:
     same tokenizer (tests/test_detokenizer.py checks it per architecture). Otherwise nothing
     is passed and ``AutoTokenizer`` decides as usual.
     """
-    try:
-        with open(model_dir / "tokenizer_config.json", encoding="utf-8") as f:
-            declares_class = bool(json.load(f).get("tokenizer_class"))
-        with open(model_dir / "config.json", encoding="utf-8") as f:
-            model_config = json.load(f)
-    except (OSError, ValueError):
+    tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
+    model_config = _read_json(model_dir / "config.json")
+    if tokenizer_config is None or model_config is None:
         return {}
     model_type = model_config.get("model_type")
-    if not declares_class or not isinstance(model_type, str):
+    if not tokenizer_config.get("tokenizer_class") or not isinstance(model_type, str):
         return {}
+    from transformers import PreTrainedConfig
+
     config = PreTrainedConfig()
     # Set as AutoConfig would set them on the model's own config (model_type is a class
     # attribute there, and the typed constructor takes none of these).

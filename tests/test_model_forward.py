@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +32,12 @@ from engine_common.model.attention.torch_backend import TorchAttentionBackend
 from engine_common.model.llama import LlamaForCausalLM
 from engine_common.model.loader import load_model, resolve_dtype
 from engine_common.model.packed_linear import bf16_packing_supported
-from engine_common.tokenizer import _declared_model_config, eos_token_ids, load_tokenizer
+from engine_common.tokenizer import (
+    _declared_model_config,
+    _known_tokenizer_class,
+    eos_token_ids,
+    load_tokenizer,
+)
 from tests.model_factory import build_tiny_model
 
 BLOCK_SIZE = 4
@@ -503,23 +510,38 @@ def test_tokenizer_and_eos_ids(tiny_llama_dir, tmp_path):
         load_tokenizer(tmp_path / "missing")
 
 
+def _with_tokenizer_class(model_dir: Path, copy: Path, tokenizer_class: str | None) -> Path:
+    """A copy of ``model_dir`` whose tokenizer_config.json declares ``tokenizer_class``
+    (None: no class)."""
+    shutil.copytree(model_dir, copy)
+    settings = json.loads((copy / "tokenizer_config.json").read_text())
+    settings.pop("tokenizer_class")
+    if tokenizer_class is not None:
+        settings["tokenizer_class"] = tokenizer_class
+    (copy / "tokenizer_config.json").write_text(json.dumps(settings))
+    return copy
+
+
 def test_tokenizer_equals_auto_tokenizers_choice_without_its_config_import(
         tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_mistral_dir, smollm2_dir, tmp_path):
-    """``load_tokenizer`` hands AutoTokenizer a plain config (so it skips importing the
-    model's configuration class); the tokenizer must be the one AutoTokenizer picks alone."""
-    undeclared = tmp_path / "undeclared"
-    shutil.copytree(tiny_qwen2_dir, undeclared)
-    settings = json.loads((undeclared / "tokenizer_config.json").read_text())
-    del settings["tokenizer_class"]
-    (undeclared / "tokenizer_config.json").write_text(json.dumps(settings))
+    """``load_tokenizer`` picks the class itself for the model types it knows (no
+    AutoTokenizer, which imports torch), else hands AutoTokenizer a plain config (so it skips
+    importing the model's configuration class), else lets it decide alone; the tokenizer must
+    be the one AutoTokenizer picks alone, each way."""
+    known = [tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_mistral_dir, smollm2_dir,
+             *(_with_tokenizer_class(d, tmp_path / f"fast-{d.name}", "PreTrainedTokenizerFast")
+               for d in (tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_mistral_dir))]
+    declared = [_with_tokenizer_class(tiny_qwen2_dir, tmp_path / "qwen2-class", "Qwen2Tokenizer")]
+    undeclared = _with_tokenizer_class(tiny_qwen2_dir, tmp_path / "undeclared", None)
     assert _declared_model_config(undeclared) == {}  # AutoTokenizer decides alone
     text = "Hello, world! Naïve café — 你好 🎉 <|im_start|>user\n\tx  y<|im_end|>"
     chat = [{"role": "user", "content": "What is 2+2?"}]
-    for model_dir in (tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_mistral_dir,
-                      smollm2_dir, undeclared):
+    for model_dir in (*known, *declared, undeclared):
         ours = load_tokenizer(model_dir)
         reference = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-        if model_dir != undeclared:  # the quick path is the one taken
+        # The quickest path there is the one taken.
+        assert (_known_tokenizer_class(model_dir) is not None) == (model_dir in known)
+        if model_dir in declared:
             model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
             assert _declared_model_config(model_dir)["config"].model_type == model_type
         assert type(ours) is type(reference), model_dir
@@ -528,6 +550,18 @@ def test_tokenizer_equals_auto_tokenizers_choice_without_its_config_import(
         assert ours.special_tokens_map == reference.special_tokens_map
         assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
             reference.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+
+def test_the_gateway_loads_a_known_tokenizer_without_torch(tiny_llama_dir):
+    """The gateway's inputs (tokenizer, limits, sampling defaults) load without importing
+    torch, which would cost every gateway start 4-5 s of CPU."""
+    code = ("import sys\nfrom gateway.server import load_inputs\n"
+            f"inputs = load_inputs({str(tiny_llama_dir)!r})\n"
+            "inputs.tokenize_chat([{'role': 'user', 'content': 'hello'}])\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.fixture(scope="session")

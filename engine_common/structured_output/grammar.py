@@ -12,7 +12,8 @@ Compiling happens synchronously where a request is added (the engine core, and t
 check before admission): it takes a few milliseconds (2-5 ms measured for small schemas) and
 xgrammar caches compiled grammars, so a repeated schema costs a lookup. xgrammar's tokenizer
 table is built on the first constrained request (about 0.3 s for a 128k vocabulary), so a
-replica that never sees one pays nothing.
+replica that never sees one pays nothing; xgrammar itself is imported then too (it imports
+transformers' tokenizer modules and part of torch's: about 1 s of every process start).
 
 The mask is applied to the logits before the sampler, as vLLM V1 does: logit bias,
 min-tokens suppression and penalties then act on masked logits (a masked token stays at
@@ -27,11 +28,10 @@ import json
 import re
 import threading
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import xgrammar as xgr
 
 from engine_common.structured_output.spec import StructuredOutputError, StructuredOutputSpec
 
@@ -40,6 +40,9 @@ _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 # Any JSON object; a schema rather than xgrammar's builtin JSON grammar, which accepts any
 # JSON value (OpenAI's json_object promises an object) and any whitespace.
 _ANY_OBJECT_SCHEMA = '{"type": "object"}'
+
+if TYPE_CHECKING:  # imported where used, at the first constrained request
+    import xgrammar as xgr
 
 
 def _xgrammar_message(error: Exception) -> str:
@@ -64,6 +67,8 @@ class GrammarCompiler:
     def _xgr_compiler(self) -> xgr.GrammarCompiler:
         with self._lock:
             if self._compiler is None:
+                import xgrammar as xgr
+
                 info = xgr.TokenizerInfo.from_huggingface(
                     self._tokenizer, vocab_size=self.vocab_size,
                     # None: xgrammar finds the tokenizer's own EOS (an empty list is an error).
@@ -107,6 +112,8 @@ class GrammarCompiler:
             raise StructuredOutputError(
                 f"starts_after / waits_if_first token ids must be in [0, {self.vocab_size}); "
                 f"got {list(tokens)}")
+        import xgrammar as xgr
+
         grammar = RequestGrammar(xgr.GrammarMatcher(self.compile(spec)), spec.starts_after,
                                  spec.waits_if_first)
         for i, token_id in enumerate(accepted_token_ids):
@@ -192,6 +199,8 @@ class GrammarBitmask:
         self._cpu = self._allocate(max_rows)
 
     def _allocate(self, num_rows: int) -> torch.Tensor:
+        import xgrammar as xgr
+
         buffer = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
         return buffer.pin_memory() if self.device.type == "cuda" else buffer
 
@@ -207,6 +216,8 @@ class GrammarBitmask:
         bitmask = self._cpu[:num_rows]
         if self.device.type != "cpu":
             bitmask = bitmask.to(self.device, non_blocking=True)
+        import xgrammar as xgr
+
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
                                         indices=[row for row, _ in grammars])
 
