@@ -7,12 +7,15 @@ capacity admitted 44 requests of 512 + 128 tokens into a pool of ~36 such, reach
 use, then preempted the latest arrivals over and over while vLLM, with the same pool, held 36
 without preempting). TGI reserves each request's whole ``max_new_tokens``; SGLang a fraction
 of it, raised after each retraction. Here each running request is reserved the tokens it is
-expected still to generate: its remaining ``max_tokens``, but no more than recent requests
-actually produced (the 90th percentile of the last ``window`` finished requests' output
-lengths), since a chat request that leaves ``max_tokens`` unset may run to the model's whole
-context and would otherwise reserve it. Before any request has finished, ``initial_tokens``
-stands in for that percentile. A request that outgrows the estimate reserves nothing more;
-preemption remains the safety net for what the estimate misses.
+expected still to generate: its remaining ``max_tokens``, but no more than the larger of
+``floor_tokens`` and what recent requests actually produced (the 90th percentile of the last
+``window`` finished requests' output lengths), since a chat request that leaves ``max_tokens``
+unset may run to the model's whole context and would otherwise reserve it. The floor keeps a
+few short requests (a replica's warm-up, a health probe's one token) from lowering the
+reserve of the long ones that follow: a burst is admitted long before any of it finishes,
+so an estimate from short requests was the cause of the very preemptions this prevents. A
+request that outgrows the estimate reserves nothing more; preemption remains the safety net
+for what the estimate misses.
 
 Owns the estimate and the reserve in blocks. It does not admit or preempt (``scheduler``) nor
 hold blocks (``kv_cache_manager``).
@@ -31,11 +34,11 @@ _PERCENTILE = 0.9
 
 
 class OutputRoom:
-    def __init__(self, block_size: int, window: int = 64, initial_tokens: int = 256):
-        if block_size < 1 or window < 1 or initial_tokens < 0:
-            raise ValueError("block_size and window must be positive, initial_tokens >= 0")
+    def __init__(self, block_size: int, window: int = 64, floor_tokens: int = 256):
+        if block_size < 1 or window < 1 or floor_tokens < 0:
+            raise ValueError("block_size and window must be positive, floor_tokens >= 0")
         self.block_size = block_size
-        self.initial_tokens = initial_tokens
+        self.floor_tokens = floor_tokens
         self._lengths: deque[int] = deque(maxlen=window)
         self._expected: int | None = None  # the percentile, cached until the next finish
 
@@ -46,12 +49,13 @@ class OutputRoom:
 
     @property
     def expected_output_tokens(self) -> int:
-        """How many output tokens a request is expected to reach, by the recent ones."""
-        if not self._lengths:
-            return self.initial_tokens
+        """How many output tokens a request is expected to reach: the floor, or more if
+        recent requests ran longer."""
         if self._expected is None:
             ordered = sorted(self._lengths)
-            self._expected = ordered[min(len(ordered) - 1, int(_PERCENTILE * len(ordered)))]
+            recent = ordered[min(len(ordered) - 1, int(_PERCENTILE * len(ordered)))] \
+                if ordered else 0
+            self._expected = max(self.floor_tokens, recent)
         return self._expected
 
     def blocks_still_needed(self, request: Request, num_held_blocks: int) -> int:
