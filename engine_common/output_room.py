@@ -24,7 +24,6 @@ hold blocks (``kv_cache_manager``).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
 
 from engine_common.request import Request
 
@@ -66,7 +65,3 @@ class OutputRoom:
                              request.num_prompt_tokens + self.expected_output_tokens)
         needed_tokens = max(request.num_tokens, expected_total)
         return max(0, -(-needed_tokens // self.block_size) - num_held_blocks)
-
-    def reserve(self, requests: Iterable[tuple[Request, int]]) -> int:
-        """Blocks to keep free for ``(request, num_held_blocks)`` pairs to grow into."""
-        return sum(self.blocks_still_needed(r, held) for r, held in requests)

@@ -351,15 +351,11 @@ class Scheduler:
     def _admission_reserve(self) -> int:
         """Blocks an admission must leave free: the watermark, and with ``reserve_output_room``
         what the running requests and those receiving their KV are expected to grow into."""
-        if self.output_room is None:
-            return self._watermark_blocks
-        kv = self.kv_cache_manager
-        return self._watermark_blocks + self.output_room.reserve(
-            (r, len(kv.get_block_ids(r.request_id)))
-            for r in itertools.chain(self.running, self.receiving.values()))
+        return self._watermark_blocks + sum(
+            self._reserve_for(r) for r in itertools.chain(self.running, self.receiving.values()))
 
     def _reserve_for(self, request: Request) -> int:
-        """What a request just admitted adds to the reserve of the admissions after it."""
+        """The blocks a request holding some is expected to add (0 without the reserve)."""
         if self.output_room is None:
             return 0
         held = len(self.kv_cache_manager.get_block_ids(request.request_id))

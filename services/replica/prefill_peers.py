@@ -5,8 +5,9 @@ the engine's records (``RemoteKvChunk`` announcements, then the ``RemotePrefill`
 the fire-and-forget release once the decode side has pulled the blocks (or given up on them).
 It does not move KV: the decode engine core pulls the blocks over UCX with the handles the
 stream carries. The call has no deadline; the prefill replica's keepalives show it alive while
-the prompt queues, and a silence of ``silence_timeout_s`` ends it. Closing the stream before its result cancels the call, which aborts the request
-on the prefill replica, and releases whatever it pinned.
+the prompt queues, and a silence of ``silence_timeout_s`` ends it. Closing the stream before
+its result cancels the call, which aborts the request on the prefill replica, and releases
+whatever it pinned.
 """
 
 from __future__ import annotations
