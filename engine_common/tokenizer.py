@@ -91,7 +91,7 @@ def _declared_model_config(model_dir: Path) -> dict[str, Any]:
     transformers' modeling stack, 1.5 s of every replica's, engine core's and gateway's start.
     When ``tokenizer_config.json`` names the tokenizer class, the class is all it looks up by
     the config's type, so a plain config carrying the same ``model_type`` and path picks the
-    same tokenizer (tests/test_detokenizer.py checks it per architecture). Otherwise nothing
+    same tokenizer (tests/test_model_forward.py checks it per architecture). Otherwise nothing
     is passed and ``AutoTokenizer`` decides as usual.
     """
     tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
