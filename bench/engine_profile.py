@@ -156,6 +156,56 @@ def profile(llm: LLM, prompts: list[list[int]], steps: int) -> dict[str, object]
     }
 
 
+def linear_flops_per_token(llm: LLM) -> float:
+    """FLOPs of the projections and the LM head for one token (2 per multiply-add)."""
+    a = llm.core.arch
+    q, kv = a.num_heads * a.head_size, a.num_kv_heads * a.head_size
+    per_layer = a.hidden_size * (q + 2 * kv) + q * a.hidden_size \
+        + 3 * a.hidden_size * a.intermediate_size
+    return 2.0 * (a.num_layers * per_layer + a.hidden_size * a.vocab_size)
+
+
+def gemm_roof_gflops(size: int = 1024, repeats: int = 10) -> float:
+    """What a large float32 matmul reaches on these cores and threads (best of ``repeats``):
+    the practical roof the linear layers' GEMMs can be held against."""
+    x, w = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(x, w)
+    best = min(_timed(lambda: torch.mm(x, w)) for _ in range(repeats))
+    return 2 * size ** 3 / best / 1e9
+
+
+def _timed(fn) -> float:  # type: ignore[no-untyped-def]
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def linear_bound(llm: LLM, result: dict[str, object], batch: int, prompt_len: int
+                 ) -> dict[str, float]:
+    """The linear layers' achieved GFLOPS in a decode step and in the prefill step, against
+    the GEMM roof on the same cores, and how fast the engine could be if everything but the
+    linear layers took no time (the bound on any gain that leaves the GEMMs as they are)."""
+    flops = linear_flops_per_token(llm)
+    parts = result["parts_percent"]
+    prefill_parts = result["prefill_profile"]["parts_percent"]  # type: ignore[index]
+    decode_s = result["step_ms_unprofiled"]["median"] / 1000  # type: ignore[index]
+    prefill_s = result["prefill_step"]["wall_s"]  # type: ignore[index]
+    decode_linear = parts["linear (projections + LM head)"] / 100  # type: ignore[index]
+    prefill_linear = prefill_parts["linear (projections + LM head)"] / 100
+    # The LM head runs on each prompt's last position only.
+    prefill_flops = batch * (prompt_len * flops - (prompt_len - 1) * 2 * llm.core.arch.hidden_size
+                             * llm.core.arch.vocab_size)
+    return {
+        "gemm_roof_gflops": gemm_roof_gflops(),
+        "decode_linear_gflops": batch * flops / (decode_s * decode_linear) / 1e9,
+        "prefill_linear_gflops": prefill_flops / (prefill_s * prefill_linear) / 1e9,
+        "decode_linear_share": decode_linear,
+        "prefill_linear_share": prefill_linear,
+        "max_speedup_decode_if_only_linear": 1 / decode_linear,
+        "max_speedup_prefill_if_only_linear": 1 / prefill_linear,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -176,6 +226,7 @@ def main() -> None:
     prompts = make_prompts(args.num_prompts, args.prompt_len, 49152, seed=0)
     llm = build_engine(model, args.num_prompts)
     result = profile(llm, prompts, args.steps)
+    result["linear_bound"] = linear_bound(llm, result, args.num_prompts, args.prompt_len)
     runner = llm.core.model_runner
     name = f"engine_profile_{args.label}_{len(cpus)}core"
     report = {
@@ -206,6 +257,8 @@ def main() -> None:
                f"parts (% of profiled self time):\n" +
                "".join(f"  {k:34s} {v:5.1f}\n" for k, v in result["parts_percent"].items()) +
                "\n" + str(result["table"]) +
+               "\n\nlinear layers against the GEMM roof: " + json.dumps(
+                   {k: round(v, 2) for k, v in result["linear_bound"].items()}) +  # type: ignore[union-attr]
                "\n\nprefill step, parts (% of profiled self time):\n" +
                "".join(f"  {k:34s} {v:5.1f}\n" for k, v in prefill_parts.items()) +
                "\n" + str(prefill_profile["table"]))
