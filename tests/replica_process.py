@@ -51,19 +51,31 @@ STARTUP_TIMEOUT_S = 240.0
 # Ports for the servers tests start come from below Linux's ephemeral range (32768 and up by
 # default): a port the kernel hands out for bind(0) or an outgoing connection (Envoy's admin
 # listener, a UCX listener, any client socket) can then never take one between our choosing
-# it and the server binding it, and no port is handed out twice in a run.
-_next_test_port = [20000 + random.randrange(0, 8000, 1000)]
+# it and the server binding it, and no port is handed out twice in a run. Under pytest-xdist
+# each worker (PYTEST_XDIST_WORKER gw0, gw1, ...) draws from its own slice of the range, so
+# two workers never choose the same port either.
+def _port_slice() -> tuple[int, int]:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    index = int(worker) if worker.isdigit() else 0
+    span = (32768 - 20000) // max(workers, 1)
+    return 20000 + index * span, 20000 + (index + 1) * span
+
+
+_PORT_SLICE = _port_slice()
+_next_test_port = [_PORT_SLICE[0] + random.randrange(0, (_PORT_SLICE[1] - _PORT_SLICE[0]) // 2,
+                                                     1000)]
 
 
 def free_ports(count: int) -> int:
     """The first of ``count`` consecutive loopback ports nothing listens on (for flags that
     take a base port), outside the kernel's ephemeral range."""
-    while _next_test_port[0] + count <= 32768:
+    while _next_test_port[0] + count <= _PORT_SLICE[1]:
         first = _next_test_port[0]
         _next_test_port[0] += count
         if all(_bindable(port) for port in range(first, first + count)):
             return first
-    raise RuntimeError("ran out of test ports below 32768")
+    raise RuntimeError(f"ran out of test ports below {_PORT_SLICE[1]}")
 
 
 def free_port() -> int:
