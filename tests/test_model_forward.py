@@ -564,15 +564,6 @@ def test_the_gateway_loads_a_known_tokenizer_without_torch(tiny_llama_dir):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-@pytest.fixture(scope="session")
-def smollm2_dir() -> Path:
-    # NOTE: the cache every default-model user shares ($TANDEM_CACHE_DIR, which `make test`
-    # sets to the checkout's .cache/tandem): converting costs ~30 s here, and whichever test
-    # needs the model first (the demo's, in `make test`) converts it; this one checks the
-    # result either way.
-    return ensure_default_model()
-
-
 def test_default_model_conversion(smollm2_dir):
     config = json.loads((smollm2_dir / "config.json").read_text())
     assert "quantization_config" not in config
