@@ -36,6 +36,7 @@ pytestmark = pytest.mark.timeout(600)
 
 HUGE = 100_000
 STREAM_TOKENS = 300
+HTTP_STREAM_TOKENS = 450
 MESSAGES = [{"role": "user", "content": "Tell me a long story about the sea"}]
 
 
@@ -187,7 +188,9 @@ def _post(url: str, body: bytes, timeout: float) -> tuple[int, Any]:
 
 
 def _http_stream(base_url: str, lines: list[str], started: threading.Event) -> None:
-    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": STREAM_TOKENS,
+    # Longer than the gRPC tests' stream: the bad HTTP bodies (100 KB ones among them) go
+    # through Envoy's transcoding, slower than gRPC; within the tiny model's 512 positions.
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": HTTP_STREAM_TOKENS,
             "temperature": 0, "ignore_eos": True, "stream": True}
     status, reply = _post(f"{base_url}/chat/completions", json.dumps(body).encode(), 300)
     with reply:
@@ -223,15 +226,20 @@ def test_bad_http_requests_leave_a_stream_on_envoys_upstream_connection_alone(
     try:
         assert started.wait(120)
         refusals = []
+        answered_while_streaming = 0
         for path, what, body, field in BAD_HTTP_BODIES * 2:
             status, reply = _post(openai_stack.base_url + path, body, 60)
             with reply:
                 refusals.append((what, status, reply.read(), field))
-        still_streaming = stream.is_alive()
+            answered_while_streaming += stream.is_alive()
     finally:
         stream.join(300)
     assert _http_text(lines) == _http_text(alone), "the stream was disturbed"
-    assert still_streaming, "the stream ended before the bad requests did: make it longer"
+    # NOTE: a whole round of bad bodies must cross the stream; the second round may outlast
+    # it on a loaded machine (a fresh make test once saw the stream end first).
+    assert answered_while_streaming >= len(BAD_HTTP_BODIES), (
+        f"only {answered_while_streaming} bad requests were answered while the stream ran: "
+        "make it longer")
     for what, status, text, field in refusals:
         assert status == 400, (what, status, text[:300])
         assert len(text) <= 2 * MAX_STATUS_MESSAGE_BYTES, (what, len(text))
