@@ -337,7 +337,8 @@ class Scheduler:
             break
 
         # 2. WAITING requests, unless this step had to preempt (no room to admit anyone).
-        if not out.preempted_request_ids:
+        # (The reserve walks the running requests: only when someone waits.)
+        if not out.preempted_request_ids and len(self.waiting) > 0:
             try:
                 # Everything admitted here is a prefill (a remote one takes no budget).
                 self._admit_waiting(out, min(budget, prefill_room), self._admission_reserve())

@@ -6,10 +6,11 @@ counters, once or as they change: ``load_watch`` paces them),
 WatchKvEvents, GetInfo, and the P/D pair on a prefill replica: Prefill (compute the prompt,
 sample the first token, pin the blocks under a lease, answer with a KV handle; asked to
 announce the KV, it first streams handles on the blocks that become final while later chunks
-are computed; asked for keepalives, it sends one whenever ``keepalive_s`` passes without another
-message, since its caller sets no deadline on a prompt that queues) and ReleaseKv (a decode replica is done with them). A Generate that names a
-``prefill_peer`` gets its KV from that replica when this one decodes (``LocalEngine``); any
-other role computes the prefill here and says so in ``kv_transfer.fallback_reason``.
+are computed; asked for keepalives, it sends one whenever ``keepalive_s`` passes without
+another message, since its caller sets no deadline on a prompt that queues) and ReleaseKv (a
+decode replica is done with them). A Generate that names a ``prefill_peer`` gets its KV from
+that replica when this one decodes (``LocalEngine``); any other role computes the prefill here
+and says so in ``kv_transfer.fallback_reason``.
 
 WatchKvEvents replays the batches after ``since_seq`` and then streams new ones live. Every
 message carries the engine's incarnation, a random id drawn once per engine start, and a
