@@ -169,6 +169,7 @@ class EngineProxy:
         self.picker_config = picker_config or PickerConfig()
         self.retry_policy = retry_policy or RetryPolicy()
         self._tie_breaks = itertools.count()
+        self._closing: set[asyncio.Task[None]] = set()  # finished calls awaiting their status
 
     def route(
         self, prompt_token_ids: list[int], cache_salt: str = "",
@@ -300,19 +301,28 @@ class EngineProxy:
                 yield self._relay(stream, response)
                 if response.HasField("finish_reason"):
                     attempt.finished = True
-                    # NOTE: the replica's status follows its last message at once: waiting
-                    # for it (briefly) lets the call end as served there, not as cancelled
-                    # by the ``finally`` below (its request log said CANCELLED at random).
-                    with contextlib.suppress(asyncio.TimeoutError, grpc.aio.AioRpcError):
-                        await asyncio.wait_for(call.code(), _STATUS_WAIT_S)
                     return
         except grpc.aio.AioRpcError as error:
             attempt.error = error
         finally:
-            call.cancel()
+            if attempt.finished:
+                self._close_after_status(call)
+            else:
+                call.cancel()
             for address in (attempt.decode, prefill):
                 if address is not None:
                     self.loads.stream_finished(address)
+
+    def _close_after_status(self, call: grpc.aio.UnaryStreamCall) -> None:
+        """End a call whose last message came: once the replica's status arrives (it follows
+        at once), or after ``_STATUS_WAIT_S``.
+
+        NOTE: cancelling at once made the replica log the call as CANCELLED at random, not
+        as served; the wait runs beside the request, so the client's stream ends without it.
+        """
+        task = asyncio.create_task(_cancel_after_status(call))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def _check_prefill(self, attempt: _Attempt,
                        response: engine_pb2.GenerateResponse) -> None:
@@ -414,3 +424,9 @@ class EngineProxy:
         self.metrics.resumptions.labels("resumed").inc()
         logger.info("request %s: %s failed after %d tokens (%s); resuming elsewhere",
                     stream.request.request_id, decode, len(stream.sent), code.name)
+
+
+async def _cancel_after_status(call: grpc.aio.UnaryStreamCall) -> None:
+    with contextlib.suppress(asyncio.TimeoutError, grpc.aio.AioRpcError):
+        await asyncio.wait_for(call.code(), _STATUS_WAIT_S)
+    call.cancel()
