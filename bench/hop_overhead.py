@@ -22,7 +22,12 @@ path in shuffled order over connections kept open, as a client's are. With no qu
 other request in flight, a path's latency is its hops' plus one engine step, and the paired
 difference per iteration (the gateway path's latency minus the direct one's sent moments
 apart) is what the hop adds to a request, with the engine's drift mostly cancelled; its p50
-and p99 are the figures for the goal's "< 2 ms p99".
+and p99 are the figures for the goal's "< 2 ms p99". Each iteration also makes one call to a
+bare grpc.aio server in another process (``Engine.Generate`` answering one message at once,
+no interceptors, no engine): the least any Python gRPC hop costs here, the gateway's floor.
+The gateway's and the replica's request logs then split the probe's gateway requests: the
+gateway's own time around the replica's call (its log's total less the replica's for the
+same request id: routing, the hop both ways, relaying) and the rest.
 
 It also times what the gateway does per streamed message that a byte-for-byte relay would
 not: parse the replica's ``GenerateResponse``, turn it into a ``GenerationDelta`` and then
@@ -38,15 +43,17 @@ import argparse
 import asyncio
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import grpc.aio
 import httpx2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.report import write_report  # noqa: E402
 from protos.tandem.v1 import engine_pb2 as epb  # noqa: E402
+from protos.tandem.v1 import engine_pb2_grpc as epb_grpc  # noqa: E402
 from tandem import AsyncClient  # noqa: E402
 
 PATHS = ("direct", "gateway", "envoy", "http")
@@ -68,6 +76,8 @@ class Suite:
     gateway: str
     envoy_port: int
     gateway_metrics_port: int
+    bare_hop: str
+    log_dir: Path
 
     def cpu_seconds(self) -> dict[str, float]:
         return {name: _cpu_seconds(proc.pid) for name, proc in self.processes.items()}
@@ -110,7 +120,7 @@ def _spawn(log_dir: Path, name: str, argv: list[str]) -> subprocess.Popen[bytes]
 
 def start_suite(log_dir: Path, replica_args: list[str]) -> Suite:
     replica_port, gateway_port, envoy_port = _free_port(), _free_port(), _free_port()
-    gateway_metrics_port = _free_port()
+    gateway_metrics_port, bare_hop_port = _free_port(), _free_port()
     processes = {
         "replica": _spawn(log_dir, "replica", [
             "services.replica", "--role", "both", "--port", str(replica_port),
@@ -121,11 +131,13 @@ def start_suite(log_dir: Path, replica_args: list[str]) -> Suite:
         "envoy": _spawn(log_dir, "envoy", [
             "deploy.envoy_runner", "--http-port", str(envoy_port), "--concurrency", "1",
             "--upstream", f"127.0.0.1:{gateway_port}"]),
+        "bare_hop": _spawn(log_dir, "bare_hop", [
+            "bench.hop_overhead", "--bare-hop-server", str(bare_hop_port)]),
     }
     suite = Suite(processes, f"127.0.0.1:{replica_port}", f"127.0.0.1:{gateway_port}",
-                  envoy_port, gateway_metrics_port)
+                  envoy_port, gateway_metrics_port, f"127.0.0.1:{bare_hop_port}", log_dir)
     deadline = time.monotonic() + 300
-    for target in (suite.replica, suite.gateway, f"127.0.0.1:{envoy_port}"):
+    for target in (suite.replica, suite.gateway, f"127.0.0.1:{envoy_port}", suite.bare_hop):
         while not _answers(target):
             dead = [name for name, proc in processes.items() if proc.poll() is not None]
             if dead or time.monotonic() > deadline:
@@ -207,19 +219,56 @@ async def run_path(suite: Suite, path: str, requests: int, concurrency: int,
     return timings
 
 
+class _OneMessageEngine(epb_grpc.EngineServicer):
+    async def Generate(self, request: epb.GenerateRequest,  # noqa: N802 (gRPC's names)
+                       context: grpc.aio.ServicerContext) -> None:
+        await context.write(epb.GenerateResponse(request_id=request.request_id,
+                                                 new_token_ids=[1], finish_reason="length"))
+
+
+async def serve_bare_hop(port: int) -> None:
+    """The bare hop's server (``--bare-hop-server``): runs until killed."""
+    server = grpc.aio.server()
+    epb_grpc.add_EngineServicer_to_server(_OneMessageEngine(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+class _BareHop:
+    """A client of the bare hop's server, shaped like the SDK's ``complete_stream``."""
+
+    def __init__(self, target: str) -> None:
+        self.channel = grpc.aio.insecure_channel(target)
+        self.stub = epb_grpc.EngineStub(self.channel)
+        self.request = epb.GenerateRequest(request_id="bare", prompt_token_ids=list(range(24)),
+                                           sampling_params=epb.SamplingParams(max_tokens=1))
+
+    async def complete_stream(self, *_: object, **__: object) -> AsyncIterator[object]:
+        async for response in self.stub.Generate(self.request):
+            yield response
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
 async def probe_latency(suite: Suite, iterations: int) -> dict[str, list[float]]:
-    """Seconds per one-token request on each path, ``iterations`` rounds of one request per
-    path in shuffled order, strictly one at a time, over kept-open connections."""
-    clients = {"direct": AsyncClient(suite.replica, timeout=60),
-               "gateway": AsyncClient(suite.gateway, timeout=60),
-               "envoy": AsyncClient(f"127.0.0.1:{suite.envoy_port}", timeout=60)}
+    """Seconds per one-token request on each path (and per call of the bare hop),
+    ``iterations`` rounds of one request per path in shuffled order, strictly one at a time,
+    over kept-open connections."""
+    clients: dict[str, AsyncClient | _BareHop] = {
+        "direct": AsyncClient(suite.replica, timeout=60),
+        "gateway": AsyncClient(suite.gateway, timeout=60),
+        "envoy": AsyncClient(f"127.0.0.1:{suite.envoy_port}", timeout=60),
+        "bare_hop": _BareHop(suite.bare_hop)}
     body = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": 1,
             "temperature": 0, "stream": True}
     url = f"http://127.0.0.1:{suite.envoy_port}/v1/completions"
-    latencies: dict[str, list[float]] = {path: [] for path in PATHS}
+    paths = (*PATHS, "bare_hop")
+    latencies: dict[str, list[float]] = {path: [] for path in paths}
     async with httpx2.AsyncClient(timeout=60) as http:
         for iteration in range(iterations + 3):  # the first 3: warm-up, not kept
-            for path in random.Random(1000 + iteration).sample(PATHS, len(PATHS)):
+            for path in random.Random(1000 + iteration).sample(paths, len(paths)):
                 started = time.perf_counter()
                 if path == "http":
                     async with http.stream("POST", url, json=body) as response:
@@ -255,6 +304,40 @@ def gateway_routing_time(suite: Suite) -> dict[str, float]:
             "fraction_within_2.5ms": buckets.get(0.0025, 0.0) / max(total, 1.0)}
 
 
+_LOG_LINE = re.compile(r"tandem\.requests: request request_id=(\S+) method=(\S+) .*"
+                       r"output_tokens=1 ttft_s=(\S+) total_s=(\S+)")
+
+
+def _one_token_requests(log: Path, method: str) -> dict[str, tuple[float, float]]:
+    """(ttft, total) seconds of each one-token request ``method`` served, from a request
+    log in its text format, by request id."""
+    found = {}
+    for line in log.read_text(errors="replace").splitlines():
+        match = _LOG_LINE.search(line)
+        if match and match.group(2) == method:
+            found[match.group(1)] = (float(match.group(3)), float(match.group(4)))
+    return found
+
+
+def gateway_share_from_logs(suite: Suite) -> dict[str, float]:
+    """Over the probe's requests through the gateway: the gateway's own time around the
+    replica's call (p50 and p90 ms of its log's total less the replica's log's, and the same
+    for the first token), paired by request id."""
+    gateway = _one_token_requests(suite.log_dir / "gateway.log",
+                                  "tandem.v1.Generation/CompleteStream")
+    replica = _one_token_requests(suite.log_dir / "replica.log", "tandem.v1.Engine/Generate")
+    paired = [(gateway[rid], replica[rid]) for rid in gateway if rid in replica]
+    if not paired:
+        return {"requests": 0}
+    total = [g[1] - r[1] for g, r in paired]
+    ttft = [g[0] - r[0] for g, r in paired]
+    return {"requests": len(paired),
+            "own_total_p50_ms": 1e3 * statistics.median(total),
+            "own_total_p90_ms": 1e3 * _pct(total, 0.9),
+            "own_ttft_p50_ms": 1e3 * statistics.median(ttft),
+            "own_ttft_p90_ms": 1e3 * _pct(ttft, 0.9)}
+
+
 def probe_summary(latencies: dict[str, list[float]]) -> dict[str, object]:
     """Per path p50/p99 (ms), and per hop the paired per-iteration differences' p50/p99."""
     paths = {path: {"p50_ms": 1e3 * statistics.median(v), "p99_ms": 1e3 * _pct(v, 0.99)}
@@ -268,6 +351,8 @@ def probe_summary(latencies: dict[str, list[float]]) -> dict[str, object]:
                       "paired_p99_ms": 1e3 * _pct(diffs, 0.99),
                       "p50_difference_ms": paths[with_hop]["p50_ms"] - paths[without]["p50_ms"],
                       "p99_difference_ms": paths[with_hop]["p99_ms"] - paths[without]["p99_ms"]}
+    added["gateway"]["over_bare_hop_p50"] = (added["gateway"]["paired_p50_ms"]
+                                             / paths["bare_hop"]["p50_ms"])
     return {"iterations": len(latencies["direct"]), "paths": paths, "added": added}
 
 
@@ -333,7 +418,12 @@ def main() -> None:
     parser.add_argument("--replica-args", default="--max-num-seqs 16",
                         help="extra flags of the replica")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/hop_overhead.json")
+    parser.add_argument("--bare-hop-server", type=int, metavar="PORT",
+                        help=argparse.SUPPRESS)  # the bare hop's server process
     args = parser.parse_args()
+    if args.bare_hop_server:
+        asyncio.run(serve_bare_hop(args.bare_hop_server))
+        return
     log_dir = ROOT / ".cache/tandem/bench-logs/hop_overhead"
     log_dir.mkdir(parents=True, exist_ok=True)
     suite = start_suite(log_dir, args.replica_args.split())
@@ -357,11 +447,13 @@ def main() -> None:
         print(f"probe: {probe}", flush=True)
         routing = gateway_routing_time(suite)
         print(f"gateway routing: {routing}", flush=True)
+        share = gateway_share_from_logs(suite) if args.probe else None
+        print(f"gateway's own time, from the request logs: {share}", flush=True)
     finally:
         stop_suite(suite)
     write_report(args.out, "hop_overhead", settings=vars(args) | {"out": str(args.out)},
                  rounds=rounds, added=added_by_hops(rounds), probe=probe,
-                 gateway_routing=routing,
+                 gateway_routing=routing, gateway_share_from_logs=share,
                  micro=micro_relay_cost(args.micro))
 
 

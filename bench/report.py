@@ -33,8 +33,9 @@ def machine() -> dict[str, object]:
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        # How busy this shared machine was as the run began (other tenants' work).
-        "load_average_at_start": list(os.getloadavg()),
+        # How busy this shared machine was as the results were written, at the run's end
+        # (other tenants' work; files before 2026-11-26 called this "load_average_at_start").
+        "load_average_at_end": list(os.getloadavg()),
     }
 
 

@@ -107,8 +107,9 @@ def validate(args: argparse.Namespace, cost: StepCostModel, per_block: int) -> l
         fitted = validation.simulate(measured, cost, tokenize, per_block, cores)
         calibrated = validation.calibrate(measured, cost, tokenize, per_block, cores)
         entry = {"measured_file": str(Path(measured.path).relative_to(ROOT)),
-                 "measured_load_average_at_start":
-                     measured.report["machine"].get("load_average_at_start"),
+                 "measured_load_average_at_end": measured.report["machine"].get(
+                     "load_average_at_end", measured.report["machine"].get(
+                         "load_average_at_start")),  # the older name of the same figure
                  "measured_summary": measured.report["summary"]}
         for name, sim in (("fitted_speed", fitted), ("calibrated_speed", calibrated)):
             entry[name] = {"simulated": sim, "comparison": validation.compare(

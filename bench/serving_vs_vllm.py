@@ -392,7 +392,6 @@ def main(argv: list[str] | None = None) -> int:
                                       "order": "per round: " + ", ".join(args.servers)
                                       + "; every server restarted per round"},
                  **report, summary=table, goals=goals(table),
-                 load_average_at_end=list(os.getloadavg()),
                  total_runtime_s=time.monotonic() - began)
     print_table(table)
     print(f"greedy texts identical to vLLM's: {report['greedy'].get('identical_to_vllm')}")
