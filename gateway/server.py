@@ -39,6 +39,7 @@ from gateway.remote_engine import RemoteEngine
 from gateway.request_metrics import RequestMetricsInterceptor
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc as pb_grpc
+from services.endless_streams import EndlessStreams
 from services.entrypoint import wait_for_stop_signal
 from services.frontend.generation_servicer import GenerationServicer
 from services.frontend.grpc_server import new_server
@@ -122,7 +123,8 @@ class GatewayServer:
             ResponseStore.sized(options.max_stored_responses))
         self.health = health_aio.HealthServicer()
         params_n = request_params_n(self.metrics.registry, self.model.name, "gateway")
-        self.server = new_server([RequestLogInterceptor(params_n),
+        self.endless = EndlessStreams()  # health watches, closed as the gateway stops
+        self.server = new_server([self.endless, RequestLogInterceptor(params_n),
                                   RequestMetricsInterceptor(self.metrics)])
         pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -200,6 +202,7 @@ class GatewayServer:
         for task in (self._follower, self._reconciling):
             if task is not None:
                 task.cancel()
+        self.endless.end()
         await self.server.stop(grace_s)
         await self.cluster.stop()
         if self._metrics_http is not None:

@@ -1,6 +1,6 @@
 """A replica's behaviour at its limits and at its end, on real processes: a full waiting
 queue answers RESOURCE_EXHAUSTED; SIGTERM drains an in-flight stream to completion while
-refusing new work; SIGKILL ends a client's stream with UNAVAILABLE promptly; a dead engine
+refusing new work, then closes the watchers' streams with UNAVAILABLE; SIGKILL ends a client's stream with UNAVAILABLE promptly; a dead engine
 core turns health NOT_SERVING and requests UNAVAILABLE. The three replicas start together.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.tandem.v1 import engine_pb2 as epb
 from protos.tandem.v1 import engine_pb2_grpc as epb_grpc
@@ -74,7 +74,13 @@ def test_full_queue_answers_resource_exhausted(replicas: dict[str, ReplicaProces
 
 def test_sigterm_drains_the_stream_in_flight(replicas: dict[str, ReplicaProcess]):
     replica = replicas["small-queue"]
-    with Client(replica.target, timeout=300) as client:
+    with Client(replica.target, timeout=300) as client, \
+            grpc.insecure_channel(replica.target) as channel:
+        # Watchers, as a gateway keeps them open: they end when the drain does.
+        watches = [health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest()),
+                   epb_grpc.EngineStub(channel).WatchLoad(epb.WatchLoadRequest())]
+        for watch in watches:
+            next(watch)
         stream = client.complete_stream("draining", max_tokens=240, temperature=0,
                                         ignore_eos=True)
         chunks = [next(stream)]
@@ -83,9 +89,17 @@ def test_sigterm_drains_the_stream_in_flight(replicas: dict[str, ReplicaProcess]
         with pytest.raises(UnavailableError, match="shutting down"):
             client.complete("too late", max_tokens=2)
         chunks += list(stream)
+        for watch in watches:
+            with pytest.raises(grpc.RpcError) as ended:
+                for _ in watch:
+                    pass
+            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "stopping" in (ended.value.details() or "")
     assert chunks[-2].finish_reason == "length"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 240
     assert replica.process.wait(timeout=120) == 0
+    # Closed by the server, not cut at exit (grpc.aio logs an ERROR per call cut there).
+    assert "Exception not handled" not in replica.log()
 
 
 def test_sigkill_ends_a_client_stream_with_unavailable(replicas: dict[str, ReplicaProcess]):

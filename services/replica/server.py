@@ -27,6 +27,7 @@ from engine_common.async_llm import AsyncLLM
 from engine_common.config import EngineConfig
 from engine_common.core_process import fork_is_safe
 from protos.tandem.v1 import engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
+from services.endless_streams import EndlessStreams
 from services.frontend.engine_seam import CallContext
 from services.frontend.generation_servicer import GenerationServicer
 from services.frontend.grpc_server import new_server
@@ -81,7 +82,9 @@ class ReplicaServer:
         self.engine = LocalEngine(llm, self.admission, self.prefill_peers)
         self.health = health_aio.HealthServicer()
         # One log line per request; its choices' n observed as vLLM does.
-        self.server = new_server([RequestLogInterceptor(llm.metrics.request_params_n,
+        self.endless = EndlessStreams()  # the watches, closed at the end of a drain
+        self.server = new_server([self.endless,
+                                  RequestLogInterceptor(llm.metrics.request_params_n,
                                                         llm.metrics.finished_requests)])
         lora_updates = (
             LocalLoraUpdates(llm, lambda: self.model, self._serve_lora_adapters)
@@ -177,6 +180,7 @@ class ReplicaServer:
             logger.warning("stopping with requests still in flight (grace period over or forced)")
         idle.cancel()
         forced.cancel()
+        self.endless.end()
         await self.server.stop(0 if self._forced.is_set() else _FINAL_GRACE_S)
         if self.health_port is not None:
             await self.health_port.stop()
