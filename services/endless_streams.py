@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -42,9 +43,10 @@ class EndlessStreams(grpc.aio.ServerInterceptor):
         """Close every endless stream now, and any that opens from here on."""
         self._stopping.set()
 
-    async def intercept_service(self, continuation: Any,
-                                handler_call_details: grpc.HandlerCallDetails,
-                                ) -> grpc.RpcMethodHandler:
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method not in self._methods:
             return handler
