@@ -35,8 +35,7 @@ STOPPING_MESSAGE = "the server is stopping"
 
 
 class EndlessStreams(grpc.aio.ServerInterceptor):
-    def __init__(self, methods: frozenset[str] = ENDLESS_METHODS) -> None:
-        self._methods = methods
+    def __init__(self) -> None:
         self._stopping = asyncio.Event()
 
     def end(self) -> None:
@@ -48,7 +47,7 @@ class EndlessStreams(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method not in self._methods:
+        if handler is None or handler_call_details.method not in ENDLESS_METHODS:
             return handler
         return wrap_unary_request(handler, self._until_stopping)
 
