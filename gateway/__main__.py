@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="queue depth at which the queue score halves (default: %(default)s)")
     p.add_argument("--prefill-skip-fraction", type=float, default=picker.prefill_skip_fraction,
                    help="skip the prefill hop when the decode replica caches at least this "
-                        "fraction of the prompt (default: %(default)s)")
+                        "fraction of the prompt (default: %(default)s: only a fully cached one)")
     p.add_argument("--prefill-min-uncached-tokens", type=int,
                    default=picker.prefill_min_uncached_tokens,
                    help="skip the prefill hop for fewer uncached tokens (default: %(default)s)")

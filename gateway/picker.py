@@ -21,9 +21,18 @@ cache, where preemption and admission stalls begin, they are what matters.
 
 The decode side (the replica that streams the answer: role ``decode`` or ``both``) is the
 best-scoring candidate. When prefill replicas exist, the P/D decider adds a prefill replica,
-scored the same way, unless the decode replica already holds at least
-``prefill_skip_fraction`` of the prompt or fewer than ``prefill_min_uncached_tokens`` tokens
-are left to compute: then the prefill hop costs more than it saves.
+scored the same way, unless fewer than ``prefill_min_uncached_tokens`` of the prompt's
+tokens are left to compute on the decode replica (then the hop costs more than it saves), or
+the decode replica holds at least ``prefill_skip_fraction`` of the prompt (off by default).
+
+NOTE: the decider counts the tokens left to compute, not the fraction cached, as llm-d's
+prefix-based P/D decider does. A decode replica's compute belongs to its running streams; a
+fraction rule (it was 0.5) sent every shared-prefix prompt whose prefix the decode replica
+held (it pulled those blocks for an earlier request) to be computed there: 256-token
+suffixes of 512-token prompts piled onto the busy decode replica while the prefill replica,
+holding the same prefix, idled (issue 39: P/D TTFT 7.5-20x the aggregated layout's on a
+shared-prefix workload). The prefill replica's own prefix match is in its score, and the
+decode replica pulls only the blocks it does not hold.
 """
 
 from __future__ import annotations
@@ -67,8 +76,9 @@ class PickerConfig:
     # A replica whose last load report is older than this is left out (it may be hung), unless
     # every candidate is in that state.
     max_load_age_s: float = 2.0
-    # The decode replica holding at least this fraction of the prompt computes it itself.
-    prefill_skip_fraction: float = 0.5
+    # The decode replica holding at least this fraction of the prompt computes it itself
+    # (1.0: only a fully cached prompt; see the module docstring's NOTE).
+    prefill_skip_fraction: float = 1.0
     # Fewer uncached prompt tokens than this are not worth a prefill hop.
     prefill_min_uncached_tokens: int = 32
 

@@ -132,9 +132,18 @@ def test_pd_decider() -> None:
     assert decision.pd_reason == "prefill_hop"
     assert decision.prefill is not None and decision.prefill.address == "p2"
 
+    # A decode replica holding most of the prompt still leaves its tail (64 tokens here) to a
+    # prefill replica, the one holding the prefix too: its compute is its streams'.
     warm_decode = [replica("d1", role="decode", matched=6), *prefill]
     decision = pick(warm_decode, 10 * BS, BS)
-    assert decision.pd_reason == "cached_on_decode" and decision.prefill is None
+    assert decision.pd_reason == "prefill_hop"
+    assert decision.prefill is not None and decision.prefill.address == "p2"
+    tail = pick(warm_decode, 6 * BS + 20, BS)  # 20 uncached tokens: not worth a hop
+    assert tail.pd_reason == "short_prompt" and tail.prefill is None
+    whole = pick(warm_decode, 6 * BS, BS)
+    assert whole.pd_reason == "cached_on_decode" and whole.prefill is None
+    by_fraction = pick(warm_decode, 10 * BS, BS, PickerConfig(prefill_skip_fraction=0.5))
+    assert by_fraction.pd_reason == "cached_on_decode" and by_fraction.prefill is None
 
     short = pick(cold_decode, 20, BS)
     assert short.pd_reason == "short_prompt" and short.prefill is None
