@@ -30,6 +30,7 @@ from engine_common.lora.linear_delta import (
 from engine_common.lora.step_batch import LoraBatch
 from engine_common.model.arch_config import ModelArchConfig
 from engine_common.model.attention.backend import AttentionBackend, AttentionMetadata
+from engine_common.model.logit_ties import resolve_near_ties
 from engine_common.model.packed_linear import can_pack, pack, packed_linear
 
 
@@ -354,10 +355,16 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_cache, metadata, lora)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden_size] -> [N, vocab_size] float32 (computed in the model dtype, as HF)."""
+        """[N, hidden_size] -> [N, vocab_size] float32 (computed in the model dtype, as HF;
+        on the CPU the logits that dtype rounds level with the top are float32's: see
+        ``logit_ties``)."""
         if self.packed_lm_head is not None:
-            return packed_linear(hidden, self.packed_lm_head, None).float()
-        return F.linear(hidden, self.lm_head.weight).float()
+            logits = packed_linear(hidden, self.packed_lm_head, None).float()
+        else:
+            logits = F.linear(hidden, self.lm_head.weight).float()
+        if hidden.device.type == "cpu":
+            resolve_near_ties(logits, hidden, self.lm_head.weight)
+        return logits
 
     def pack_linear_weights(self, float32: bool = False) -> bool:
         """On the CPU in bf16 (or in float32 standing in for bf16: ``float32``), put every
