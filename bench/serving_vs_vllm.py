@@ -13,9 +13,13 @@ both Tandem suites as `tandem up --envoy` starts them, through
 ``bench.online_serving.tandem_server``. The same dtype, KV-cache size, max-num-seqs and
 max-num-batched-tokens for all three.
 
-Workloads (the issue's), random dataset, ``--ignore-eos``, seeded: A = 64 requests of 128
-prompt / 128 output tokens sent at once (``--request-rate inf``); B = 48 requests of 512 /
-128 at Poisson 2 req/s (beyond a 2-core machine's capacity, so queues build). Per round every
+Workloads (issues 27 and 39), ``--ignore-eos``, seeded: A = 64 requests of 128 prompt / 128
+output tokens sent at once (``--request-rate inf``); B = 48 requests of 512 / 128 at Poisson 2
+req/s (beyond a 2-core machine's capacity, so queues build); C = 24 of 1024 / 256 at 0.5 req/s
+(long prompts, long answers); D = 48 prompts of a 256-token prefix shared 6 ways (8 prefixes)
+and a 256-token suffix, 128 output tokens, at 2 req/s (vLLM's prefix_repetition dataset).
+A-C use the random dataset. ``tandem_pd_fraction`` (not run by default) is P/D with the
+gateway's P/D decider as it was before issue 39, for that change's before and after. Per round every
 server is started fresh, warmed up, runs A then B, and is stopped; servers interleave round
 by round (vllm, tandem_pd, tandem_both, vllm, ...), since a shared machine's speed drifts
 within minutes. The first round also sends a few greedy requests to each server and compares
@@ -68,9 +72,13 @@ from bench.peer import run_process_group  # noqa: E402
 from bench.report import write_report  # noqa: E402
 from engine_common.default_model import ensure_default_model  # noqa: E402
 
-SERVERS = ("vllm", "tandem_pd", "tandem_both")
+SERVERS = ("vllm", "tandem_pd", "tandem_both", "tandem_pd_fraction")
 # (prefill, decode, both) replicas of each Tandem layout.
-LAYOUTS = {"tandem_pd": (1, 1, 0), "tandem_both": (0, 0, 1)}
+LAYOUTS = {"tandem_pd": (1, 1, 0), "tandem_both": (0, 0, 1), "tandem_pd_fraction": (1, 1, 0)}
+# The gateway's flags per Tandem server: ``tandem_pd_fraction`` is P/D with the decider's
+# rule before issue 39 (the decode replica computes a prompt it holds half of), to measure
+# that change in the same run.
+GATEWAY_ARGS = {"tandem_pd_fraction": ("--prefill-skip-fraction", "0.5")}
 # (key in our summary, key in `vllm bench serve`'s result, scale to seconds or 1)
 METRICS = (
     ("output_tok_s", "output_throughput", 1.0),
@@ -96,13 +104,23 @@ GREEDY_TOKENS = 32
 class Workload:
     name: str
     num_prompts: int
-    input_len: int
+    input_len: int  # prompt tokens; with ``shared_prefix``, the part after the prefix
     output_len: int
     rate: str  # requests/s for `--request-rate`: "inf" (all at once) or a Poisson rate
+    # Tokens of a prefix shared by the prompts (vLLM's prefix_repetition dataset, with
+    # ``num_prefixes`` distinct prefixes); 0: random prompts.
+    shared_prefix: int = 0
+    num_prefixes: int = 0
 
 
-FULL_WORKLOADS = (Workload("A", 64, 128, 128, "inf"), Workload("B", 48, 512, 128, "2"))
-QUICK_WORKLOADS = (Workload("A", 8, 64, 16, "inf"), Workload("B", 6, 128, 16, "4"))
+# A: a burst; B: overload, Poisson; C: long prompts and long answers at a steady rate;
+# D: shared prefixes (prefix_repetition: 8 prefixes of 256 tokens, 256-token suffixes).
+FULL_WORKLOADS = (Workload("A", 64, 128, 128, "inf"), Workload("B", 48, 512, 128, "2"),
+                  Workload("C", 24, 1024, 256, "0.5"),
+                  Workload("D", 48, 256, 128, "2", shared_prefix=256, num_prefixes=8))
+QUICK_WORKLOADS = (Workload("A", 8, 64, 16, "inf"), Workload("B", 6, 128, 16, "4"),
+                   Workload("C", 4, 256, 32, "2"),
+                   Workload("D", 8, 64, 16, "4", shared_prefix=64, num_prefixes=2))
 
 
 # --------------------------------------------------------------------------- the client
@@ -111,11 +129,19 @@ QUICK_WORKLOADS = (Workload("A", 8, 64, 16, "inf"), Workload("B", 6, 128, 16, "4
 def bench_command(server: Server, workload: Workload, model: Path, seed: int, result_dir: Path,
                   result_file: str, client: Path = PEER_VLLM) -> list[str]:
     """The `vllm bench serve` command line that runs ``workload`` against ``server``."""
+    if workload.shared_prefix:
+        dataset = ["--dataset-name", "prefix_repetition",
+                   "--prefix-repetition-prefix-len", str(workload.shared_prefix),
+                   "--prefix-repetition-suffix-len", str(workload.input_len),
+                   "--prefix-repetition-num-prefixes", str(workload.num_prefixes),
+                   "--prefix-repetition-output-len", str(workload.output_len)]
+    else:
+        dataset = ["--dataset-name", "random", "--random-input-len", str(workload.input_len),
+                   "--random-output-len", str(workload.output_len), "--random-range-ratio", "0"]
     return [
         str(client), "bench", "serve", "--backend", "openai", "--base-url", server.base_url,
         "--endpoint", "/v1/completions", "--model", server.model, "--tokenizer", str(model),
-        "--dataset-name", "random", "--random-input-len", str(workload.input_len),
-        "--random-output-len", str(workload.output_len), "--random-range-ratio", "0",
+        *dataset,
         "--num-prompts", str(workload.num_prompts), "--request-rate", workload.rate,
         "--seed", str(seed), "--ignore-eos", "--temperature", "0",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
@@ -213,7 +239,7 @@ def launch(name: str, args: argparse.Namespace, model: Path, round_index: int) -
         with vllm_server(args, model, logs.with_suffix(".log")) as server:
             yield server
     else:
-        with tandem_server(args, model, logs, LAYOUTS[name]) as server:
+        with tandem_server(args, model, logs, LAYOUTS[name], GATEWAY_ARGS.get(name, ())) as server:
             yield Server(name, server.base_url, server.model, server.commands, server.env,
                          server.started_in_s)
 
@@ -339,8 +365,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: 1 round of tiny workloads (8 x 64/16 at once, "
                         "6 x 128/16 at 4 req/s)")
-    p.add_argument("--servers", nargs="+", default=list(SERVERS), choices=SERVERS)
-    p.add_argument("--workloads", nargs="+", default=["A", "B"], choices=["A", "B"])
+    p.add_argument("--servers", nargs="+", default=list(SERVERS[:3]), choices=SERVERS)
+    p.add_argument("--workloads", nargs="+", default=["A", "B"],
+                   choices=[w.name for w in FULL_WORKLOADS])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache, for every server")
     p.add_argument("--max-num-seqs", type=int, default=128)

@@ -77,6 +77,7 @@ class SuiteConfig:
     # Flags every replica and the gateway get: logging and traces (--log-level, ...).
     process_args: list[str] = field(default_factory=list)
     extra_replica_args: list[str] = field(default_factory=list)  # after engine_args
+    extra_gateway_args: list[str] = field(default_factory=list)  # the gateway's alone
     # The replicas' and the gateway's chat template, tool-call syntax and sampling defaults.
     model_settings: ModelSettings = field(default_factory=ModelSettings)
     # Give each replica its own share of this machine's CPUs (``--cpus``), so that replicas
@@ -179,7 +180,7 @@ def _plan_gateway(cfg: SuiteConfig, num_replicas: int, model_args: list[str],
         name="gateway",
         argv=[sys.executable, "-m", "gateway", *model_args, "--host", cfg.host,
               "--port", str(cfg.gateway_port), "--metrics-port", str(metrics_port),
-              *replica_flags, *_tls_args(cfg), *cfg.process_args],
+              *replica_flags, *_tls_args(cfg), *cfg.process_args, *cfg.extra_gateway_args],
         grpc_target=target,
         ports=[PortUse(cfg.host, cfg.gateway_port, "gateway gRPC (--gateway-port)"),
                PortUse(cfg.host, metrics_port, "gateway metrics (--metrics-base-port)")],
