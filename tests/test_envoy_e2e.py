@@ -52,6 +52,7 @@ from tests.openai_http import (
 from tests.replica_process import (
     envoy_answers,
     free_port,
+    healthy_replicas,
     is_serving,
     spawn_module,
     wait_until,
@@ -822,8 +823,9 @@ def test_reflection_lists_the_services_through_envoy(stack: Stack) -> None:
 
 
 def test_a_stream_broken_midway_ends_with_an_error_event(stack: Stack) -> None:
-    """The decode replica dies after the stream began (and the gateway may not retry): the
-    client gets an OpenAI error event, then [DONE], not a silently truncated stream."""
+    """The decode replica dies after the stream began and no replica is left to continue it
+    (the prefill replica, which would run it whole, died first): the client gets an OpenAI
+    error event, then [DONE], not a silently truncated stream."""
     body = json.dumps({"model": "tiny", "prompt": "alpha", "max_tokens": 400, "stream": True,
                        "temperature": 0, "ignore_eos": True}).encode()
     request = urllib.request.Request(f"{stack.base_url}/completions", data=body,
@@ -832,6 +834,10 @@ def test_a_stream_broken_midway_ends_with_an_error_event(stack: Stack) -> None:
         assert response.status == 200
         first = response.readline().decode()
         assert first.startswith("data: {") and '"text_completion"' in first
+        stack.replicas["prefill"].kill()
+        wait_until(lambda: healthy_replicas(stack.gateway_metrics_port) == 1,
+                   time.monotonic() + 10, "the gateway seeing the prefill replica go",
+                   stack.logs)
         stack.replicas["decode"].kill()
         events = [e.strip() for e in response.read().decode().split("\n\n") if e.strip()]
     assert events[-1] == "data: [DONE]"

@@ -119,9 +119,34 @@ def test_stale_everywhere_still_routes() -> None:
     assert decision.decode.address == "a"
 
 
-def test_no_decode_replica_raises_with_reasons() -> None:
-    with pytest.raises(NoReplicaError, match="sick: unhealthy"):
-        pick([replica("sick", healthy=False), replica("p", role="prefill")], 10, BS)
+def test_no_replica_of_any_role_raises_with_reasons() -> None:
+    with pytest.raises(NoReplicaError, match="p: unhealthy, sick: unhealthy"):
+        pick([replica("sick", healthy=False), replica("p", role="prefill", healthy=False)],
+             10, BS)
+
+
+def test_with_no_decode_replica_a_prefill_replica_runs_the_request_whole() -> None:
+    """Roles are a preference: the dead (or excluded: a resumption) decode replica's
+    requests go to the least loaded prefill replica, with no prefill hop, and back to a
+    decode replica as soon as one is usable."""
+    prefill = [replica("p1", role="prefill", running=3), replica("p2", role="prefill")]
+    decision = pick([replica("d", role="decode", healthy=False), *prefill], 10 * BS, BS)
+    assert (decision.decode.address, decision.prefill) == ("p2", None)
+    assert (decision.pd_reason, decision.missing_role) == ("no_decode_replica", "decode")
+    assert decision.filtered == {"d": "unhealthy"}
+    resumed = pick([replica("d", role="decode"), *prefill], 10 * BS, BS, exclude={"d"})
+    assert resumed.decode.address == "p2" and resumed.missing_role == "decode"
+    back = pick([replica("d", role="decode"), *prefill], 10 * BS, BS)
+    assert (back.decode.address, back.missing_role, back.pd_reason) == (
+        "d", "", "prefill_hop")
+
+
+def test_with_no_usable_prefill_replica_the_decode_replica_prefills_and_says_so() -> None:
+    sick = pick([replica("d", role="decode"), replica("p", role="prefill", healthy=False)],
+                10 * BS, BS)
+    assert (sick.decode.address, sick.prefill, sick.missing_role) == ("d", None, "prefill")
+    # A layout without prefill replicas misses nothing.
+    assert pick([replica("d", role="both")], 10 * BS, BS).missing_role == ""
 
 
 def test_pd_decider() -> None:
