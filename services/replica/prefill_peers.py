@@ -3,8 +3,8 @@
 Owns one gRPC channel per prefill replica (reused across requests), the Prefill stream read as
 the engine's records (``RemoteKvChunk`` announcements, then the ``RemotePrefill`` result) and
 the fire-and-forget release once the decode side has pulled the blocks (or given up on them).
-A channel not yet connected gets ``connect_wait_s`` to connect before its Prefill fails, and
-reconnects within a second of a restart.
+A channel whose last connection attempt failed gets ``connect_wait_s`` to connect before its
+Prefill fails, and reconnects within a second of a restart.
 It does not move KV: the decode engine core pulls the blocks over UCX with the handles the
 stream carries. The call has no deadline; the prefill replica's keepalives show it alive while
 the prompt queues, and a silence of ``silence_timeout_s`` ends it. Closing the stream before
@@ -39,9 +39,10 @@ logger = logging.getLogger(__name__)
 # replica that had been down failing for up to tens of seconds after it was back (its calls
 # failed fast, and the gateway sent the prompts to be computed here): reconnect as the
 # gateway's registry does.
+# (Not its minimum: gRPC takes that for the connect timeout too, and a peer that accepts the
+# TCP connection but is too stalled to answer must be left to the silence timeout.)
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
 
@@ -74,8 +75,8 @@ class PrefillPeers:
         # With the suite's mutual TLS, only a suite member's certificate is accepted: a
         # request naming any other address fails its Prefill and falls back.
         self.tls = tls
-        # A channel not connected yet (a replica just restarted, or never called) gets this
-        # long to connect before its Prefill fails UNAVAILABLE: a prefill replica the
+        # A channel whose last connection attempt failed (its replica just restarted) gets
+        # this long to connect before its Prefill fails UNAVAILABLE: a prefill replica the
         # gateway routes to is up, and recomputing here costs far more than the wait.
         self.connect_wait_s = connect_wait_s
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -91,16 +92,19 @@ class PrefillPeers:
         return epb_grpc.EngineStub(self._channel(peer))
 
     async def _connected(self, peer: str) -> None:
-        """Wait up to ``connect_wait_s`` for the channel to ``peer`` to connect (at once when
-        it is); PrefillFailed UNAVAILABLE when it does not."""
+        """A channel to ``peer`` whose last connection attempt failed (a call on it would
+        fail at once) gets up to ``connect_wait_s`` to connect; PrefillFailed UNAVAILABLE when
+        it does not. Any other state goes ahead: the call itself connects, or waits for the
+        attempt under way, and a silent peer is the silence timeout's to give up on."""
         channel = self._channel(peer)
-        if channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY:
+        failing = grpc.ChannelConnectivity.TRANSIENT_FAILURE
+        if channel.get_state(try_to_connect=True) != failing:
             return
         try:
             await asyncio.wait_for(channel.channel_ready(), self.connect_wait_s)
         except TimeoutError:
             raise PrefillFailed(
-                "unreachable", f"{peer} did not accept a connection within "
+                "prefill_failed", f"{peer} did not accept a connection within "
                 f"{self.connect_wait_s:g} s", grpc.StatusCode.UNAVAILABLE) from None
 
     async def prefill(self, peer: str, request_id: str, request: GenerationRequest,
