@@ -38,9 +38,9 @@ class RoleFallbacks:
             self._metrics.role_fallbacks.labels(missing).inc()
         if missing == self._missing:
             return
-        if missing:
-            logger.warning("%s (first: %s)", _WHAT[missing], decision.decode.address)
-        else:
+        if self._missing:
             logger.warning("%s replicas are usable again: roles as configured",
                            self._missing)
+        if missing:
+            logger.warning("%s (first: %s)", _WHAT[missing], decision.decode.address)
         self._missing = missing

@@ -10,8 +10,10 @@ import pytest
 from engine_common.block_hash import hash_prompt_blocks
 from gateway.__main__ import build_parser, options_from_args
 from gateway.load import LoadView
+from gateway.metrics import GatewayMetrics
 from gateway.picker import NoReplicaError, PickerConfig, ReplicaState, pick
 from gateway.prefix_index import PrefixIndex
+from gateway.role_fallback import RoleFallbacks
 from gateway.snapshot import prompt_block_hashes
 from protos.tandem.v1 import engine_pb2
 
@@ -243,3 +245,25 @@ def test_round_robin_policy_ignores_caches_and_load() -> None:
     assert chosen == ["a", "b", "c"]
     scored = options_from_args(build_parser().parse_args(["--model", "m", "--replica", "a:1"]))
     assert pick(replicas, 10 * BS, BS, scored.picker).decode.address == "a"
+
+
+def test_role_fallbacks_are_counted_per_decision_and_logged_once_per_change(
+        caplog: pytest.LogCaptureFixture) -> None:
+    metrics = GatewayMetrics()
+    fallbacks = RoleFallbacks(metrics)
+    no_decode = pick([replica("d", role="decode", healthy=False),
+                      replica("p", role="prefill")], 10 * BS, BS)
+    no_prefill = pick([replica("d", role="decode"),
+                       replica("p", role="prefill", healthy=False)], 10 * BS, BS)
+    both = pick([replica("d", role="decode"), replica("p", role="prefill")], 10 * BS, BS)
+    with caplog.at_level("WARNING", logger="gateway.role_fallback"):
+        for decision in (no_decode, no_decode, no_decode, no_prefill, both, both):
+            fallbacks.observe(decision)
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "no decode replica is usable: prefill replicas run requests whole (first: p)",
+        "decode replicas are usable again: roles as configured",
+        "no prefill replica is usable: decode replicas compute prompts themselves (first: d)",
+        "prefill replicas are usable again: roles as configured"]
+    counted = {r: metrics.role_fallbacks.labels(r)._value.get() for r in ("decode", "prefill")}
+    assert counted == {"decode": 3, "prefill": 1}
