@@ -64,10 +64,15 @@ UPSTREAM_CLUSTER = "tandem_upstream"
 METRICS_CLUSTER = "tandem_metrics"
 PICKED_CLUSTER = "picked_replica"
 MAX_REQUEST_BYTES = filters.MAX_REQUEST_BYTES
-# The HTTP/1 and HTTP/2 codecs' own limit on request headers: above what the edge Lua
-# accepts (filters.MAX_HEADER_BYTES, MAX_URL_BYTES), so that the script answers with a
-# reason; past this the codec answers 431 itself.
-CODEC_MAX_HEADERS_KB = 96
+# The HTTP/1 and HTTP/2 codecs' own limits on request headers: far above what the edge Lua
+# accepts (filters.MAX_HEADER_BYTES, MAX_HEADER_COUNT, MAX_URL_BYTES), so that the script
+# answers with a reason. NOTE: at the codec's limits an HTTP/1 request gets the codec's 431,
+# but HTTP/2 cannot refuse one stream: a header list too large to decode leaves the
+# connection's HPACK state unknown, so Envoy closes the whole connection (GOAWAY,
+# COMPRESSION_ERROR), and too many fields reset the stream (a gRPC client's INTERNAL). Up to
+# 96 KiB and 100 fields that cut a client's other streams; 8192 KiB is Envoy's ceiling.
+CODEC_MAX_HEADERS_KB = 8192
+CODEC_MAX_HEADERS_COUNT = 65535
 
 __all__ = [
     "API_KEY_FILTER", "DEFAULT_DESCRIPTOR", "DESTINATION_HEADER", "GENERATION_SERVICE",
@@ -168,6 +173,7 @@ def _http_connection_manager(name: str, routes: list[dict[str, Any]],
             "stat_prefix": name,
             "codec_type": "AUTO",  # HTTP/1.1 for OpenAI clients, h2c (or h2) for gRPC ones
             "max_request_headers_kb": CODEC_MAX_HEADERS_KB,
+            "common_http_protocol_options": {"max_headers_count": CODEC_MAX_HEADERS_COUNT},
             "local_reply_config": _codec_replies(),
             "route_config": {"name": "tandem", "virtual_hosts": [virtual_host]},
             "http_filters": http_filters,
@@ -179,8 +185,14 @@ def _codec_replies() -> dict[str, Any]:
     """OpenAI's error shape for the one refusal Envoy's codec makes before any filter runs:
     headers over ``CODEC_MAX_HEADERS_KB`` (smaller ones get the edge script's 431)."""
     return {"mappers": [{
-        "filter": {"status_code_filter": {"comparison": {
-            "op": "EQ", "value": {"default_value": 431, "runtime_key": "tandem.codec_431"}}}},
+        "filter": {"and_filter": {"filters": [
+            {"status_code_filter": {"comparison": {
+                "op": "EQ", "value": {"default_value": 431, "runtime_key": "tandem.codec_431"}}}},
+            # Not the edge script's own 431s (they name the limit); those set this key.
+            {"metadata_filter": {"match_if_key_not_found": True, "matcher": {
+                "filter": filters.LUA_NAMESPACE, "path": [{"key": "edge_refusal"}],
+                "value": {"bool_match": False}}}},
+        ]}},
         "body_format_override": {"json_format": {"error": {
             "message": f"the request headers take more than {CODEC_MAX_HEADERS_KB} KiB; at "
                        f"most {filters.MAX_HEADER_BYTES} bytes are accepted",

@@ -43,6 +43,11 @@ class ProcessSpec:
     ports: list[PortUse] = field(default_factory=list)
     # An HTTP URL answering 200 once the process is ready (Envoy's admin /ready).
     ready_url: str | None = None
+    # An HTTP URL answering 200 once what the process fronts serves through it (Envoy's
+    # /health: its own health check of the gateway passed). The suite counts as started only
+    # then; it is no readiness or liveness check of the process (it fails while the gateway has
+    # no replica, which restarting Envoy would not mend).
+    serving_url: str | None = None
     # NOT_SERVING after it was ready means it is broken and must be restarted (a replica
     # whose engine core died); False where NOT_SERVING may pass (the gateway while no
     # replica is routable).
@@ -190,6 +195,13 @@ def _plan_gateway(cfg: SuiteConfig, num_replicas: int, model_args: list[str],
     suite.endpoints["gateway (metrics)"] = f"http://{cfg.host}:{metrics_port}/metrics"
 
 
+def _dial_host(host: str) -> str:
+    """Where to reach a listener bound to ``host`` from this machine."""
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
 def _plan_envoy(cfg: SuiteConfig, num_replicas: int, upstream: str, suite: Suite) -> None:
     admin_port = (cfg.envoy_admin_port if cfg.envoy_admin_port is not None
                   else cfg.metrics_base_port + num_replicas + 1)
@@ -211,5 +223,6 @@ def _plan_envoy(cfg: SuiteConfig, num_replicas: int, upstream: str, suite: Suite
         ports=[PortUse(cfg.host, cfg.envoy_http_port, "Envoy HTTP (--http-port)"),
                PortUse("127.0.0.1", admin_port, "Envoy admin (after --metrics-base-port)")],
         ready_url=f"http://127.0.0.1:{admin_port}/ready",
+        serving_url=f"http://{_dial_host(cfg.host)}:{cfg.envoy_http_port}/health",
     ))
     suite.endpoints["envoy (HTTP, OpenAI-compatible)"] = f"http://{cfg.host}:{cfg.envoy_http_port}/v1"

@@ -4,7 +4,8 @@ Owns the life of the planned processes (``suite_plan``): that every port they wi
 is free before anything starts (``check_ports``); starting each in its own process group with
 its output appended to a log file; counting a process ready once its health check passes
 (``grpc.health.v1`` SERVING, or its ``ready_url`` answering 200) and every port it plans
-accepts connections; and restarting one that dies, as a Kubernetes Deployment would: after
+accepts connections, and the suite started once every ``serving_url`` answers 200 too
+(Envoy's /health); and restarting one that dies, as a Kubernetes Deployment would: after
 a delay that doubles with each restart in a row up to a cap (``RestartPolicy``), the count
 starting over once the process has stayed ready for a while. A ready process whose health
 check keeps failing (a replica whose engine core died reports NOT_SERVING) is killed and
@@ -193,11 +194,38 @@ class Supervisor:
         with self._stop_signals():
             for managed in self._managed.values():
                 self._spawn(managed)
-            while not all(m.ready_since is not None for m in self._managed.values()):
+            all_ready_at: float | None = None
+            while not self._started():
                 if self._stop_requested:
                     raise KeyboardInterrupt
                 self.tick()
+                all_ready_at = self._check_serving_wait(all_ready_at)
                 time.sleep(_TICK_S)
+
+    def _started(self) -> bool:
+        """Every process ready, and every ``serving_url`` answering 200 (Envoy's /health:
+        "healthy" must not be printed while it still answers 503)."""
+        managed = self._managed.values()
+        return (all(m.ready_since is not None for m in managed)
+                and all(_url_ok(m.spec.serving_url) for m in managed
+                        if m.spec.serving_url is not None))
+
+    def _check_serving_wait(self, all_ready_at: float | None) -> float | None:
+        """When every process became ready (None: not all are); ``SuiteFailed`` when a
+        ``serving_url`` still fails ``start_timeout_s`` after that."""
+        if not all(m.ready_since is not None for m in self._managed.values()):
+            return None
+        now = time.monotonic()
+        if all_ready_at is None:
+            return now
+        if now - all_ready_at > self.policy.start_timeout_s:
+            failing = [m.spec for m in self._managed.values()
+                       if m.spec.serving_url is not None and not _url_ok(m.spec.serving_url)]
+            if failing:
+                raise SuiteFailed(
+                    f"{failing[0].name} is ready but {failing[0].serving_url} did not answer "
+                    f"200 within {self.policy.start_timeout_s:.0f} s")
+        return all_ready_at
 
     def serve_forever(self, grace_s: float = 35.0) -> None:
         """Keep the suite up until Ctrl-C or SIGTERM (then drain and stop, within

@@ -51,6 +51,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.picker import DECODE_ROLES, NoReplicaError, PickerConfig, RoutingDecision, pick
 from gateway.prefix_index import PrefixIndex
 from gateway.registry import ReplicaRegistry
+from gateway.role_fallback import RoleFallbacks
 from gateway.snapshot import take_snapshot
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.third_party.envoy.config.core.v3 import base_pb2
@@ -228,6 +229,7 @@ class EndpointChooser:
         self.shedding = shedding or SheddingPolicy()
         self.metrics = metrics or GatewayMetrics()
         self._tie_breaks = itertools.count()
+        self.role_fallbacks = RoleFallbacks(self.metrics)
 
     @property
     def lora_names(self) -> frozenset[str]:
@@ -266,6 +268,7 @@ class EndpointChooser:
                     "every replica is saturated and this request's priority "
                     f"({features.priority}) is below the default; retry later"))
         self.metrics.routing_decisions.labels(decision.reason, decision.pd_reason).inc()
+        self.role_fallbacks.observe(decision)
         self.metrics.picks.labels(decision.decode.address, "decode").inc()
         self.metrics.prefix_match_fraction.observe(decision.decode.prefix_fraction)
         self.index.expect(decision.decode.address, snapshot.block_hashes)

@@ -7,7 +7,7 @@ Owns the picker's flags, wiring the gateway's registry, load tracker and prefix 
 guard, so that bytes that are not a ``ProcessingRequest`` are INVALID_ARGUMENT, not UNKNOWN
 with a traceback; its port is plaintext, Envoy's), and its life: health as the endpoint-picker protocol
 defines it (``liveness`` while the process runs; ``readiness``, the ext_proc service and the
-server as a whole SERVING while at least one decode-capable replica is routable), optional
+server as a whole SERVING while at least one replica of any role is routable), optional
 Prometheus /metrics, and a clean stop on SIGTERM or SIGINT. It does not own the protocol
 (``endpoint_picker``) or choosing (``picker``).
 
@@ -37,7 +37,7 @@ from gateway.endpoint_picker import (
     SheddingPolicy,
 )
 from gateway.metrics import GatewayMetrics
-from gateway.picker import DECODE_ROLES, PickerConfig
+from gateway.picker import PickerConfig
 from gateway.registry import DnsTarget
 from gateway.server import load_inputs
 from protos.third_party.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
@@ -126,7 +126,7 @@ class EndpointPickerServer:
 
     async def _update_state(self) -> None:
         replicas = self.cluster.registry.replicas()
-        ready = any(r.routable and r.role in DECODE_ROLES for r in replicas)
+        ready = any(r.routable for r in replicas)  # a prefill replica can run requests whole
         if ready != self._ready:
             self._ready = ready
             for service in ("", "readiness", EXT_PROC_SERVICE):

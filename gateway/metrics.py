@@ -1,7 +1,8 @@
 """The gateway's Prometheus metrics, in a registry of its own (never the process-global one).
 
 Owns the collectors and their names (``tandem:gateway_*``): routing decisions by reason,
-picks per replica, the prefix-match fraction of picks, retries, resumptions, request latency,
+picks per replica, the prefix-match fraction of picks, retries, resumptions, role
+fallbacks, request latency,
 time to first token and the routing work itself. It does not own serving them over HTTP
 (``server``).
 """
@@ -47,7 +48,9 @@ class GatewayMetrics:
             ["code"], registry=reg)
         self.resumptions = Counter(
             "tandem:gateway_resumptions",
-            "Streams broken after the first token, by what happened next.",
+            "Streams broken after the first token, by how their resumption ended, counted "
+            "once it is known: resumed (another replica answered), no_replica, gave_up, "
+            "refused or failed.",
             ["outcome"], registry=reg)
         self.requests = Counter(
             "tandem:gateway_requests", "Finished requests by method and gRPC status code.",
@@ -70,6 +73,12 @@ class GatewayMetrics:
             "P/D picks by how the decode replica got the prompt's KV (remote, or the fallback "
             "reason); the picker reads it from the decode replica's response headers.",
             ["outcome"], registry=reg)
+        self.role_fallbacks = Counter(
+            "tandem:gateway_role_fallbacks",
+            "Requests (and resumptions) routed with no usable replica of a role: "
+            "missing_role=decode, a prefill replica ran them whole; missing_role=prefill, the "
+            "decode replica computed the prompt though prefill replicas are configured.",
+            ["missing_role"], registry=reg)
         self.no_replica = Counter(
             "tandem:gateway_no_replica", "Requests refused because no replica was usable.",
             registry=reg)

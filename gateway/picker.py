@@ -33,6 +33,12 @@ suffixes of 512-token prompts piled onto the busy decode replica while the prefi
 holding the same prefix, idled (issue 39: P/D TTFT 7.5-20x the aggregated layout's on a
 shared-prefix workload). The prefill replica's own prefix match is in its score, and the
 decode replica pulls only the blocks it does not hold.
+
+Roles are a preference, not a wall: with no usable decode-capable replica, the best prefill
+replica is the decode side and runs the request whole (``missing_role="decode"``,
+``pd_reason="no_decode_replica"``); with prefill replicas known but none usable, the decode
+replica computes the prompt itself (``missing_role="prefill"``). Either ends as soon as a
+replica of the missing role is usable again: nothing here remembers it.
 """
 
 from __future__ import annotations
@@ -107,12 +113,17 @@ class RoutingDecision:
     # Why ``decode`` won: "prefix" (it caches more of the prompt than some other candidate),
     # "load" (caches are level; load decided) or "only_candidate".
     reason: str
-    # "prefill_hop", "cached_on_decode", "short_prompt" or "no_prefill_replica".
+    # "prefill_hop", "cached_on_decode", "short_prompt", "no_prefill_replica" or
+    # "no_decode_replica" (``decode`` is a prefill replica running the request whole).
     pd_reason: str
     # Decode candidates, best first.
     candidates: tuple[ScoredReplica, ...]
     # Replicas left out, and why ("unhealthy", "excluded", "load_stale").
     filtered: dict[str, str]
+    # The role with no usable replica whose work another role does here: "decode" (a prefill
+    # replica runs the request whole), "prefill" (prefill replicas exist, none is usable: the
+    # decode replica computes the prompt), or "" (none missing).
+    missing_role: str = ""
 
     @property
     def reasons(self) -> list[str]:
@@ -194,29 +205,33 @@ def pick(
     ``exclude``: addresses that already failed this request. ``lora_name``: the request's
     LoRA adapter; only replicas serving it are candidates, for decode and for prefill. ``tie_break``: which of equally
     scored candidates to take (a caller passing a counter spreads ties round-robin).
-    Raises ``NoReplicaError`` when no decode-capable replica is usable.
+    Raises ``NoReplicaError`` when no replica of any role is usable.
     """
     config = config or PickerConfig()
     filtered: dict[str, str] = {}
     decode_pool = _filter(replicas, DECODE_ROLES, exclude, config, filtered, lora_name)
+    prefill_pool = _filter(replicas, PREFILL_ROLES, exclude, config, filtered, lora_name)
+    if not decode_pool and prefill_pool:
+        # NOTE: a prefill replica holds the same model; running the request whole there
+        # beats refusing it while the decode replicas are gone.
+        decode, candidates, reason = _best_of(prefill_pool, num_prompt_tokens, block_size,
+                                              config, tie_break)
+        return RoutingDecision(decode, None, reason, "no_decode_replica", candidates,
+                               filtered, missing_role="decode")
     if not decode_pool:
         known = ", ".join(f"{a}: {why}" for a, why in sorted(filtered.items())) or "none known"
-        raise NoReplicaError(f"no decode-capable replica is available ({known})")
-    candidates = [score_replica(r, num_prompt_tokens, block_size, config) for r in decode_pool]
-    decode = _best(candidates, tie_break)
-    if len(candidates) == 1:
-        reason = "only_candidate"
-    elif decode.prefix_fraction > min(c.prefix_fraction for c in candidates):
-        reason = "prefix"
-    else:
-        reason = "load"
-
+        raise NoReplicaError(f"no decode-capable replica is available, nor a prefill replica to "
+                             f"run the request whole ({known})")
+    decode, candidates, reason = _best_of(decode_pool, num_prompt_tokens, block_size, config,
+                                          tie_break)
     prefill: ScoredReplica | None = None
-    prefill_pool = _filter(replicas, PREFILL_ROLES, exclude, config, filtered, lora_name)
+    missing_role = ""
     uncached_tokens = num_prompt_tokens - min(
         decode.matched_blocks * block_size, num_prompt_tokens)
     if not prefill_pool:
         pd_reason = "no_prefill_replica"
+        if any(r.role in PREFILL_ROLES for r in replicas):
+            missing_role = "prefill"
     elif decode.prefix_fraction >= config.prefill_skip_fraction:
         pd_reason = "cached_on_decode"
     elif uncached_tokens < config.prefill_min_uncached_tokens:
@@ -226,4 +241,21 @@ def pick(
             [score_replica(r, num_prompt_tokens, block_size, config) for r in prefill_pool],
             tie_break)
         pd_reason = "prefill_hop"
-    return RoutingDecision(decode, prefill, reason, pd_reason, tuple(candidates), filtered)
+    return RoutingDecision(decode, prefill, reason, pd_reason, candidates, filtered,
+                           missing_role)
+
+
+def _best_of(
+    pool: Sequence[ReplicaState], num_prompt_tokens: int, block_size: int,
+    config: PickerConfig, tie_break: int,
+) -> tuple[ScoredReplica, tuple[ScoredReplica, ...], str]:
+    """The best of ``pool``, every candidate scored, and why it won."""
+    candidates = [score_replica(r, num_prompt_tokens, block_size, config) for r in pool]
+    best = _best(candidates, tie_break)
+    if len(candidates) == 1:
+        reason = "only_candidate"
+    elif best.prefix_fraction > min(c.prefix_fraction for c in candidates):
+        reason = "prefix"
+    else:
+        reason = "load"
+    return best, tuple(candidates), reason

@@ -13,7 +13,10 @@ OpenAI-shaped messages (``services.frontend``), the seam (``remote_engine``) or 
 itself (``picker``). A decode replica whose prefill replica is down hands the request back
 before its first token (``services.engine_api.prefill_handback``): it is sent again with
 another prefill replica, or none (the decode replica computes the prompt); that prefill
-replica, and one a decode replica's KV fallback blames, leaves rotation at once.
+replica, and one a decode replica's KV fallback blames, leaves rotation at once. With no
+decode replica left, the picker names a prefill replica to run the request (or resume the
+stream) whole; ``role_fallback`` counts and logs it. A resumption's outcome is counted once it
+is known (``resumed`` when the new replica answers).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.picker import NoReplicaError, PickerConfig, RoutingDecision, pick
 from gateway.prefix_index import PrefixIndex
 from gateway.registry import ReplicaRegistry
+from gateway.role_fallback import RoleFallbacks
 from gateway.snapshot import take_snapshot
 from protos.tandem.v1 import engine_pb2
 from services.engine_api.prefill_handback import HANDBACK_CODE, handback_metadata
@@ -122,6 +126,8 @@ class _Stream:
     handbacks: int = 0  # attempts a decode replica handed back (its prefill replica down)
     first_token_seen: bool = False
     last_code: grpc.StatusCode | None = None
+    # Broken after its first token and being resumed; its outcome is counted once known.
+    resuming: bool = False
 
     @property
     def prompt(self) -> list[int]:
@@ -170,6 +176,7 @@ class EngineProxy:
         self.retry_policy = retry_policy or RetryPolicy()
         self._tie_breaks = itertools.count()
         self._closing: set[asyncio.Task[None]] = set()  # finished calls awaiting their status
+        self.role_fallbacks = RoleFallbacks(metrics)
 
     def route(
         self, prompt_token_ids: list[int], cache_salt: str = "",
@@ -184,6 +191,7 @@ class EngineProxy:
             snapshot.replicas, len(prompt_token_ids), snapshot.block_size, self.picker_config,
             exclude=exclude, tie_break=next(self._tie_breaks), lora_name=lora_name)
         self.metrics.routing_decisions.labels(decision.reason, decision.pd_reason).inc()
+        self.role_fallbacks.observe(decision)
         self.metrics.picks.labels(decision.decode.address, "decode").inc()
         self.index.expect(decision.decode.address, snapshot.block_hashes)
         if decision.prefill is not None:
@@ -203,17 +211,28 @@ class EngineProxy:
         ``ProxyError`` when the request cannot be completed.
         """
         stream = _Stream(request, call)
-        while True:
-            attempt = self._choose(stream)
-            if self.registry.get(attempt.decode) is None:  # removed since the snapshot
-                stream.failed.add(attempt.decode)
-                continue
-            attempt.sent_before = len(stream.sent)
-            async for response in self._forward(stream, attempt):
-                yield response
-            if attempt.finished:
-                return
-            self._after_failure(stream, attempt)
+        try:
+            while True:
+                attempt = self._choose(stream)
+                if self.registry.get(attempt.decode) is None:  # removed since the snapshot
+                    stream.failed.add(attempt.decode)
+                    continue
+                attempt.sent_before = len(stream.sent)
+                async for response in self._forward(stream, attempt):
+                    yield response
+                if attempt.finished:
+                    return
+                self._after_failure(stream, attempt)
+        finally:
+            # Ended while a resumption was under way: a status, a deadline or the client.
+            self._resumption_outcome(stream, "failed")
+
+    def _resumption_outcome(self, stream: _Stream, outcome: str) -> None:
+        """Count how the stream's resumption ended, once: when it is known, not when the
+        resumption begins (no replica may take it)."""
+        if stream.resuming:
+            stream.resuming = False
+            self.metrics.resumptions.labels(outcome).inc()
 
     def _choose(self, stream: _Stream) -> _Attempt:
         """The route of the next attempt: a sibling's, on the first try, while its
@@ -252,7 +271,7 @@ class EngineProxy:
                 f"every eligible replica is at capacity ({len(stream.failed)} tried); "
                 "retry later"))
         if stream.sent:
-            self.metrics.resumptions.labels("no_replica").inc()
+            self._resumption_outcome(stream, "no_replica")
             return ProxyError(grpc.StatusCode.UNAVAILABLE, (
                 f"the replica serving this stream failed after {len(stream.sent)} tokens and "
                 f"no other replica can continue it: {error}"))
@@ -298,6 +317,8 @@ class EngineProxy:
                 if response.HasField("kv_transfer"):  # once the KV came, or did not
                     self._check_prefill(attempt, response)
                 attempt.got_response = True
+                if attempt.sent_before:
+                    self._resumption_outcome(stream, "resumed")
                 yield self._relay(stream, response)
                 if response.HasField("finish_reason"):
                     attempt.finished = True
@@ -370,7 +391,7 @@ class EngineProxy:
         if refused and code in REFUSAL_CODES:
             # The replica refused the continuation itself (e.g. it does not support
             # resume_output_token_ids): say so rather than pass on a confusing status.
-            self.metrics.resumptions.labels("refused").inc()
+            self._resumption_outcome(stream, "refused")
             raise ProxyError(grpc.StatusCode.UNAVAILABLE, (
                 f"the stream broke after {len(stream.sent)} tokens and replica {decode} "
                 f"refused to resume it: {code.name}: {details}"))
@@ -415,13 +436,13 @@ class EngineProxy:
                     stream.request.request_id, decode, code.name)
 
     def _resume(self, stream: _Stream, decode: str, code: grpc.StatusCode, details: str) -> None:
+        stream.resuming = True
         if stream.resumptions >= self.retry_policy.max_resumptions:
-            self.metrics.resumptions.labels("gave_up").inc()
+            self._resumption_outcome(stream, "gave_up")
             raise ProxyError(grpc.StatusCode.UNAVAILABLE, (
                 f"replica {decode} failed after {len(stream.sent)} tokens of this stream "
                 f"({code.name}: {details}); not resumed"))
         stream.resumptions += 1
-        self.metrics.resumptions.labels("resumed").inc()
         logger.info("request %s: %s failed after %d tokens (%s); resuming elsewhere",
                     stream.request.request_id, decode, len(stream.sent), code.name)
 

@@ -4,7 +4,7 @@ server, plus /metrics.
 Owns wiring the parts together and their life: serve ``tandem.v1.Generation`` (the replica's
 own servicer, over ``RemoteEngine``), ``grpc.health.v1`` and server reflection on one port and
 the gateway's Prometheus registry on another; report SERVING while at least one
-decode-capable replica is routable; stop cleanly on SIGTERM or SIGINT. The model directory
+replica of any role is routable; stop cleanly on SIGTERM or SIGINT. The model directory
 gives the tokenizer (the replicas' own, so prompts hash the same) and the served name; the
 LoRA adapters it accepts are those the replicas report. It does not own routing (``picker``),
 forwarding (``proxy``) or loading adapters on the replicas (``lora_rollout``).
@@ -32,7 +32,7 @@ from engine_common.tokenizer import load_tokenizer
 from gateway.cluster import ClusterView
 from gateway.lora_rollout import ClusterLoraUpdates
 from gateway.metrics import GatewayMetrics
-from gateway.picker import DECODE_ROLES, PickerConfig
+from gateway.picker import PickerConfig
 from gateway.proxy import EngineProxy, RetryPolicy
 from gateway.registry import DnsTarget
 from gateway.remote_engine import RemoteEngine
@@ -163,7 +163,8 @@ class GatewayServer:
 
     async def _update_state(self) -> None:
         replicas = self.cluster.registry.replicas()
-        serving = any(r.routable and r.role in DECODE_ROLES for r in replicas)
+        # NOTE: any role serves: with no decode replica a prefill replica runs requests whole.
+        serving = any(r.routable for r in replicas)
         if serving != self._serving:
             self._serving = serving
             status = (health_pb2.HealthCheckResponse.SERVING if serving

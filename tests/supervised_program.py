@@ -3,7 +3,9 @@
 - ``listen PORT``: listen on 127.0.0.1:PORT until SIGTERM;
 - ``crash``: print "boom" and exit with code 3;
 - ``health PORT [--not-serving-after S]``: a ``grpc.health.v1`` server answering SERVING,
-  NOT_SERVING after S seconds.
+  NOT_SERVING after S seconds;
+- ``http PORT --ok-after S``: an HTTP server answering 503 to every GET for S seconds, then
+  200 (as Envoy's /health until its first health check of the gateway passes).
 
 ``--term-delay S`` makes a SIGTERM take S seconds to end the program (a drain); ``--ignore-term``
 never lets it; ``--mark FILE`` appends "term <time>" and "exit <time>" lines (time.time()) to
@@ -31,11 +33,12 @@ def _mark(path: Path | None, what: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("kind", choices=("listen", "crash", "health"))
+    p.add_argument("kind", choices=("listen", "crash", "health", "http"))
     p.add_argument("port", type=int, nargs="?", default=0)
     p.add_argument("--term-delay", type=float, default=0.0)
     p.add_argument("--ignore-term", action="store_true")
     p.add_argument("--not-serving-after", type=float, default=None)
+    p.add_argument("--ok-after", type=float, default=0.0)
     p.add_argument("--mark", type=Path, default=None)
     args = p.parse_args()
     if args.kind == "crash":
@@ -54,6 +57,8 @@ def main() -> int:
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         server.bind(("127.0.0.1", args.port))
         server.listen()
+    elif args.kind == "http":
+        _serve_http(args.port, time.monotonic() + args.ok_after)
     else:
         import grpc
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -72,6 +77,22 @@ def main() -> int:
         pass
     _mark(args.mark, "exit")
     return 0
+
+
+def _serve_http(port: int, ok_at: float) -> None:
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            self.send_response(200 if time.monotonic() >= ok_at else 503)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *_args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
 
 
 if __name__ == "__main__":

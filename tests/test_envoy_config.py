@@ -32,11 +32,17 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deploy.envoy.filters import MAX_HEADER_BYTES, MAX_MESSAGE_BYTES, MAX_URL_BYTES
+from deploy.envoy.filters import (
+    MAX_HEADER_BYTES,
+    MAX_HEADER_COUNT,
+    MAX_MESSAGE_BYTES,
+    MAX_URL_BYTES,
+)
 from deploy.envoy.http_rules import read_http_rules
-from deploy.envoy.routes import RETRY_ON
+from deploy.envoy.routes import GRPC_CONTENT_TYPE_REGEX, RETRY_ON
 from deploy.envoy_config import (
     API_KEY_FILTER,
+    CODEC_MAX_HEADERS_KB,
     DEFAULT_DESCRIPTOR,
     DESTINATION_HEADER,
     GENERATION_SERVICE,
@@ -208,7 +214,7 @@ def test_routes_follow_the_protos_http_rules() -> None:
     assert responses[0]["response_headers_to_add"][1]["header"]["value"] == "GET, DELETE"
     grpc_routes = [r for r in routes if r["match"].get("prefix") == f"/{GENERATION_SERVICE}/"]
     assert grpc_routes[0]["match"]["headers"][0]["string_match"] == {
-        "prefix": "application/grpc"}
+        "safe_regex": {"regex": GRPC_CONTENT_TYPE_REGEX}}
     assert grpc_routes[1]["direct_response"]["status"] == 415
     assert routes[-1]["direct_response"]["status"] == 404
 
@@ -399,6 +405,47 @@ def test_oversized_urls_and_headers_are_414_and_431(envoy_without_upstream: int)
     status, _, _ = request(port, "/v1/models/" + "a" * (MAX_URL_BYTES - 200),
                            headers={"x-big": "b" * (MAX_HEADER_BYTES - 1000)})
     assert status == 503
+
+
+def test_too_many_or_too_large_headers_get_a_status_naming_the_limit(
+        envoy_without_upstream: int) -> None:
+    """The filter refuses, not the codec: an HTTP 431, a gRPC INVALID_ARGUMENT, each saying
+    which limit (not INTERNAL from a reset stream, nor a closed connection), up to far past
+    what a client sends (the codec's own limits: ``CODEC_MAX_HEADERS_KB`` for the list; one
+    field over 64 KiB is the HTTP/2 codec's to refuse, by closing the connection)."""
+    port = envoy_without_upstream
+    many = {f"x-h{i}": "v" for i in range(200)}
+    status, _, payload = request(port, "/v1/models", headers=many)
+    assert status == 431, payload
+    assert f"at most {MAX_HEADER_COUNT} are accepted" in payload["error"]["message"]
+    status, _, payload = request(port, "/v1/models", headers={"x-big": "b" * 1_000_000})
+    assert status == 431 and "bytes" in payload["error"]["message"]
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        # NOTE: one field stays under 64 KiB, the HTTP/2 codec's HPACK limit on a single
+        # string: past it Envoy must close the connection (docs/reliability.md).
+        for metadata, says in ((list(many.items()), "header fields"),
+                               ([("x-big", "b" * 60_000)], "bytes"),
+                               ([(f"x-b{i}", "b" * 8_000) for i in range(13)], "bytes"),
+                               ([(f"x-b{i}", "b" * 60_000) for i in range(80)], "bytes")):
+            with pytest.raises(grpc.RpcError) as raised:
+                stub.ListModels(generation_pb2.ListModelsRequest(), metadata=metadata,
+                                timeout=30)
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value
+            assert says in (raised.value.details() or "")
+    assert CODEC_MAX_HEADERS_KB == 8192  # Envoy's ceiling: past it HTTP/2 closes the connection
+
+
+def test_grpc_web_and_other_content_types_on_grpc_paths_are_415(
+        envoy_without_upstream: int) -> None:
+    """gRPC-Web is not served: a 415 naming gRPC, not the 503 of a request forwarded to gRPC
+    servers that cannot read it."""
+    for content_type in ("application/grpc-web", "application/grpc-web+proto",
+                         "application/grpc-web-text", "application/octet-stream"):
+        status, _, payload = request(envoy_without_upstream, "/tandem.v1.Generation/Complete",
+                                     b"\x00garbage", headers={"content-type": content_type})
+        assert status == 415, (content_type, payload)
+        assert "gRPC" in assert_openai_error(payload, "invalid_request_error")["message"]
 
 
 def test_long_messages_are_clipped(envoy_without_upstream: int) -> None:

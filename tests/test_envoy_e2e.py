@@ -642,6 +642,31 @@ def test_edge_statuses_with_the_real_gateway(stack: Stack, offline: LLM) -> None
     assert status == 415 and payload["error"]["type"] == "invalid_request_error"
 
 
+def test_a_refused_header_list_never_cuts_the_callers_other_streams(
+        stack: Stack, offline: LLM) -> None:
+    """Through Envoy's gRPC port, on one HTTP/2 connection: a stream is running when the same
+    caller sends a call with a 104 KB header list, then one with 200 header fields. Each gets
+    INVALID_ARGUMENT naming the limit (the edge filter's answer: the codec's limits are far
+    above), and the stream runs to its end: no GOAWAY cut the connection."""
+    want = offline.generate([PROMPTS[1]], greedy(200))[0]
+    request = generation_pb2.CompletionRequest(model="tiny", max_tokens=200, temperature=0,
+                                               ignore_eos=True)
+    request.prompt.string_value = PROMPTS[1]
+    with grpc.insecure_channel(f"127.0.0.1:{stack.http_port}") as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        stream = stub.CompleteStream(request, timeout=120)
+        pieces = [next(stream).choices[0].text]
+        for metadata, says in (([(f"x-b{i}", "b" * 8_000) for i in range(13)], "bytes"),
+                               ([(f"x-h{i}", "v") for i in range(200)], "header fields")):
+            with pytest.raises(grpc.RpcError) as raised:
+                stub.ListModels(generation_pb2.ListModelsRequest(), metadata=metadata,
+                                timeout=30)
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value
+            assert says in (raised.value.details() or "")
+        pieces += [c.choices[0].text for c in stream if c.choices]
+    assert "".join(pieces) == want.text
+
+
 def test_models_tokenize_and_detokenize(stack: Stack, offline: LLM) -> None:
     client = stack.client()
     listed = client.models.list().data
@@ -822,8 +847,9 @@ def test_reflection_lists_the_services_through_envoy(stack: Stack) -> None:
 
 
 def test_a_stream_broken_midway_ends_with_an_error_event(stack: Stack) -> None:
-    """The decode replica dies after the stream began (and the gateway may not retry): the
-    client gets an OpenAI error event, then [DONE], not a silently truncated stream."""
+    """The decode replica dies after the stream began and no replica is left to continue it
+    (the prefill replica, which would run it whole, died first): the client gets an OpenAI
+    error event, then [DONE], not a silently truncated stream."""
     body = json.dumps({"model": "tiny", "prompt": "alpha", "max_tokens": 400, "stream": True,
                        "temperature": 0, "ignore_eos": True}).encode()
     request = urllib.request.Request(f"{stack.base_url}/completions", data=body,
@@ -832,6 +858,7 @@ def test_a_stream_broken_midway_ends_with_an_error_event(stack: Stack) -> None:
         assert response.status == 200
         first = response.readline().decode()
         assert first.startswith("data: {") and '"text_completion"' in first
+        stack.replicas["prefill"].kill()
         stack.replicas["decode"].kill()
         events = [e.strip() for e in response.read().decode().split("\n\n") if e.strip()]
     assert events[-1] == "data: [DONE]"

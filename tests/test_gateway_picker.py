@@ -10,8 +10,10 @@ import pytest
 from engine_common.block_hash import hash_prompt_blocks
 from gateway.__main__ import build_parser, options_from_args
 from gateway.load import LoadView
+from gateway.metrics import GatewayMetrics
 from gateway.picker import NoReplicaError, PickerConfig, ReplicaState, pick
 from gateway.prefix_index import PrefixIndex
+from gateway.role_fallback import RoleFallbacks
 from gateway.snapshot import prompt_block_hashes
 from protos.tandem.v1 import engine_pb2
 
@@ -119,9 +121,34 @@ def test_stale_everywhere_still_routes() -> None:
     assert decision.decode.address == "a"
 
 
-def test_no_decode_replica_raises_with_reasons() -> None:
-    with pytest.raises(NoReplicaError, match="sick: unhealthy"):
-        pick([replica("sick", healthy=False), replica("p", role="prefill")], 10, BS)
+def test_no_replica_of_any_role_raises_with_reasons() -> None:
+    with pytest.raises(NoReplicaError, match="p: unhealthy, sick: unhealthy"):
+        pick([replica("sick", healthy=False), replica("p", role="prefill", healthy=False)],
+             10, BS)
+
+
+def test_with_no_decode_replica_a_prefill_replica_runs_the_request_whole() -> None:
+    """Roles are a preference: the dead (or excluded: a resumption) decode replica's
+    requests go to the least loaded prefill replica, with no prefill hop, and back to a
+    decode replica as soon as one is usable."""
+    prefill = [replica("p1", role="prefill", running=3), replica("p2", role="prefill")]
+    decision = pick([replica("d", role="decode", healthy=False), *prefill], 10 * BS, BS)
+    assert (decision.decode.address, decision.prefill) == ("p2", None)
+    assert (decision.pd_reason, decision.missing_role) == ("no_decode_replica", "decode")
+    assert decision.filtered == {"d": "unhealthy"}
+    resumed = pick([replica("d", role="decode"), *prefill], 10 * BS, BS, exclude={"d"})
+    assert resumed.decode.address == "p2" and resumed.missing_role == "decode"
+    back = pick([replica("d", role="decode"), *prefill], 10 * BS, BS)
+    assert (back.decode.address, back.missing_role, back.pd_reason) == (
+        "d", "", "prefill_hop")
+
+
+def test_with_no_usable_prefill_replica_the_decode_replica_prefills_and_says_so() -> None:
+    sick = pick([replica("d", role="decode"), replica("p", role="prefill", healthy=False)],
+                10 * BS, BS)
+    assert (sick.decode.address, sick.prefill, sick.missing_role) == ("d", None, "prefill")
+    # A layout without prefill replicas misses nothing.
+    assert pick([replica("d", role="both")], 10 * BS, BS).missing_role == ""
 
 
 def test_pd_decider() -> None:
@@ -227,3 +254,25 @@ def test_round_robin_policy_ignores_caches_and_load() -> None:
     assert chosen == ["a", "b", "c"]
     scored = options_from_args(build_parser().parse_args(["--model", "m", "--replica", "a:1"]))
     assert pick(replicas, 10 * BS, BS, scored.picker).decode.address == "a"
+
+
+def test_role_fallbacks_are_counted_per_decision_and_logged_once_per_change(
+        caplog: pytest.LogCaptureFixture) -> None:
+    metrics = GatewayMetrics()
+    fallbacks = RoleFallbacks(metrics)
+    no_decode = pick([replica("d", role="decode", healthy=False),
+                      replica("p", role="prefill")], 10 * BS, BS)
+    no_prefill = pick([replica("d", role="decode"),
+                       replica("p", role="prefill", healthy=False)], 10 * BS, BS)
+    both = pick([replica("d", role="decode"), replica("p", role="prefill")], 10 * BS, BS)
+    with caplog.at_level("WARNING", logger="gateway.role_fallback"):
+        for decision in (no_decode, no_decode, no_decode, no_prefill, both, both):
+            fallbacks.observe(decision)
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "no decode replica is usable: prefill replicas run requests whole (first: p)",
+        "decode replicas are usable again: roles as configured",
+        "no prefill replica is usable: decode replicas compute prompts themselves (first: d)",
+        "prefill replicas are usable again: roles as configured"]
+    counted = {r: metrics.role_fallbacks.labels(r)._value.get() for r in ("decode", "prefill")}
+    assert counted == {"decode": 3, "prefill": 1}

@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -99,8 +100,24 @@ def test_the_plan_lists_every_port_it_assigns_and_envoy_gets_a_readiness_check()
     envoy = suite.specs[-1]
     assert envoy.argv[envoy.argv.index("--admin-port") + 1] == "30204"
     assert envoy.ready_url == "http://127.0.0.1:30204/ready"
+    assert envoy.serving_url == "http://127.0.0.1:30080/health"
     assert [s.drains_first for s in suite.specs] == [True, True, True, False, False]
     assert [s.restart_when_not_serving for s in suite.specs] == [True, True, True, False, True]
+
+
+def test_the_suite_is_started_only_once_every_serving_url_answers_200(tmp_path: Path) -> None:
+    """As Envoy's /health answers 503 until its first health check of the gateway passes
+    (up to 2 s after the gateway serves): "all healthy" must wait for it."""
+    port = free_port()
+    spec = program("envoy", "http", str(port), "--ok-after", "3", port=port)
+    spec.serving_url = f"http://127.0.0.1:{port}/health"
+    with supervised([spec], tmp_path) as (supervisor, _):
+        began = time.monotonic()
+        supervisor.start()
+        assert time.monotonic() - began >= 3.0
+        with urllib.request.urlopen(spec.serving_url, timeout=5) as answer:
+            assert answer.status == 200
+        assert supervisor.is_ready("envoy")
 
 
 def test_a_dead_process_restarts_with_backoff_that_starts_over_after_a_stable_period(

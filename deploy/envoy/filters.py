@@ -45,6 +45,9 @@ MAX_REQUEST_BYTES = 4 * 1024 * 1024
 # transcoded request's URL is not forwarded (its path becomes the RPC's).
 MAX_URL_BYTES = 8192
 MAX_HEADER_BYTES = 6144
+# Header fields (pseudo-headers included) the edge accepts: HTTP/1 and HTTP/2 servers commonly
+# stop at 100 (Envoy's own default), and no client of ours sends a tenth of that.
+MAX_HEADER_COUNT = 100
 # The longest error message the edge passes on (an upstream's, or the transcoder's, which
 # may quote the request).
 MAX_MESSAGE_BYTES = 2048
@@ -63,6 +66,7 @@ def _lua(name: str, script: str, prelude: dict[str, Any]) -> dict[str, Any]:
 def edge_lua(rules: Sequence[HttpRule]) -> dict[str, Any]:
     return _lua(EDGE_LUA_FILTER, "openai_edge.lua", {
         "MAX_URL_BYTES": MAX_URL_BYTES, "MAX_HEADER_BYTES": MAX_HEADER_BYTES,
+        "MAX_HEADER_COUNT": MAX_HEADER_COUNT,
         "MAX_MESSAGE_BYTES": MAX_MESSAGE_BYTES,
         "JSON_BODY_PATHS": dict.fromkeys(json_body_paths(rules), True)})
 

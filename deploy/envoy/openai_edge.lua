@@ -1,18 +1,23 @@
 -- Tandem's HTTP edge: the first HTTP filter of every Envoy listener Tandem renders.
 --
 -- deploy/envoy_config.py inlines this file into the bootstrap after a prelude of locals it
--- computes: MAX_URL_BYTES, MAX_HEADER_BYTES and MAX_MESSAGE_BYTES (the limits below), and
+-- computes: MAX_URL_BYTES, MAX_HEADER_BYTES, MAX_HEADER_COUNT and MAX_MESSAGE_BYTES (the
+-- limits below), and
 -- JSON_BODY_PATHS (path -> true for every POST rule of tandem.v1.Generation with a body,
 -- read from the descriptor set).
 --
 -- Requests:
---   * a URL over MAX_URL_BYTES is a 414, request headers over MAX_HEADER_BYTES a 431
---     (INVALID_ARGUMENT for a gRPC client): the gRPC servers behind take 8 KiB of metadata,
+--   * a URL over MAX_URL_BYTES is a 414, request headers over MAX_HEADER_BYTES or
+--     MAX_HEADER_COUNT fields a 431 (INVALID_ARGUMENT for a gRPC client; the codec's own
+--     limits are far above, so that it is this answer that names the limit, not a reset
+--     stream or a closed connection): the gRPC servers behind take 8 KiB of metadata,
 --     and a bigger request would come back from them as RESOURCE_EXHAUSTED, a 429 that tells
 --     the client to retry what can never pass;
 --   * the API key's scheme is case-insensitive ("bearer KEY" is "Bearer KEY"); an
 --     Authorization header of any other form is dropped, so that its value can never pass
 --     for a key (api_key_auth, next in the chain, reads "Bearer KEY" or the bare value);
+--   * gRPC is application/grpc or application/grpc+FORMAT; gRPC-Web (application/grpc-web...)
+--     is not served: a 415 saying so, as for any other content type on a gRPC path;
 --   * a request that is not gRPC is HTTP: marked, so that its errors leave in OpenAI's shape;
 --   * a JSON body must be JSON (application/json, +json, or no content type), else a 415;
 --   * a list in a query as the openai SDK writes it (include[]=a&include[]=b, brackets
@@ -120,6 +125,8 @@ local function error_info_field(text, pattern)
 end
 
 local function refuse(handle, grpc, status, message)
+  -- Marked: deploy/envoy_config.py's local-reply mapper rewrites the codec's own 431 only.
+  handle:streamInfo():dynamicMetadata():set(NAMESPACE, "edge_refusal", true)
   if grpc then
     handle:respond({[":status"] = "200", ["content-type"] = "application/grpc",
                     ["grpc-status"] = tostring(INVALID_ARGUMENT), ["grpc-message"] = message},
@@ -150,6 +157,15 @@ local function refused_for_size(handle, headers, grpc)
       MAX_URL_BYTES .. " are accepted")
     return true
   end
+  local count = 0
+  for _ in pairs(headers) do
+    count = count + 1
+  end
+  if count > MAX_HEADER_COUNT then
+    refuse(handle, grpc, 431, "the request has " .. count .. " header fields; at most " ..
+      MAX_HEADER_COUNT .. " are accepted")
+    return true
+  end
   local size = header_bytes(headers)
   if size > MAX_HEADER_BYTES then
     refuse(handle, grpc, 431, "the request headers take " .. size .. " bytes; at most " ..
@@ -178,6 +194,12 @@ local function is_json(content_type)
     or string.find(media, "^application/[%w.-]+%+json$") ~= nil
 end
 
+-- gRPC proper (application/grpc, application/grpc+proto, ...), not gRPC-Web.
+local function is_grpc(content_type)
+  local media = string.lower(string.match(content_type, "^%s*([^;%s]*)") or "")
+  return media == "application/grpc" or string.find(media, "^application/grpc%+") ~= nil
+end
+
 local function plain_list_keys(path)
   local start = string.find(path, "?", 1, true)
   if start == nil then
@@ -191,7 +213,7 @@ end
 
 function envoy_on_request(handle)
   local headers = handle:headers()
-  local grpc = string.find(headers:get("content-type") or "", "^application/grpc") ~= nil
+  local grpc = is_grpc(headers:get("content-type") or "")
   if refused_for_size(handle, headers, grpc) then
     return
   end

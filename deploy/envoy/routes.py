@@ -33,6 +33,10 @@ GRPC_SERVICES = ("tandem.v1.Generation", HEALTH_SERVICE,
                  "grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection")
 PROBE_PATHS = ("/health", "/ping")
 GRPC_CONTENT_TYPE = "application/grpc"
+# gRPC proper (application/grpc, application/grpc+proto; parameters after ";"), never gRPC-Web
+# (application/grpc-web...): the servers behind speak only gRPC, and a gRPC-Web request
+# forwarded to them came back as a 503. It gets the 415 below.
+GRPC_CONTENT_TYPE_REGEX = r"application/grpc(\+[A-Za-z0-9._-]+)?(\s*;.*)?"
 
 # Only requests that never reached the upstream are tried again: a refused connection, a
 # stream the upstream refused unprocessed (HTTP/2 REFUSED_STREAM), a reset before the request
@@ -123,7 +127,8 @@ def _grpc_routes(targets: RouteTargets) -> list[dict[str, Any]]:
     for service in GRPC_SERVICES:
         route: dict[str, Any] = {
             "match": {"prefix": f"/{service}/", "headers": [
-                {"name": "content-type", "string_match": {"prefix": GRPC_CONTENT_TYPE}}]},
+                {"name": "content-type", "string_match": {"safe_regex": {
+                    "regex": GRPC_CONTENT_TYPE_REGEX}}}]},
             "route": _forward(targets),
             # Transcoded requests carried their HTTP path here; the gRPC servers count it
             # against their metadata limit and nothing reads it.

@@ -3,6 +3,8 @@
 Owns one gRPC channel per prefill replica (reused across requests), the Prefill stream read as
 the engine's records (``RemoteKvChunk`` announcements, then the ``RemotePrefill`` result) and
 the fire-and-forget release once the decode side has pulled the blocks (or given up on them).
+A channel whose last connection attempt failed gets ``connect_wait_s`` to connect before its
+Prefill fails, and reconnects within a second of a restart.
 It does not move KV: the decode engine core pulls the blocks over UCX with the handles the
 stream carries. The call has no deadline; the prefill replica's keepalives show it alive while
 the prompt queues, and a silence of ``silence_timeout_s`` ends it. Closing the stream before
@@ -33,6 +35,17 @@ from services.suite_tls import SuiteTls, aio_channel
 
 logger = logging.getLogger(__name__)
 
+# NOTE: gRPC's default reconnect backoff (1 s growing to 120 s) kept a channel to a prefill
+# replica that had been down failing for up to tens of seconds after it was back (its calls
+# failed fast, and the gateway sent the prompts to be computed here): reconnect as the
+# gateway's registry does.
+# (Not its minimum: gRPC takes that for the connect timeout too, and a peer that accepts the
+# TCP connection but is too stalled to answer must be left to the silence timeout.)
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
 
 class PrefillFailed(RemotePrefillLost):
     """The prefill replica could not be used; ``reason`` goes into the fallback metric,
@@ -45,7 +58,8 @@ class PrefillFailed(RemotePrefillLost):
 
 class PrefillPeers:
     def __init__(self, keepalive_s: float = 5.0, silence_timeout_s: float = 30.0,
-                 tls: SuiteTls | None = None, announce_kv: bool = False) -> None:
+                 tls: SuiteTls | None = None, announce_kv: bool = False,
+                 connect_wait_s: float = 2.0) -> None:
         # NOTE: no deadline on the whole call. Under a queue past capacity a prompt waits at
         # the prefill replica for minutes, and a fixed deadline (it was 120 s) then gave up on
         # prompts about to run and computed them again here, under this replica's small
@@ -61,14 +75,37 @@ class PrefillPeers:
         # With the suite's mutual TLS, only a suite member's certificate is accepted: a
         # request naming any other address fails its Prefill and falls back.
         self.tls = tls
+        # A channel whose last connection attempt failed (its replica just restarted) gets
+        # this long to connect before its Prefill fails UNAVAILABLE: a prefill replica the
+        # gateway routes to is up, and recomputing here costs far more than the wait.
+        self.connect_wait_s = connect_wait_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._releases: set[asyncio.Task[None]] = set()
 
-    def _stub(self, peer: str) -> epb_grpc.EngineStub:
+    def _channel(self, peer: str) -> grpc.aio.Channel:
         channel = self._channels.get(peer)
         if channel is None:
-            channel = self._channels[peer] = aio_channel(peer, self.tls)
-        return epb_grpc.EngineStub(channel)
+            channel = self._channels[peer] = aio_channel(peer, self.tls, CHANNEL_OPTIONS)
+        return channel
+
+    def _stub(self, peer: str) -> epb_grpc.EngineStub:
+        return epb_grpc.EngineStub(self._channel(peer))
+
+    async def _connected(self, peer: str) -> None:
+        """A channel to ``peer`` whose last connection attempt failed (a call on it would
+        fail at once) gets up to ``connect_wait_s`` to connect; PrefillFailed UNAVAILABLE when
+        it does not. Any other state goes ahead: the call itself connects, or waits for the
+        attempt under way, and a silent peer is the silence timeout's to give up on."""
+        channel = self._channel(peer)
+        failing = grpc.ChannelConnectivity.TRANSIENT_FAILURE
+        if channel.get_state(try_to_connect=True) != failing:
+            return
+        try:
+            await asyncio.wait_for(channel.channel_ready(), self.connect_wait_s)
+        except TimeoutError:
+            raise PrefillFailed(
+                "prefill_failed", f"{peer} did not accept a connection within "
+                f"{self.connect_wait_s:g} s", grpc.StatusCode.UNAVAILABLE) from None
 
     async def prefill(self, peer: str, request_id: str, request: GenerationRequest,
                       announce_kv: bool = False
@@ -81,6 +118,7 @@ class PrefillPeers:
             cache_salt=request.cache_salt or "", priority=request.priority,
             lora_name=request.lora_name or "", announce_kv=announce_kv,
             keepalive_s=self.keepalive_s)
+        await self._connected(peer)
         call = self._stub(peer).Prefill(message)
         done = False
         try:

@@ -3,7 +3,8 @@
 Owns the replica's life: start the engine core (its own process), serve
 ``tandem.v1.Generation``, ``tandem.v1.Engine``, ``grpc.health.v1`` and server reflection on one
 port and the engine's Prometheus registry on another; report SERVING once the engine is up
-and NOT_SERVING if its core dies; on SIGTERM or SIGINT drain: NOT_SERVING, refuse new
+(and, on a prefill replica, its KV listener accepts connections where peers dial it) and
+NOT_SERVING if its core dies; on SIGTERM or SIGINT drain: NOT_SERVING, refuse new
 requests (UNAVAILABLE), let the requests in flight finish within the grace period, then stop
 the server and the engine. A second signal cuts the drain short. It does not own the RPC
 handlers (``generation_servicer``, ``engine_servicer``) or command-line parsing (``main``).
@@ -46,6 +47,7 @@ from services.replica.local_engine import LocalEngine
 from services.replica.lora_updates import LocalLoraUpdates
 from services.replica.options import ReplicaOptions
 from services.replica.prefill_peers import PrefillPeers
+from services.replica.readiness import wait_listening
 from services.suite_tls import add_port
 
 logger = logging.getLogger(__name__)
@@ -58,6 +60,7 @@ HEALTH_SERVICES = ("", GENERATION_SERVICE, ENGINE_SERVICE)
 # (endless ones too: KV-event and health watchers).
 _FINAL_GRACE_S = 1.0
 _ENGINE_CHECK_INTERVAL_S = 0.5
+_KV_LISTENER_WAIT_S = 30.0
 
 
 async def start_engine(config: EngineConfig,
@@ -140,6 +143,7 @@ class ReplicaServer:
         await self.server.start()
         if self.health_port is not None:
             await self.health_port.start()
+        await self._kv_listener_answers()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self._watchdog = asyncio.create_task(self._watch_engine())
         self._throughput_log = asyncio.create_task(
@@ -149,6 +153,16 @@ class ReplicaServer:
             self.options.role, self.model.name, self.options.host, self.port,
             f", metrics on :{self.options.metrics_port}/metrics"
             if self.options.metrics_port else "")
+
+    async def _kv_listener_answers(self) -> None:
+        """On a prefill replica, wait until its KV listener accepts connections at the
+        address decode replicas dial: SERVING before that sent prompts to a replica whose KV
+        no peer could pull."""
+        address = self.llm.info.kv_address
+        if self.options.role != "prefill" or address is None:
+            return
+        took = await wait_listening(*address, timeout_s=_KV_LISTENER_WAIT_S)
+        logger.info("KV listener %s:%d answers (after %.3f s)", *address, took)
 
     def _serve_lora_adapters(self, names: frozenset[str]) -> None:
         """Requests may name these adapters from now on (after a load or an unload)."""
