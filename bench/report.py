@@ -16,19 +16,28 @@ from pathlib import Path
 
 import torch
 
+# The CPU features the engines' speed depends on (the matmul and attention kernels each
+# engine picks), named in every results file: the same model name spans CPUs with and
+# without them.
+MATMUL_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+                "avx_ne_convert", "amx_tile", "amx_bf16", "amx_int8", "amx_fp16")
+
 
 def machine() -> dict[str, object]:
-    cpu = platform.processor()
+    cpu, flags = platform.processor(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and cpu == platform.processor():
                 cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
                 break
     except OSError:
         pass
     return {
         "platform": platform.platform(),
         "cpu": cpu,
+        "cpu_flags": [flag for flag in MATMUL_FLAGS if flag in flags],
         "nproc": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),

