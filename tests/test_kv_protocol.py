@@ -8,6 +8,7 @@ bit-exactly with the producer's.
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 from kv_transfer.connector import KvTransferError
 from kv_transfer.layout import KvLayout
 from kv_transfer.leases import LeaseTable
+from kv_transfer.listener_probe import kv_listener_answers
 from kv_transfer.ucx_connector import UcxKvConsumer
 from kv_transfer.ucx_rma import coalesce_reads
 from kv_transfer.wire import PREVIOUS_VERSION, PROTOCOL_VERSION
@@ -165,3 +167,27 @@ def test_reads_adjacent_in_both_memories_merge_into_one() -> None:
     reads = [(100, 10, 1000), (110, 10, 1010), (120, 5, 2000), (125, 5, 2005), (200, 1, 2010)]
     assert coalesce_reads(reads) == [(100, 20, 1000), (120, 10, 2000), (200, 1, 2010)]
     assert coalesce_reads([]) == []
+
+
+def test_the_kv_listener_probe_tells_a_listening_producer_from_none(producer: PeerProcess
+                                                                    ) -> None:
+    """The health check a prefill replica's SERVING waits for (kv_transfer.listener_probe):
+    True for a started producer (which drops the probe's connection and goes on serving),
+    False for a port nothing listens on."""
+    assert producer.address is not None
+    host, port = producer.address
+    assert asyncio.run(kv_listener_answers(host, port))
+    other = PeerProcess("producer", LAYOUT, 4, seed=1, engine_id="p-gone")
+    assert other.address is not None
+    other.stop()
+    assert not asyncio.run(kv_listener_answers(*other.address, timeout=0.5))
+    # The probed producer still serves.
+    source = kv_pattern(LAYOUT, PRODUCER_BLOCKS, seed=1)
+    kv = kv_pattern(LAYOUT, CONSUMER_BLOCKS, seed=9)
+    consumer = UcxKvConsumer(kv, LAYOUT, direct_min_message_bytes=0)
+    try:
+        handle = producer.pin("after-probe", [0, 1, 2])
+        _pull_exact(consumer, kv, handle, [0, 1, 2], [0, 1, 2], source)
+        producer.call("release", "after-probe")
+    finally:
+        consumer.close()
