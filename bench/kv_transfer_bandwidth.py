@@ -7,11 +7,15 @@ asks for TCP, as it does for a producer on another host), with the producer in a
 process, it measures, interleaved round by round:
 
   connector_direct  ``UcxKvConsumer.pull`` of n blocks consecutive on both sides, cache to
-                    cache, no staging: on shm the consumer reads each (layer, K/V) run
-                    itself (RMA GET over cma, ``ucx_rma``); on tcp the producer sends it
-  connector_sent    (shm only) the same pull with the consumer's reads turned off
+                    cache, no staging: the consumer reads each (layer, K/V) run itself
+                    (RMA GET, ``ucx_rma``; cma on shm, UCX's emulation over tcp), protocol
+                    version 4: no frame before the reads, one confirmation after
+  connector_v3      the same pull by a consumer of protocol version 3 (issue 34's "before",
+                    in the same rounds): admission, reads (shm) or sends (tcp), then the
+                    final status
+  connector_sent    the same pull with the consumer's reads turned off
                     (``remote_read=False``): the producer sends each run as a tagged
-                    message, as every direct pull did before reads (the "before")
+                    message (the fallback for a peer that cannot be read)
   connector_staged  a pull of n scattered blocks into n shuffled ones: gather, layer
                     chunks on the wire, scatter (overlapped)
   raw               the network floor: one pre-allocated buffer of the same byte count,
@@ -67,7 +71,7 @@ from kv_transfer.ucp_introspection import endpoint_lanes, transport_label  # noq
 from kv_transfer.ucx_connector import UcxKvConsumer, UcxKvProducer  # noqa: E402
 from kv_transfer.ucx_io import open_endpoint, post  # noqa: E402
 from kv_transfer.ucx_runtime import UcxRuntime  # noqa: E402
-from kv_transfer.wire import TransportKind  # noqa: E402
+from kv_transfer.wire import PREVIOUS_VERSION, PROTOCOL_VERSION, TransportKind  # noqa: E402
 
 LAYOUT = KvLayout(
     model="HuggingFaceTB/SmolLM2-135M-Instruct",
@@ -77,7 +81,7 @@ LAYOUT = KvLayout(
     head_size=64,
     block_size=16,
 )
-SIZES = [8, 32, 64, 128, 256]
+SIZES = [1, 8, 32, 64, 128, 256]
 CACHE_BLOCKS = 320  # per side; > the largest pull so that scattered ids spread out
 HOST = "127.0.0.1"
 TRANSPORTS: tuple[TransportKind, ...] = ("shm", "tcp")
@@ -227,15 +231,18 @@ class Bench:
                 self.producers[kind].send(("pin", (request_id, remote, num_blocks * 16, 600.0)))
                 handle = self.producers[kind].recv()
                 pinned.append((kind, request_id))
-                expect = (kind if self.device == "cpu" else None,
-                          "read" if (kind, mode, self.device) == ("shm", "direct", "cpu")
-                          else mode)
+                reads = self.device == "cpu" and mode == "direct"
+                expect = (kind if self.device == "cpu" else None, "read" if reads else mode)
                 runs[f"{kind}_connector_{mode}"] = functools.partial(
                     time_pull, self.consumers[kind][mode], handle, remote, local, expect)
-                if kind == "shm" and mode == "direct":
-                    runs["shm_connector_sent"] = functools.partial(
+                if mode == "direct":
+                    runs[f"{kind}_connector_sent"] = functools.partial(
                         time_pull, self.consumers[kind]["sent"], handle, remote, local,
                         (expect[0], "direct"))
+                    v3_reads = reads and kind == "shm"  # version 3 read on shm only
+                    runs[f"{kind}_connector_v3"] = functools.partial(
+                        time_pull, self.consumers[kind]["v3"], handle, remote, local,
+                        (expect[0], "read" if v3_reads else "direct"))
             runs[f"{kind}_raw"] = functools.partial(self.raw.fetch, kind, nbytes, 1)
             runs[f"{kind}_raw_direct_shape"] = functools.partial(
                 self.raw.fetch, kind, nbytes, 2 * LAYOUT.num_layers)
@@ -270,7 +277,7 @@ def measure(bench: Bench, num_blocks: int, iters: int, warmup: int) -> dict[str,
         row[f"{name}_gbps"] = round(nbytes / statistics.median(values) / 1e9, 3)
     for kind in TRANSPORTS:
         raw = statistics.median(seconds[f"{kind}_raw"])
-        for variant in ("connector_direct", "connector_sent", "connector_staged",
+        for variant in ("connector_direct", "connector_v3", "connector_sent", "connector_staged",
                         "raw_direct_shape"):
             name = f"{kind}_{variant}"
             if name not in seconds:
@@ -292,8 +299,9 @@ def report_line(row: dict[str, Any]) -> str:
         parts.append(
             f"{kind}: raw {row[f'{kind}_raw_gbps']:5.2f} direct "
             f"{row[f'{kind}_connector_direct_gbps']:5.2f} (x{row[f'{kind}_connector_direct_ratio']:.2f})"
-            + (f" sent {row['shm_connector_sent_gbps']:5.2f} "
-               f"(x{row['shm_connector_sent_ratio']:.2f})" if kind == "shm" else "") +
+            f" v3 {row[f'{kind}_connector_v3_gbps']:5.2f} (x{row[f'{kind}_connector_v3_ratio']:.2f})"
+            f" sent {row[f'{kind}_connector_sent_gbps']:5.2f} "
+            f"(x{row[f'{kind}_connector_sent_ratio']:.2f})" +
             f" staged {row[f'{kind}_connector_staged_gbps']:5.2f} "
             f"(x{row[f'{kind}_connector_staged_ratio']:.2f}) GB/s")
     parts.append(f"gather {row['gather_ms_median']:.1f} ms scatter {row['scatter_ms_median']:.1f} ms")
@@ -309,11 +317,13 @@ def start_bench(producers: dict[TransportKind, Connection], device: str) -> Benc
         kind: {mode: UcxKvConsumer(kv, LAYOUT, host=HOST,
                                    transport="auto" if kind == "shm" else "tcp",
                                    direct_min_message_bytes=2**62 if mode == "staged" else 0,
-                                   remote_read=mode != "sent")
-               for mode in ("direct", "sent", "staged")}
+                                   remote_read=mode != "sent",
+                                   protocol_version=PREVIOUS_VERSION if mode == "v3"
+                                   else PROTOCOL_VERSION)
+               for mode in ("direct", "v3", "sent", "staged")}
         for kind in TRANSPORTS}
     addresses = {kind: conn.recv() for kind, conn in producers.items()}
-    raw = RawClient(runtime, addresses, max(SIZES) * LAYOUT.bytes_per_block, device)
+    raw = RawClient(runtime, addresses, max(max(SIZES), 512) * LAYOUT.bytes_per_block, device)
     for kind, conn in producers.items():
         conn.send(runtime.worker_address(kind))
         conn.recv()
@@ -328,8 +338,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--output", type=Path, default=RESULTS)
     parser.add_argument("--device", default="cpu", help="where both KV caches live: cpu or cuda")
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)),
+                        help="comma-separated pull sizes in blocks")
     args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
     machine = report_machine()
+    load_before = os.getloadavg()
 
     ctx = mp.get_context("spawn")
     producers: dict[TransportKind, Connection] = {}
@@ -345,7 +359,7 @@ def main() -> None:
     bench = start_bench(producers, args.device)
     results = []
     try:
-        for num_blocks in SIZES:
+        for num_blocks in sizes:
             row = measure(bench, num_blocks, args.iters, args.warmup)
             results.append(row)
             print(report_line(row), flush=True)
@@ -367,7 +381,7 @@ def main() -> None:
         "settings": {
             "layout": dataclasses.asdict(LAYOUT),
             "bytes_per_block": LAYOUT.bytes_per_block,
-            "sizes_blocks": SIZES,
+            "sizes_blocks": sizes,
             "iters": args.iters,
             "warmup": args.warmup,
             "host": HOST,
@@ -386,6 +400,9 @@ def main() -> None:
             "ucx_env": {k: v for k, v in os.environ.items() if k.startswith(("UCX", "UCXPY"))},
         },
         "results": results,
+        # The machine is shared with other agents' work: its load average (1, 5, 15 min)
+        # when the run began and ended.
+        "load_average": {"start": load_before, "end": os.getloadavg()},
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)

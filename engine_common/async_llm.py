@@ -326,7 +326,13 @@ class AsyncLLM:
         if last is None or last.kv_handle is None or not last.new_token_ids:
             raise RuntimeError(f"prefill of {request_id} ended without a KV handle "
                                f"({last.finish_reason if last else 'no output'})")
-        yield last
+        try:
+            yield last
+        except (asyncio.CancelledError, GeneratorExit):
+            # NOTE: closed before the result was taken (the caller was cancelled as it came):
+            # its blocks are pinned for a pull that will never come (issue 34).
+            self.release_kv(request_id)
+            raise
 
     def release_kv(self, request_id: str) -> None:
         self.core.release_kv([request_id])

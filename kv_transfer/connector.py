@@ -60,6 +60,12 @@ class KvHandle:
     lease_deadline: float  # unix seconds
     layout_fingerprint: str
 
+    @property
+    def lease_generation(self) -> int:
+        """The lease's generation: its deadline in ms, unique per pin on its producer
+        (``leases``); a reader confirms it after reading (``ucx_connector``)."""
+        return round(self.lease_deadline * 1000)
+
 
 @dataclass(frozen=True)
 class TransferResult:

@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kv_transfer.block_copy import BlockCopier, StagingBuffer
@@ -43,13 +44,18 @@ from kv_transfer.ucx_io import (
     settle,
     tune_control_socket,
 )
-from kv_transfer.ucx_rma import Reader, RemoteKey
+from kv_transfer.ucx_rma import ReadBurst, Reader, RemoteKey, coalesce_reads
 from kv_transfer.ucx_runtime import UcxRuntime
 from kv_transfer.wire import (
+    PREVIOUS_VERSION,
+    PROTOCOL_VERSION,
     STATUS_OK,
+    SUPPORTED_VERSIONS,
+    WIRE_UP_BYTES,
     BlockRequest,
     Hello,
     ReadableCache,
+    ReadConfirm,
     ReadDone,
     TransferStatus,
     TransportKind,
@@ -57,6 +63,7 @@ from kv_transfer.wire import (
     as_wire,
     payload_tag,
     read_frame,
+    wire_up_tag,
 )
 
 logger = logging.getLogger(__name__)
@@ -64,6 +71,10 @@ logger = logging.getLogger(__name__)
 TRANSPORT_CHOICES = ("auto", "tcp")
 # A burst of reads ends by itself (a dead producer fails them at once); this bounds a bug.
 READ_SETTLE_TIMEOUT_S = 5.0
+# Reads are first progressed on the loop's own thread for up to this long (no hop: a small
+# pull is over by then); a longer burst is waited for on a copy thread, the loop meanwhile
+# watching the control connection (a producer that dies or freezes mid-read).
+INLINE_READ_S = 0.002
 
 
 @dataclass
@@ -79,6 +90,7 @@ class _Connection:
     lanes: list[tuple[str, str]]
     readable: ReadableCache | None = None  # the producer's cache, when we read it ourselves
     rkey: RemoteKey | None = None  # readable's key, unpacked on this endpoint
+    version: int = PROTOCOL_VERSION  # of the protocol spoken on this connection
     seq: int = 0
 
     def broken(self) -> bool:
@@ -104,6 +116,11 @@ class _StaleConnection(Exception):
     """The request could not even be written: the connection died while idle."""
 
 
+class _HelloRefused(Exception):
+    """The producer closed the connection instead of welcoming us: a producer of the
+    previous protocol version does so on a hello of a version it does not know."""
+
+
 class UcxKvConsumer(KvConsumer):
     """Pulls blocks from UCX producers into ``kv_cache``.
 
@@ -113,8 +130,11 @@ class UcxKvConsumer(KvConsumer):
     pulls off shared memory (for comparison and as an operator's escape hatch).
     ``chunk_bytes`` bounds a staged payload message; ``direct_min_message_bytes`` is the
     mean message size from which a pull goes cache to cache (``transfer_plan``).
-    ``remote_read=False`` has same-host producers send direct pulls instead of letting
-    this consumer read them (``ucx_rma``; for comparison: reading is faster).
+    ``remote_read=False`` has producers send direct pulls instead of letting this consumer
+    read them (``ucx_rma``; the labelled fallback, for comparison: reading is faster).
+    ``protocol_version``: the version it says hello in (``wire``); a producer that refuses
+    it is greeted again in the previous version, once per connection, counted in
+    ``num_downgrades``.
     """
 
     def __init__(
@@ -127,7 +147,10 @@ class UcxKvConsumer(KvConsumer):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         direct_min_message_bytes: int = DIRECT_MIN_MESSAGE_BYTES,
         remote_read: bool = True,
+        protocol_version: int = PROTOCOL_VERSION,
     ):
+        if protocol_version not in SUPPORTED_VERSIONS:
+            raise ValueError(f"KV protocol version must be one of {SUPPORTED_VERSIONS}")
         if transport not in TRANSPORT_CHOICES:
             raise ValueError(f"transport must be 'auto' or 'tcp', got {transport!r}")
         self._copier = BlockCopier(kv_cache, layout)  # checks the cache against the layout
@@ -142,6 +165,10 @@ class UcxKvConsumer(KvConsumer):
         # Reads need host memory on both sides (GPU caches are sent: see ucx_connector).
         self._remote_read = remote_read and not kv_cache.is_cuda
         self._reader = Reader()
+        self._protocol_version = protocol_version
+        # Connections that had to fall back to the previous protocol version (a producer not
+        # upgraded yet); each is logged with its reason.
+        self.num_downgrades = 0
         self._runtime = UcxRuntime.shared(self.host)
         self._closed = threading.Event()
         # Touched only on the runtime's loop.
@@ -242,6 +269,28 @@ class UcxKvConsumer(KvConsumer):
         raise AssertionError("unreachable code")
 
     async def _connect(self, handle: KvHandle) -> _Connection:
+        """A connection in this consumer's protocol version, or the previous one if the
+        producer refuses it (a rolling upgrade: the producer is not upgraded yet)."""
+        try:
+            return await self._connect_version(handle, self._protocol_version)
+        except _HelloRefused:
+            if self._protocol_version == PREVIOUS_VERSION:
+                raise KvTransferError("unreachable", f"{handle.host}:{handle.port} closed "
+                                      "the connection at hello") from None
+        logger.warning(
+            "KV producer %s:%d closed the connection on a hello of protocol version %d (it "
+            "may not be upgraded yet): trying version %d", handle.host, handle.port,
+            self._protocol_version, PREVIOUS_VERSION)
+        try:
+            connection = await self._connect_version(handle, PREVIOUS_VERSION)
+        except _HelloRefused:
+            raise KvTransferError(
+                "unreachable", f"{handle.host}:{handle.port} closed the connection at hello "
+                f"in protocol versions {self._protocol_version} and {PREVIOUS_VERSION}") from None
+        self.num_downgrades += 1
+        return connection
+
+    async def _connect_version(self, handle: KvHandle, version: int) -> _Connection:
         """Control connection, hello, and a UCX endpoint on the transport agreed on."""
         host, port = handle.host, handle.port
         prefer: TransportKind = (
@@ -258,27 +307,55 @@ class UcxKvConsumer(KvConsumer):
             addresses = {kind: self._runtime.worker_address(kind)
                          for kind in (("shm", "tcp") if prefer == "shm" else ("tcp",))}
             writer.write(Hello(handle.engine_id, connection_id, prefer, addresses,
-                               self._remote_read).encode())
-            welcome = Welcome.decode(await asyncio.wait_for(read_frame(reader, "welcome"),
-                                                            self._connect_timeout))
-            if welcome.engine_id != handle.engine_id:
-                raise KvTransferError(
-                    "unreachable", f"{host}:{port} is KV engine {welcome.engine_id!r}, not "
-                    f"{handle.engine_id!r}{_loopback_hint(host)}")
+                               self._remote_read, version).encode())
+            try:
+                welcome = Welcome.decode(await asyncio.wait_for(
+                    read_frame(reader, "welcome", (version,)), self._connect_timeout))
+            except asyncio.IncompleteReadError:
+                raise _HelloRefused() from None
+            self._check_welcome(welcome, handle)
             endpoint = await open_endpoint(welcome.address)
             lanes = endpoint_lanes(endpoint.ucp_endpoint)
             readable = welcome.readable if self._remote_read else None
             rkey = None if readable is None else RemoteKey(endpoint.ucp_endpoint, readable.rkey)
+            if rkey is not None and welcome.transport == "tcp":
+                await self._until_wired(endpoint, connection_id)
         except BaseException as exc:
             close_writer(writer)
-            if isinstance(exc, KvTransferError) or not (
+            if isinstance(exc, KvTransferError | _HelloRefused) or not (
                     isinstance(exc, TimeoutError) or is_transport_error(exc)):
                 raise
             raise KvTransferError(
                 "unreachable", f"{host}:{port}: {_describe(exc)} (this replica's KV address "
                 f"is {self.host}){_loopback_hint(host)}") from None
         return _Connection(reader, writer, endpoint, welcome.engine_id, connection_id,
-                           transport_label(lanes), lanes, readable, rkey)
+                           transport_label(lanes), lanes, readable, rkey, version)
+
+    async def _until_wired(self, endpoint: Any, connection_id: int) -> None:
+        """A reader over TCP: a small message to the producer and a rendezvous-sized one
+        back (``ucx_producer._wire_up``) before any GET. NOTE: UCX 1.21 emulates GETs over
+        TCP with active messages, and GETs posted on a fresh endpoint never completed (5 s,
+        every try), also after flushing the endpoint or an eager ping-pong both ways; after
+        one rendezvous transfer from the producer they complete (measured, issue 34)."""
+        ping, pong = np.zeros(8, dtype=np.uint8), np.zeros(WIRE_UP_BYTES, dtype=np.uint8)
+        received = post(endpoint, [(pong, wire_up_tag(connection_id) + 1)], receive=True)
+        sent = post(endpoint, [(ping, wire_up_tag(connection_id))], receive=False)
+        try:
+            await asyncio.wait_for(asyncio.gather(*received.futures, *sent.futures),
+                                   self._connect_timeout)
+        finally:
+            await settle(received)
+            await settle(sent)
+
+    def _check_welcome(self, welcome: Welcome, handle: KvHandle) -> None:
+        """The engine the handle names, and (version 4, once per connection) its layout."""
+        if welcome.engine_id != handle.engine_id:
+            raise KvTransferError(
+                "unreachable", f"{handle.host}:{handle.port} is KV engine {welcome.engine_id!r}, "
+                f"not {handle.engine_id!r}{_loopback_hint(handle.host)}")
+        if welcome.version >= 4 and welcome.fingerprint != self._fingerprint:
+            raise KvTransferError("layout_mismatch", f"producer layout {welcome.fingerprint}, "
+                                  f"ours {self._fingerprint}")
 
     async def _exchange(self, peer: _Peer, handle: KvHandle, remote: list[int],
                         local: list[int]) -> TransferPlan:
@@ -297,7 +374,10 @@ class UcxKvConsumer(KvConsumer):
                              self._direct_min_message_bytes)
         if plan.mode == "direct" and connection.rkey is not None:
             try:
-                await self._read(connection, seq, handle, remote, local, plan)
+                if connection.version >= 4:
+                    await self._read_confirmed(connection, seq, handle, remote, local, plan)
+                else:
+                    await self._read(connection, seq, handle, remote, local, plan)
                 return dataclasses.replace(plan, mode="read")
             except BaseException:
                 self._drop(peer)
@@ -311,11 +391,13 @@ class UcxKvConsumer(KvConsumer):
         try:
             try:
                 connection.writer.write(BlockRequest(
-                    handle.request_id, remote, self._fingerprint, seq, plan.to_wire()).encode())
+                    handle.request_id, remote, self._fingerprint, seq, plan.to_wire())
+                    .encode(connection.version))
                 await connection.writer.drain()
             except (ConnectionError, OSError) as exc:
                 raise _StaleConnection() from exc
-            final = asyncio.ensure_future(read_frame(connection.reader, "status"))
+            final = asyncio.ensure_future(read_frame(connection.reader, "status",
+                                                     (connection.version,)))
             await self._await_payload(plan, receives.futures, final, staging, local, scatters)
             status = TransferStatus.decode(await final)
             await asyncio.gather(*scatters)
@@ -337,47 +419,72 @@ class UcxKvConsumer(KvConsumer):
             # failure lets the engine reuse them.
             await asyncio.gather(*scatters, return_exceptions=True)
 
+    async def _read_confirmed(self, connection: _Connection, seq: int, handle: KvHandle,
+                              remote: list[int], local: list[int], plan: TransferPlan) -> None:
+        """Version 4: GET the runs at once (the producer's key and layout came with the
+        welcome), then confirm the lease's generation; the bytes count only once the
+        producer says that lease was in force throughout (``ucx_connector``)."""
+        readable = connection.readable
+        assert readable is not None
+        if max(remote) >= readable.num_blocks:
+            raise KvTransferError("protocol", f"block {max(remote)} is beyond the producer's "
+                                  f"{readable.num_blocks}")
+        await self._read_runs(connection, plan)
+        try:
+            connection.writer.write(ReadConfirm(seq, handle.request_id, remote,
+                                                handle.lease_generation).encode())
+        except (ConnectionError, OSError) as exc:
+            raise KvTransferError("unreachable", f"the producer went away: {exc!r}") from None
+        status = TransferStatus.decode(await read_frame(connection.reader, "status"))
+        status.raise_for_failure()
+        nbytes = len(local) * self._layout.bytes_per_block
+        if status.nbytes != nbytes:
+            raise KvTransferError("protocol", f"producer confirmed {status.nbytes} bytes; "
+                                  f"expected {nbytes}")
+
     async def _read(self, connection: _Connection, seq: int, handle: KvHandle,
                     remote: list[int], local: list[int], plan: TransferPlan) -> None:
-        """A direct pull that this consumer reads itself (``ucx_rma``): the request, its
-        admission, one GET per (layer, K/V, run), then "read done" and the final status.
-        The bytes count only once the final status says the lease held throughout."""
+        """Version 3: a direct pull that this consumer reads itself (``ucx_rma``): the
+        request, its admission, the GETs, then "read done" and the final status."""
+        v3 = (PREVIOUS_VERSION,)
         nbytes = len(local) * self._layout.bytes_per_block
         try:
             connection.writer.write(BlockRequest(
                 handle.request_id, remote, self._fingerprint, seq, plan.to_wire(),
-                read=True).encode())
+                read=True).encode(PREVIOUS_VERSION))
             await connection.writer.drain()
         except (ConnectionError, OSError) as exc:
             raise _StaleConnection() from exc
-        TransferStatus.decode(await read_frame(connection.reader, "status")).raise_for_failure()
+        TransferStatus.decode(await read_frame(connection.reader, "status", v3)
+                              ).raise_for_failure()
         await self._read_runs(connection, plan)
         connection.writer.write(ReadDone(seq).encode())
-        status = TransferStatus.decode(await read_frame(connection.reader, "status"))
+        status = TransferStatus.decode(await read_frame(connection.reader, "status", v3))
         status.raise_for_failure()
         if status.nbytes != nbytes:
             raise KvTransferError("protocol", f"producer admitted {status.nbytes} bytes; "
                                   f"expected {nbytes}")
 
     async def _read_runs(self, connection: _Connection, plan: TransferPlan) -> None:
-        """GET every run into the local blocks; returns only once no read is in flight
-        (also when cancelled), since the engine may reuse the blocks after a failure."""
+        """GET every run into the local blocks (runs adjacent in both memories merged into
+        one GET); returns only once no read is in flight (also when cancelled), since the
+        engine may reuse the blocks after a failure."""
         readable, rkey = connection.readable, connection.rkey
         assert readable is not None and rkey is not None
         row_bytes = self._layout.bytes_per_block // (2 * self._layout.num_layers)
-        reads = [(self._copier.run_view(m.group, m.run.local_start, m.run.count).data_ptr(),
-                  m.run.count * row_bytes,
-                  readable.address + (m.group * readable.num_blocks + m.run.remote_start)
-                  * row_bytes)
-                 for m in plan.direct_messages(self._layout)]
+        reads = coalesce_reads(
+            [(self._copier.run_view(m.group, m.run.local_start, m.run.count).data_ptr(),
+              m.run.count * row_bytes,
+              readable.address + (m.group * readable.num_blocks + m.run.remote_start)
+              * row_bytes)
+             for m in plan.direct_messages(self._layout)])
         burst = self._reader.get(connection.endpoint.ucp_endpoint, rkey, reads)
-        waiter = asyncio.ensure_future(self._runtime.run_copy(
-            functools.partial(burst.wait, _worker_handle(), READ_SETTLE_TIMEOUT_S)))
         try:
-            over = await asyncio.shield(waiter)
-        except asyncio.CancelledError:
-            await asyncio.wait({waiter})
-            raise
+            # NOTE: progressed here first, on the loop's thread: a hop to a copy thread and
+            # back costs 0.1-1 ms on a busy host, more than a small pull's reads take.
+            over = burst.wait(_worker_handle(), INLINE_READ_S)
+            if not over:
+                over = await self._wait_watching(connection, burst)
         finally:
             self._reader.forget(burst)
         if not over:
@@ -385,6 +492,31 @@ class UcxKvConsumer(KvConsumer):
                          READ_SETTLE_TIMEOUT_S)
             raise KvTransferError("unreachable", "reads from the producer did not end")
         burst.raise_for_failure()
+
+    async def _wait_watching(self, connection: _Connection, burst: ReadBurst) -> bool:
+        """Progress the reads on a copy thread until they are over; meanwhile the control
+        connection is watched (the producer writes nothing until we confirm, so anything it
+        reads means the producer closed it): a producer gone mid-read has its endpoint
+        closed, which ends the GETs in flight."""
+        waiter = asyncio.ensure_future(self._runtime.run_copy(
+            functools.partial(burst.wait, _worker_handle(), READ_SETTLE_TIMEOUT_S)))
+        gone = asyncio.ensure_future(connection.reader.read(1))
+        try:
+            done, _ = await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if gone in done:
+                abort_endpoint(connection.endpoint)
+        except asyncio.CancelledError:
+            abort_endpoint(connection.endpoint)  # the pull timed out: stop reading
+            await asyncio.wait({waiter})
+            raise
+        finally:
+            gone.cancel()
+            await asyncio.gather(gone, return_exceptions=True)
+            await asyncio.wait({waiter})
+        if gone.done() and not gone.cancelled():
+            await asyncio.wait({waiter})
+            raise KvTransferError("unreachable", "the producer closed the connection mid-read")
+        return waiter.result()
 
     def _receive_buffers(self, plan: TransferPlan, staging: torch.Tensor | None) -> list[Any]:
         if plan.mode == "direct":

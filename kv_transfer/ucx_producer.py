@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from kv_transfer.block_copy import BlockCopier, StagingBuffer
@@ -41,10 +42,14 @@ from kv_transfer.ucx_io import (
 from kv_transfer.ucx_rma import MappedMemory
 from kv_transfer.ucx_runtime import UcxRuntime
 from kv_transfer.wire import (
+    PREVIOUS_VERSION,
     STATUS_OK,
+    SUPPORTED_VERSIONS,
+    WIRE_UP_BYTES,
     BlockRequest,
     Hello,
     ReadableCache,
+    ReadConfirm,
     ReadDone,
     TransferStatus,
     TransportKind,
@@ -52,6 +57,7 @@ from kv_transfer.wire import (
     as_wire,
     payload_tag,
     read_frame,
+    wire_up_tag,
 )
 
 logger = logging.getLogger(__name__)
@@ -69,7 +75,10 @@ class UcxKvProducer(KvProducer):
 
     ``host`` is both the address advertised in handles and the only one the listener
     binds: an IP literal of this host, never a wildcard (``local_addresses``; ValueError
-    otherwise). ``port=0`` picks a free port (``start`` returns it).
+    otherwise). ``port=0`` picks a free port (``start`` returns it). ``versions``: the
+    protocol versions it serves (``wire``); only the previous one pins it to the previous
+    version's behaviour (a rolling upgrade's old producer, and its test), closing the
+    connection of a consumer that says hello in another.
     """
 
     def __init__(
@@ -80,6 +89,7 @@ class UcxKvProducer(KvProducer):
         host: str = "127.0.0.1",
         port: int = 0,
         on_release: ReleaseCallback | None = None,
+        versions: tuple[int, ...] = SUPPORTED_VERSIONS,
     ):
         self._copier = BlockCopier(kv_cache, layout)  # checks the cache against the layout
         self._kv_cache = kv_cache
@@ -89,6 +99,9 @@ class UcxKvProducer(KvProducer):
         self.host = check_bind_address(host)
         self.port = port
         self.on_release = on_release
+        if not set(versions) <= set(SUPPORTED_VERSIONS) or not versions:
+            raise ValueError(f"KV protocol versions must be among {SUPPORTED_VERSIONS}")
+        self._versions = tuple(versions)
         self._leases = LeaseTable()
         self._runtime: UcxRuntime | None = None
         # Touched only on the runtime's loop.
@@ -120,8 +133,7 @@ class UcxKvProducer(KvProducer):
         ids = [int(b) for b in block_ids]
         if any(not 0 <= b < num_blocks for b in ids) or len(set(ids)) != len(ids):
             raise ValueError(f"block ids must be distinct and in [0, {num_blocks}): {ids}")
-        deadline = time.time() + lease_seconds
-        self._leases.add(request_id, ids, num_tokens, deadline)
+        lease = self._leases.add(request_id, ids, num_tokens, time.time() + lease_seconds)
         return KvHandle(
             engine_id=self.engine_id,
             host=self.host,
@@ -129,7 +141,7 @@ class UcxKvProducer(KvProducer):
             request_id=request_id,
             block_ids=tuple(ids),
             num_tokens=num_tokens,
-            lease_deadline=deadline,
+            lease_deadline=lease.deadline,
             layout_fingerprint=self._fingerprint,
         )
 
@@ -178,9 +190,10 @@ class UcxKvProducer(KvProducer):
                             self._kv_cache.numel() * self._kv_cache.element_size())
 
     def _readable(self, hello: Hello, kind: TransportKind) -> ReadableCache | None:
-        """Offered only over shared memory (where UCX reads by itself, one cma read per
-        run) and only to a consumer that asks."""
-        if kind != "shm" or not hello.read or self._mapped is None:
+        """The cache's remote key, to a consumer that asks: in version 4 on either transport
+        (over TCP UCX serves the GETs itself, on its progress thread), in version 3 only on
+        shared memory, as that version did."""
+        if not hello.read or self._mapped is None or (hello.version < 4 and kind != "shm"):
             return None
         return ReadableCache(self._mapped.rkey, self._mapped.address, self._kv_cache.shape[2])
 
@@ -208,22 +221,25 @@ class UcxKvProducer(KvProducer):
         tune_control_socket(writer)
         endpoint = None
         try:
-            hello = Hello.decode(await asyncio.wait_for(read_frame(reader, "hello"),
-                                                        HELLO_TIMEOUT_S))
+            hello = Hello.decode(await asyncio.wait_for(
+                read_frame(reader, "hello", self._versions), HELLO_TIMEOUT_S))
             kind = self._transport_for(hello, writer)
             endpoint = await open_endpoint(hello.addresses[kind])
             readable = self._readable(hello, kind)
             writer.write(Welcome(self.engine_id, kind, self._runtime.worker_address(kind),
-                                 readable).encode())
+                                 readable, self._fingerprint, hello.version).encode())
             await writer.drain()
+            if readable is not None and kind == "tcp":
+                await _wire_up(endpoint, hello.connection_id)
             staging = StagingBuffer(self._kv_cache)
             while True:
-                frame = await read_frame(reader, "request")
-                if frame.get("read") is True:
+                frame = await read_frame(reader, "request", (hello.version,))
+                if "confirm" in frame and hello.version >= 4:
+                    self._serve_confirm(writer, readable is not None, frame)
+                elif frame.get("read") is True and hello.version < 4:
                     await self._serve_read(reader, writer, readable is not None, frame)
-                    continue
-                await self._serve_request(reader, writer, endpoint, hello.connection_id, frame,
-                                          staging)
+                else:
+                    await self._serve_request(reader, writer, endpoint, hello, frame, staging)
         except (_ConsumerGone, asyncio.IncompleteReadError, TimeoutError):
             pass  # the consumer went away, or never said hello
         except KvTransferError as failure:  # it broke the protocol: drop it
@@ -247,34 +263,54 @@ class UcxKvProducer(KvProducer):
         local = peer is not None and is_local_address(str(peer[0]))
         return "shm" if hello.prefer == "shm" and "shm" in hello.addresses and local else "tcp"
 
+    def _serve_confirm(self, writer: asyncio.StreamWriter, offered: bool,
+                       frame: dict[str, Any]) -> None:
+        """Version 4: a consumer read a lease's blocks without asking first; answer whether
+        the lease it read (its generation) was in force throughout (``LeaseTable.confirm``).
+        Nothing here waits: the producer's whole part in a read pull is this lookup."""
+        confirm = ReadConfirm.decode(frame)
+        if not offered:
+            raise KvTransferError("protocol", "a read confirmation on a connection without reads")
+        try:
+            self._leases.confirm(confirm.request_id, confirm.block_ids, confirm.generation,
+                                time.time())
+        except KvTransferError as failure:
+            writer.write(TransferStatus(failure.reason, detail=failure.detail).encode())
+            return
+        nbytes = len(confirm.block_ids) * self._layout.bytes_per_block
+        writer.write(TransferStatus(STATUS_OK, nbytes).encode())
+
     async def _serve_request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                             endpoint: Any, connection_id: int, frame: dict[str, Any],
+                             endpoint: Any, hello: Hello, frame: dict[str, Any],
                              staging: StagingBuffer) -> None:
+        """A pull the producer sends (the fallback for a consumer that cannot read)."""
         request = BlockRequest.decode(frame)
         try:
             lease, plan = self._admit(request)
         except KvTransferError as failure:  # refused: the status instead of the payload
-            writer.write(TransferStatus(failure.reason, detail=failure.detail).encode())
+            writer.write(TransferStatus(failure.reason, detail=failure.detail)
+                         .encode(hello.version))
             return
         # The consumer writes nothing until our status: a read that completes means it
         # closed the connection (or broke the protocol).
         gone = asyncio.ensure_future(reader.read(1))
         try:
-            final = await self._send_payload(request, plan, lease, endpoint, connection_id,
-                                             staging, gone)
+            final = await self._send_payload(request, plan, lease, endpoint,
+                                             hello.connection_id, staging, gone)
         finally:
             gone.cancel()
             # The next read of the stream may start only once this one has let go of it.
             await asyncio.gather(gone, return_exceptions=True)
         if gone.done() and not gone.cancelled():
             raise _ConsumerGone("the consumer closed the connection or wrote out of turn")
-        writer.write(final.encode())
+        writer.write(final.encode(hello.version))
         await writer.drain()
 
     async def _serve_read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                           offered: bool, frame: dict[str, Any]) -> None:
-        """A consumer that reads the runs itself: admit (the status "ok" lets it read),
-        then, once it says its reads are over, whether the lease held meanwhile."""
+        """Version 3: a consumer that reads the runs itself: admit (the status "ok" lets it
+        read), then, once it says its reads are over, whether the lease held meanwhile."""
+        v3 = PREVIOUS_VERSION
         request = BlockRequest.decode(frame)
         if not offered:
             raise KvTransferError("protocol", "a read request on a connection without reads")
@@ -283,16 +319,16 @@ class UcxKvProducer(KvProducer):
             if plan.mode != "direct":
                 raise KvTransferError("protocol", "a read request must be planned direct")
         except KvTransferError as failure:
-            writer.write(TransferStatus(failure.reason, detail=failure.detail).encode())
+            writer.write(TransferStatus(failure.reason, detail=failure.detail).encode(v3))
             return
         nbytes = len(request.block_ids) * self._layout.bytes_per_block
-        writer.write(TransferStatus(STATUS_OK, nbytes).encode())
-        ReadDone.decode(await read_frame(reader, "read done"), request.seq)
+        writer.write(TransferStatus(STATUS_OK, nbytes).encode(v3))
+        ReadDone.decode(await read_frame(reader, "read done", (v3,)), request.seq)
         # The consumer read the cache without the lease held (as a direct send does):
         # blocks freed meanwhile may have been rewritten, so it must not keep them.
         final = (TransferStatus(STATUS_OK, nbytes) if self._leases.holds(lease) else
                  TransferStatus("lease_expired", detail="the lease ended during the transfer"))
-        writer.write(final.encode())
+        writer.write(final.encode(v3))
 
     def _admit(self, request: BlockRequest) -> tuple[Lease, TransferPlan]:
         """The lease and plan to serve, or the KvTransferError to answer."""
@@ -365,6 +401,17 @@ class UcxKvProducer(KvProducer):
 
         assert self._runtime is not None
         await copy(self._runtime, out[start:stop].nbytes, gather)
+
+
+async def _wire_up(endpoint: Any, connection_id: int) -> None:
+    """Version 4, a reader over TCP: its small message, then a rendezvous-sized one back,
+    before it reads (``UcxKvConsumer._until_wired`` says why)."""
+    ping = np.zeros(8, dtype=np.uint8)
+    received = post(endpoint, [(ping, wire_up_tag(connection_id))], receive=True)
+    await asyncio.gather(*received.futures)
+    pong = np.zeros(WIRE_UP_BYTES, dtype=np.uint8)
+    sent = post(endpoint, [(pong, wire_up_tag(connection_id) + 1)], receive=False)
+    await asyncio.gather(*sent.futures)
 
 
 async def _until_sent(sends: list[asyncio.Future[Any]], gone: asyncio.Future[bytes]) -> None:

@@ -216,6 +216,22 @@ class ReadBurst:
             raise RmaError("ucp_get_nbx", self.error)
 
 
+def coalesce_reads(reads: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """(local address, nbytes, remote address) reads, each merged with the next while both
+    its local and its remote bytes continue where the previous one's end: the fewest GETs
+    that move the same bytes (``ucp_get_nbx`` takes one contiguous stretch per call: UCX's
+    RMA has no iov datatype). In the order given; a direct plan lists them by address."""
+    merged: list[tuple[int, int, int]] = []
+    for local, nbytes, remote in reads:
+        if merged:
+            last_local, last_bytes, last_remote = merged[-1]
+            if local == last_local + last_bytes and remote == last_remote + last_bytes:
+                merged[-1] = (last_local, last_bytes + nbytes, last_remote)
+                continue
+        merged.append((local, nbytes, remote))
+    return merged
+
+
 class Reader:
     """Posts bursts of GETs. One per consumer: it holds the C callback every GET names."""
 

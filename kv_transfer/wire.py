@@ -6,8 +6,19 @@ and the UCX tag each payload message carries. It does not own who sends what whe
 (``ucx_connector``) or how a payload is cut into messages (``transfer_plan``).
 
 A frame is a 4-byte little-endian length, then that many bytes of UTF-8 JSON carrying
-``"v": PROTOCOL_VERSION``, at most ``MAX_FRAME_BYTES`` (which bounds a request to roughly
-30,000 block ids). Worker addresses travel base64-encoded.
+``"v"``, the connection's protocol version, at most ``MAX_FRAME_BYTES`` (which bounds a
+request to roughly 30,000 block ids). Worker addresses travel base64-encoded.
+
+Versions (rolling upgrades): the consumer's hello carries the version it speaks, and every
+later frame of the connection carries the same one. A producer serves ``SUPPORTED_VERSIONS``
+(the current one and the previous); a consumer that finds its hello refused (a producer of
+the previous version closes the connection on a version it does not know) says hello again
+in the previous version, once, and counts it (``ucx_consumer``).
+- 3: every pull starts with a request the producer admits ("ok") before any byte moves; a
+  reader (shared memory only) then reads and says ``ReadDone``; the final status follows.
+- 4: the producer's memory key and layout come once, in the welcome, on shared memory and on
+  TCP alike; a read pull sends nothing before its reads, then one ``ReadConfirm`` (the lease
+  and its generation), answered by the final status. Sent pulls are as in 3.
 
 Payload messages travel over UCX, each under its own tag (``payload_tag``): a constant
 prefix, the consumer's connection number, the pull's sequence number on that connection,
@@ -29,7 +40,9 @@ import torch
 
 from kv_transfer.connector import TRANSFER_FAILURES, KvTransferError
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
+PREVIOUS_VERSION = 3
+SUPPORTED_VERSIONS: tuple[int, ...] = (PREVIOUS_VERSION, PROTOCOL_VERSION)
 MAX_FRAME_BYTES = 256 * 1024
 STATUS_OK = "ok"
 _LENGTH = struct.Struct("<I")
@@ -54,15 +67,29 @@ def payload_tag(connection_id: int, seq: int, index: int) -> int:
              | seq & ((1 << _SEQ_BITS) - 1)) << _INDEX_BITS) | index
 
 
-def encode_frame(message: dict[str, Any]) -> bytes:
-    body = json.dumps({"v": PROTOCOL_VERSION, **message}, separators=(",", ":")).encode()
+# The producer's wire-up message to a TCP reader: above UCX's rendezvous threshold (ucxx sets
+# 8 KiB), see ``UcxKvConsumer._until_wired``.
+WIRE_UP_BYTES = 64 * 1024
+
+
+def wire_up_tag(connection_id: int) -> int:
+    """The tag of a version 4 TCP reader's wire-up message (the producer's answer is the
+    next one): indexes 0 and 1 of pull 0, numbers no pull uses before the connection's
+    256th, long after those messages landed."""
+    return payload_tag(connection_id, 0, 0)
+
+
+def encode_frame(message: dict[str, Any], version: int = PROTOCOL_VERSION) -> bytes:
+    body = json.dumps({"v": version, **message}, separators=(",", ":")).encode()
     if len(body) > MAX_FRAME_BYTES:
         raise ValueError(f"control frame of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
     return _LENGTH.pack(len(body)) + body
 
 
-async def read_frame(reader: asyncio.StreamReader, what: str) -> dict[str, Any]:
-    """The next frame; asyncio.IncompleteReadError when the peer closed the connection."""
+async def read_frame(reader: asyncio.StreamReader, what: str,
+                     versions: tuple[int, ...] = (PROTOCOL_VERSION,)) -> dict[str, Any]:
+    """The next frame, of one of ``versions``; asyncio.IncompleteReadError when the peer
+    closed the connection."""
     (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
     if length > MAX_FRAME_BYTES:
         raise KvTransferError("protocol", f"{what} claims {length} bytes")
@@ -71,8 +98,13 @@ async def read_frame(reader: asyncio.StreamReader, what: str) -> dict[str, Any]:
         message = json.loads(body)
     except ValueError as exc:
         raise KvTransferError("protocol", f"{what} is not JSON: {exc}") from None
-    if not isinstance(message, dict) or message.get("v") != PROTOCOL_VERSION:
-        raise KvTransferError("protocol", f"{what} has an unknown version or shape")
+    if not isinstance(message, dict):
+        raise KvTransferError("protocol", f"{what} is not a JSON object")
+    if message.get("v") not in versions:
+        version = message.get("v")
+        raise KvTransferError("protocol", f"{what} is of KV protocol version "
+                              f"{version if isinstance(version, int) else '?'}; this side "
+                              f"speaks {', '.join(map(str, versions))}")
     return message
 
 
@@ -99,12 +131,14 @@ class Hello:
     prefer: TransportKind  # "shm" only when the producer's address is one of ours
     addresses: dict[str, bytes]  # UCX worker address by transport kind ("tcp": network only)
     read: bool = False  # it can read the producer's cache itself (RMA GET; see ucx_rma)
+    version: int = PROTOCOL_VERSION  # the connection's protocol version
 
     def encode(self) -> bytes:
         return encode_frame({
             "hello": self.engine_id, "connection_id": self.connection_id,
             "prefer": self.prefer, "read": self.read,
-            "addresses": {k: base64.b64encode(v).decode() for k, v in self.addresses.items()}})
+            "addresses": {k: base64.b64encode(v).decode() for k, v in self.addresses.items()}},
+            self.version)
 
     @classmethod
     def decode(cls, message: dict[str, Any]) -> Hello:
@@ -118,7 +152,7 @@ class Hello:
             raise KvTransferError("protocol", f"{what}: bad transport offer")
         return cls(engine_id, connection_id, prefer,
                    {k: _address(v, what) for k, v in addresses.items()},
-                   message.get("read") is True)
+                   message.get("read") is True, int(message["v"]))
 
 
 @dataclass(frozen=True)
@@ -151,12 +185,18 @@ class Welcome:
     engine_id: str
     transport: TransportKind
     address: bytes
-    readable: ReadableCache | None = None  # only on shm, to a consumer that can read
+    # To a consumer that can read: version 3 only on shm, version 4 on shm and TCP.
+    readable: ReadableCache | None = None
+    fingerprint: str = ""  # version 4: the producer's KvLayout fingerprint, once per peer
+    version: int = PROTOCOL_VERSION
 
     def encode(self) -> bytes:
-        return encode_frame({"welcome": self.engine_id, "transport": self.transport,
-                             "address": base64.b64encode(self.address).decode(),
-                             "readable": self.readable and self.readable.to_wire()})
+        message = {"welcome": self.engine_id, "transport": self.transport,
+                   "address": base64.b64encode(self.address).decode(),
+                   "readable": self.readable and self.readable.to_wire()}
+        if self.version >= 4:
+            message["fingerprint"] = self.fingerprint
+        return encode_frame(message, self.version)
 
     @classmethod
     def decode(cls, message: dict[str, Any]) -> Welcome:
@@ -164,9 +204,11 @@ class Welcome:
         transport = message.get("transport")
         if transport not in TRANSPORT_KINDS:
             raise KvTransferError("protocol", f"{what}: bad transport")
+        version = int(message["v"])
+        fingerprint = _field(message, "fingerprint", str, what) if version >= 4 else ""
         return cls(_field(message, "welcome", str, what), transport,
                    _address(message.get("address"), what),
-                   ReadableCache.from_wire(message.get("readable"), what))
+                   ReadableCache.from_wire(message.get("readable"), what), fingerprint, version)
 
 
 @dataclass(frozen=True)
@@ -178,12 +220,12 @@ class BlockRequest:
     fingerprint: str  # the consumer's KvLayout fingerprint
     seq: int  # this pull's number on the connection (its payload tags carry it)
     plan: dict[str, Any]  # TransferPlan.to_wire()
-    read: bool = False  # the consumer reads the runs itself (see ReadDone)
+    read: bool = False  # version 3: the consumer reads the runs itself (see ReadDone)
 
-    def encode(self) -> bytes:
+    def encode(self, version: int = PROTOCOL_VERSION) -> bytes:
         return encode_frame({"request_id": self.request_id, "block_ids": self.block_ids,
                              "fingerprint": self.fingerprint, "seq": self.seq,
-                             "plan": self.plan, "read": self.read})
+                             "plan": self.plan, "read": self.read}, version)
 
     @classmethod
     def decode(cls, message: dict[str, Any]) -> BlockRequest:
@@ -198,14 +240,14 @@ class BlockRequest:
 
 @dataclass(frozen=True)
 class ReadDone:
-    """Consumer -> producer, after a read request was admitted: its reads are over (they
-    all landed, or ``failed``); the producer answers with the final status."""
+    """Version 3, consumer -> producer, after a read request was admitted: its reads are
+    over (they all landed, or ``failed``); the producer answers with the final status."""
 
     seq: int
     failed: bool = False
 
     def encode(self) -> bytes:
-        return encode_frame({"read_done": self.seq, "failed": self.failed})
+        return encode_frame({"read_done": self.seq, "failed": self.failed}, PREVIOUS_VERSION)
 
     @classmethod
     def decode(cls, message: dict[str, Any], seq: int) -> ReadDone:
@@ -213,6 +255,31 @@ class ReadDone:
         if done.seq != seq:
             raise KvTransferError("protocol", f"read done for pull {done.seq}, not {seq}")
         return done
+
+
+@dataclass(frozen=True)
+class ReadConfirm:
+    """Version 4, consumer -> producer, after its reads of a lease's blocks all landed (no
+    frame came before them): was the lease of this ``generation`` in force throughout? The
+    producer answers with the final status ("ok", or why the bytes must not be kept)."""
+
+    seq: int
+    request_id: str  # the lease read (a handle's request id)
+    block_ids: list[int]
+    generation: int  # KvHandle.lease_generation of the handle read
+
+    def encode(self) -> bytes:
+        return encode_frame({"confirm": self.seq, "request_id": self.request_id,
+                             "block_ids": self.block_ids, "generation": self.generation})
+
+    @classmethod
+    def decode(cls, message: dict[str, Any]) -> ReadConfirm:
+        what = "read confirmation"
+        block_ids = _field(message, "block_ids", list, what)
+        if not all(isinstance(b, int) and not isinstance(b, bool) for b in block_ids):
+            raise KvTransferError("protocol", f"{what}: block ids must be integers")
+        return cls(_field(message, "confirm", int, what), _field(message, "request_id", str, what),
+                   block_ids, _field(message, "generation", int, what))
 
 
 @dataclass(frozen=True)
@@ -224,9 +291,9 @@ class TransferStatus:
     nbytes: int = 0
     detail: str = ""
 
-    def encode(self) -> bytes:
+    def encode(self, version: int = PROTOCOL_VERSION) -> bytes:
         return encode_frame({"status": self.status, "nbytes": self.nbytes,
-                             "detail": self.detail[:1000]})
+                             "detail": self.detail[:1000]}, version)
 
     @classmethod
     def decode(cls, message: dict[str, Any]) -> TransferStatus:

@@ -94,12 +94,12 @@ def test_same_host_pulls_take_shared_memory_and_tcp_on_request() -> None:
         rng = random.Random(3)
         remote = rng.sample(range(48), 20)
         handle = producer.pin("same-host", remote)
-        # A same-host consumer reads direct pulls itself (ucx_rma) unless told not to;
-        # TCP is always sent.
+        # A consumer reads direct pulls itself (ucx_rma), on shared memory and over TCP,
+        # unless told not to (then the producer sends them: the fallback).
         for transport, direct_min, read, mode, carried in (
                 ("auto", 0, True, "read", "shm"), ("auto", 0, False, "direct", "shm"),
-                ("auto", 2**62, True, "staged", "shm"), ("tcp", 0, True, "direct", "tcp"),
-                ("tcp", 2**62, True, "staged", "tcp")):
+                ("auto", 2**62, True, "staged", "shm"), ("tcp", 0, True, "read", "tcp"),
+                ("tcp", 0, False, "direct", "tcp"), ("tcp", 2**62, True, "staged", "tcp")):
             kv = kv_pattern(SMALL, 40, seed=9)
             consumer = UcxKvConsumer(kv, SMALL, transport=transport,
                                      direct_min_message_bytes=direct_min, remote_read=read)

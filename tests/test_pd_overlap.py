@@ -339,5 +339,8 @@ def test_cancelling_mid_stream_frees_both_sides(pd):
             return await asyncio.gather(*(cancel(i, channel) for i in range(4)))
 
     assert any(asyncio.run(run_all()))  # mid-stream, for one at least
-    # Well inside the 30 s lease: announced and pinned blocks are released, not expired.
-    wait_all_free(prefill.target, decode.target, timeout=10)
+    # Well inside the 30 s lease (issue 34: within 2 s): announced and pinned blocks are
+    # released, not expired. A cancelled request's Prefill call is cancelled before its
+    # ReleaseKv leaves (services/replica/prefill_peers.py), so the release cannot overtake the
+    # prompt's end and find nothing to free.
+    wait_all_free(prefill.target, decode.target, timeout=2)

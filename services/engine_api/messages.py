@@ -192,7 +192,7 @@ def kv_handle_to_pb(handle: KvHandle, layout: KvLayout, num_cached_tokens: int,
         lease_id="" if handle.request_id == request_id else handle.request_id,
         engine_id=handle.engine_id, ucx_address=handle.host, ucx_port=handle.port,
         block_ids=handle.block_ids, num_tokens=handle.num_tokens,
-        lease_deadline_unix_ms=int(handle.lease_deadline * 1000),
+        lease_deadline_unix_ms=handle.lease_generation,  # exact: the lease's generation
         layout=epb.KvLayout(
             model=layout.model, dtype=layout.dtype, num_layers=layout.num_layers,
             num_kv_heads=layout.num_kv_heads, head_size=layout.head_size,

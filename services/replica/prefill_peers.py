@@ -10,6 +10,11 @@ stream carries. The call has no deadline; the prefill replica's keepalives show 
 the prompt queues, and a silence of ``silence_timeout_s`` ends it. Closing the stream before
 its result cancels the call, which aborts the request on the prefill replica, and releases
 whatever it pinned.
+
+A release always cancels the request's Prefill call first, if it is still open (``release``):
+the prefill replica must hear "give up" (the call's cancellation, which aborts the request
+there) before "free the blocks" (ReleaseKv), or a release that overtakes the prompt's end frees
+nothing and the result's pin stays until its lease ends.
 """
 
 from __future__ import annotations
@@ -81,6 +86,8 @@ class PrefillPeers:
         self.connect_wait_s = connect_wait_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._releases: set[asyncio.Task[None]] = set()
+        # Prefill calls still open, by (peer, request id): ``release`` cancels them first.
+        self._open: dict[tuple[str, str], grpc.aio.UnaryStreamCall] = {}
 
     def _channel(self, peer: str) -> grpc.aio.Channel:
         channel = self._channels.get(peer)
@@ -120,6 +127,7 @@ class PrefillPeers:
             keepalive_s=self.keepalive_s)
         await self._connected(peer)
         call = self._stub(peer).Prefill(message)
+        self._open[(peer, request_id)] = call
         done = False
         try:
             while (response := await self._next(peer, call)) is not None:
@@ -139,6 +147,8 @@ class PrefillPeers:
                 "prefill_failed", f"{peer} answered {error.code().name}: {error.details()}",
                 error.code()) from error
         finally:
+            if self._open.get((peer, request_id)) is call:
+                del self._open[(peer, request_id)]
             if not done:
                 # Given up (cancelled here, or the stream failed): the prefill replica aborts
                 # the request when its call ends; what it pinned for it (announced blocks, or
@@ -150,9 +160,17 @@ class PrefillPeers:
 
     async def _next(self, peer: str, call: grpc.aio.UnaryStreamCall
                     ) -> epb.PrefillResponse | None:
-        """The stream's next message (None at its end); PrefillFailed after a silence."""
+        """The stream's next message (None at its end); PrefillFailed after a silence.
+
+        NOTE: ``asyncio.timeout``, not ``asyncio.wait_for``: Python 3.11's ``wait_for``
+        returns the result instead of raising CancelledError when its task is cancelled in
+        the same loop iteration as the read completes (an announcement arriving as the client
+        cancels), so the reader of a cancelled request read on to the result, which then
+        stayed pinned on the prefill replica (issue 34: seen in the decode replica's log, 1
+        round in 16-25 of 4 concurrent cancels under load)."""
         try:
-            response = await asyncio.wait_for(call.read(), self.silence_timeout_s)
+            async with asyncio.timeout(self.silence_timeout_s):
+                response = await call.read()
         except TimeoutError:
             # A replica that cannot even send a keepalive is as good as gone (hung, or its
             # host unreachable without a reset): UNAVAILABLE, so the request is handed back.
@@ -176,7 +194,17 @@ class PrefillPeers:
 
     def release(self, peer: str, request_id: str, engine_id: str) -> None:
         """Tell the prefill replica it may free the request's blocks; never waits. If this
-        is lost, the lease frees them anyway."""
+        is lost, the lease frees them anyway.
+
+        NOTE: a Prefill call of the request still open is cancelled first, here, rather than
+        left to the task reading its stream: that task's cancellation is asynchronous (the
+        ReleaseKv went out first), and it could be lost altogether (see ``_next``). Then the
+        prefill replica, never told to give up, finished the prompt after the ReleaseKv had
+        found nothing to free, and the result's pin stayed for its whole lease (issue 34,
+        tests/test_pd_overlap.py::test_cancelling_mid_stream_frees_both_sides)."""
+        call = self._open.pop((peer, request_id), None)
+        if call is not None:
+            call.cancel()
         task = asyncio.get_running_loop().create_task(self._release(peer, request_id, engine_id))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
