@@ -182,7 +182,7 @@ def _moe_fields(architecture: str, hf: dict[str, Any]) -> dict[str, Any]:
                     num_experts_per_tok=int(hf["num_experts_per_tok"]),
                     moe_intermediate_size=int(hf["intermediate_size"]))
     if architecture == "Qwen3MoeForCausalLM":
-        return dict(num_experts=int(hf["num_experts"]),
+        return dict(num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
                     num_experts_per_tok=int(hf["num_experts_per_tok"]),
                     moe_intermediate_size=int(hf["moe_intermediate_size"]),
                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
