@@ -113,3 +113,17 @@ def test_mxfp4_weight_memory_is_reported(mxfp4_dir):
     values = 2 * 8 * (128 * 64 + 64 * 64)
     assert memory.mxfp4_packed_bytes == values // 2 + values // 32
     assert memory.expert_bytes >= values * 4 and memory.dense_bytes > 0
+
+
+def test_startup_summary_names_layers_memory_kv_and_backend(mxfp4_dir):
+    from engine_common.model.startup_summary import startup_summary
+
+    model = load_model(mxfp4_dir, torch.float32, "cpu", "torch")
+    lines = startup_summary(model, num_blocks=100, block_size=4, max_model_len=64)
+    assert lines[0] == ("architecture GptOssForCausalLM: 1 x sliding-window attention "
+                        f"({GPT_OSS_WINDOW} tokens), 1 x full attention, attention sinks; "
+                        "2 MoE layers of 8 experts, top-2")
+    assert lines[1].startswith("weights: dense ") and "MXFP4 packed" in lines[1]
+    assert lines[2] == ("KV cache: 100 blocks of 4 tokens; maximum concurrency at "
+                        "max_model_len 64: 6 sequences")
+    assert lines[3].startswith("attention backend: torch")

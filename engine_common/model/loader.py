@@ -104,7 +104,7 @@ def load_model(
     device = torch.device(device)
     files = safetensors_files(model_dir)
     backend_cls = get_attention_backend_cls(attention_backend, device)
-    model = network_class(arch.architecture)(arch, backend_cls, dtype=dtype, device=device)
+    model = network_class(arch.architecture)(arch, backend_cls, dtype, device)
     stats = Mxfp4Stats()
     model.load_weights(dequantize_pairs(iterate_checkpoint(files), stats))
     if stats.tensors and arch.quantization != "mxfp4":

@@ -8,9 +8,18 @@ not), the network files own the networks.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
+from typing import cast
 
-from engine_common.model.arch_config import SUPPORTED_ARCHITECTURES
+import torch
+
+from engine_common.model.arch_config import SUPPORTED_ARCHITECTURES, ModelArchConfig
+from engine_common.model.attention.backend import AttentionBackend
 from engine_common.model.causal_lm import CausalLM
+
+# What every network class is called with: (arch, attention backend class, dtype, device).
+NetworkClass = Callable[[ModelArchConfig, type[AttentionBackend], torch.dtype, torch.device],
+                        CausalLM]
 
 # Architecture -> (module under engine_common.model, class name).
 _NETWORKS = {
@@ -25,10 +34,10 @@ _NETWORKS = {
 assert set(_NETWORKS) == set(SUPPORTED_ARCHITECTURES)
 
 
-def network_class(architecture: str) -> type[CausalLM]:
+def network_class(architecture: str) -> NetworkClass:
     """The class that runs ``architecture``; KeyError for one ``arch_config`` rejects."""
     module_name, class_name = _NETWORKS[architecture]
     module = importlib.import_module(f"engine_common.model.{module_name}")
     cls = getattr(module, class_name)
     assert issubclass(cls, CausalLM)
-    return cls
+    return cast(NetworkClass, cls)
