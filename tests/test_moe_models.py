@@ -127,3 +127,56 @@ def test_startup_summary_names_layers_memory_kv_and_backend(mxfp4_dir):
     assert lines[2] == ("KV cache: 100 blocks of 4 tokens; maximum concurrency at "
                         "max_model_len 64: 6 sequences")
     assert lines[3].startswith("attention backend: torch")
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_moe"])
+def test_speculative_decoding_matches_hf(tmp_path, arch):
+    """n-gram drafts are verified as multi-token queries over the cache (through the
+    sink/sliding-window path on GPT-OSS): the greedy tokens stay HF's with drafts run
+    (random weights rarely repeat, so few or none are kept)."""
+    from engine_common.config import SpeculativeConfig
+
+    model_dir = build_tiny_moe_model(tmp_path / arch, arch)
+    prompts = [p * 3 for p in random_prompts(390, [6, 9], seed=5)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
+    llm = LLM(EngineConfig(
+        model=str(model_dir), dtype="float32",
+        cache=CacheConfig(block_size=4, num_gpu_blocks_override=256),
+        speculative=SpeculativeConfig(num_tokens=4, ngram_min=1, ngram_max=3,
+                                      max_batch_size=8)))
+    results = llm.generate(prompts, greedy)
+    assert [r.token_ids for r in results] == hf_greedy(model_dir, prompts, 24)
+    labels = {"model_name": model_dir.name, "engine": "engine-0"}
+    drafted = llm.metrics.registry.get_sample_value(
+        "vllm:spec_decode_num_draft_tokens_total", labels)
+    assert drafted and drafted > 0
+
+
+def test_lora_is_refused_on_moe_models(mxfp4_dir):
+    model = load_model(mxfp4_dir, torch.float32, "cpu", "torch")
+    with pytest.raises(ValueError, match="LoRA adapters are not supported for GptOssForCausalLM"):
+        model.lora_projection_shapes()
+
+
+def test_grouped_and_looped_experts_equal_a_per_token_reference():
+    from engine_common.model.layers import fused_moe
+
+    torch.manual_seed(0)
+    x, w13, w2 = torch.randn(9, 16), torch.randn(4, 16, 16), torch.randn(4, 16, 8)
+    b13, b2 = torch.randn(4, 16), torch.randn(4, 16)
+    ids = torch.stack([torch.randperm(4)[:2] for _ in range(9)])
+    weights = torch.rand(9, 2)
+    act = fused_moe.clamped_swiglu(1.702, 7.0)
+    want = torch.zeros_like(x)
+    for t in range(9):
+        for k in range(2):
+            e = int(ids[t, k])
+            h = act(x[t] @ w13[e].T + b13[e]) @ w2[e].T + b2[e]
+            want[t] += weights[t, k] * h
+    rows_order = torch.sort(ids.reshape(-1), stable=True)
+    rows = x.index_select(0, rows_order.indices // 2)
+    grouped = fused_moe._grouped_experts(rows, rows_order.values, 4, w13, w2, act, b13, b2)
+    looped = fused_moe._expert_loop(rows, ids.reshape(-1), 4, w13, w2, act, b13, b2)
+    assert torch.equal(grouped, looped)
+    got = fused_moe.fused_experts(x, w13, w2, ids, weights, act, b13, b2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
