@@ -99,8 +99,10 @@ class EngineCore:
             kv_layout=kv_layout,
             kv_address=self.remote_kv.address if self.remote_kv else None,
         )
-        for line in startup_summary(self.model_runner.model, self.model_runner.num_blocks,
-                                    config.cache.block_size, self.max_model_len):
+        self.info.model_summary = tuple(startup_summary(
+            self.model_runner.model, self.model_runner.num_blocks, config.cache.block_size,
+            self.max_model_len))
+        for line in self.info.model_summary:
             logger.info("%s", line)
 
     def add_request(self, core_request: EngineCoreRequest) -> None:

@@ -121,6 +121,19 @@ def test_pd_and_gateway_match_hf(suites: dict[str, ModelSuite], arch: str) -> No
     assert _metric(suite.decode.metrics_url, "tandem:kv_transfer_bytes_total") > pulled_before
 
 
+def test_get_info_describes_the_model(suites: dict[str, ModelSuite]) -> None:
+    stub = epb_grpc.EngineStub(grpc.insecure_channel(suites["gpt_oss_mxfp4"].prefill.target))
+    summary = list(stub.GetInfo(epb.GetInfoRequest(), timeout=30).model_summary)
+    assert summary[0] == ("architecture GptOssForCausalLM: 1 x sliding-window attention "
+                          f"({GPT_OSS_WINDOW} tokens), 1 x full attention, attention sinks; "
+                          "2 MoE layers of 8 experts, top-2")
+    assert "experts" in summary[1] and "MXFP4 packed" in summary[1]
+    assert summary[2].startswith("KV cache: 256 blocks of ")
+    assert summary[3].startswith("attention backend: torch")
+    log = suites["gpt_oss_mxfp4"].prefill.log()
+    assert all(line in log for line in summary)
+
+
 def _metric(url: str, name: str) -> float:
     text = urllib.request.urlopen(url, timeout=5).read().decode()
     return sum(float(m.group(1)) for m in
