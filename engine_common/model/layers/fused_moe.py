@@ -3,7 +3,8 @@ pairs sorted by expert, one gate/up and one down matrix product per active exper
 its tokens, the outputs weighted and summed back per token.
 
 Where torch has a grouped GEMM (``F.grouped_mm``; on the CPU) both projections are one call
-each over all experts; otherwise one ``F.linear`` pair per active expert.
+each over all experts; on CUDA, the Triton grouped GEMM (``triton_fused_moe``); otherwise
+one ``F.linear`` pair per active expert.
 
 Owns the torch computation of routed experts (the Triton kernel, where there is one, must
 agree with it). It does not own routing (``moe``) or the weights' layout on disk.
@@ -63,6 +64,8 @@ def fused_experts(
     num_experts = w13.shape[0]
     if _grouped_mm is not None and x.device.type == "cpu" and _aligned(w13, w2):
         out_rows = _grouped_experts(rows, sorted_ids, num_experts, w13, w2, activation, b13, b2)
+    elif x.device.type == "cuda":
+        out_rows = triton_experts(rows, flat_ids, num_experts, w13, w2, activation, b13, b2)
     else:
         out_rows = _expert_loop(rows, flat_ids, num_experts, w13, w2, activation, b13, b2)
     weights = topk_weights.reshape(-1).index_select(0, order)
@@ -94,6 +97,25 @@ def _grouped_experts(rows: torch.Tensor, sorted_ids: torch.Tensor, num_experts: 
     if b13 is not None:
         h = h + b13.index_select(0, sorted_ids)
     h = _grouped_mm(activation(h), w2.transpose(1, 2), offs=offsets)
+    if b2 is not None:
+        h = h + b2.index_select(0, sorted_ids)
+    return h
+
+
+def triton_experts(rows: torch.Tensor, flat_ids: torch.Tensor, num_experts: int,
+                   w13: torch.Tensor, w2: torch.Tensor, activation: Activation,
+                   b13: torch.Tensor | None, b2: torch.Tensor | None) -> torch.Tensor:
+    """Both projections as the Triton grouped GEMM (``triton_fused_moe``) over the
+    expert-sorted ``rows``; CUDA, or Triton's interpreter."""
+    # NOTE: imported here so that CPU-only runs never import Triton.
+    from engine_common.model.layers.triton_fused_moe import grouped_gemm
+
+    sorted_ids = torch.sort(flat_ids, stable=True).values
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    h = grouped_gemm(rows, w13, counts)
+    if b13 is not None:
+        h = h + b13.index_select(0, sorted_ids)
+    h = grouped_gemm(activation(h), w2, counts)
     if b2 is not None:
         h = h + b2.index_select(0, sorted_ids)
     return h
