@@ -16,6 +16,7 @@ _ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1
 if not _ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 
+import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -81,3 +82,32 @@ def test_triton_experts_match_the_torch_path():
     want = fused_moe._expert_loop(rows, flat, experts, w13, w2, act, b13, b2)
     got = fused_moe.triton_experts(rows, flat, experts, w13, w2, act, b13, b2)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+_SM90_SCRIPT = r"""
+import json, sys
+from dataclasses import asdict
+sys.path[:0] = ["tests", "."]
+import torch
+import triton_sm90_compile as compile_sm90
+from engine_common.model.layers import triton_fused_moe
+triton_fused_moe.check_launchable = lambda kernel, tensor: None
+for dtype in (torch.bfloat16, torch.float32):
+    for experts, n, k in ((16, 512, 512), (32, 5760, 2880)):  # Qwen3-MoE-ish, GPT-OSS-120B
+        rows, weight = torch.zeros(40, k, dtype=dtype), torch.zeros(experts, n, k, dtype=dtype)
+        counts = [10, 30] + [0] * (experts - 2)
+        for launch in compile_sm90.record_launches(str(dtype), triton_fused_moe.grouped_gemm,
+                                                   rows, weight, counts):
+            print(json.dumps(asdict(compile_sm90.compile_launch(launch))))
+"""
+
+
+def test_grouped_gemm_compiles_for_sm90_without_spills():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    run = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=240, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr[-3000:]
+    compiled = [json.loads(line) for line in run.stdout.splitlines()]
+    assert len(compiled) == 4
+    assert all(c["local_bytes"] == 0 and 0 < c["registers"] <= 255 for c in compiled)

@@ -6,7 +6,8 @@ weights ``[E, N, K]``, and each expert's row range; each program computes a ``BL
 BLOCK_N`` tile of one expert's output, ``tl.dot`` over ``K`` in ``BLOCK_K`` steps with a
 float32 accumulator. It does not own routing, the activation or the weighted sum back per
 token (``fused_moe``, which calls this on CUDA). Tested under ``TRITON_INTERPRET=1``
-against the torch path (``tests/test_triton_fused_moe.py``).
+against the torch path, and compiled for sm_90 without register spills
+(``tests/test_triton_fused_moe.py``); not yet run on a GPU.
 """
 
 from __future__ import annotations
