@@ -180,3 +180,19 @@ def test_grouped_and_looped_experts_equal_a_per_token_reference():
     assert torch.equal(grouped, looped)
     got = fused_moe.fused_experts(x, w13, w2, ids, weights, act, b13, b2)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_and_sink_models_are_never_captured_in_cuda_graphs(mxfp4_dir, tiny_llama_dir):
+    """Their layers plan on the host from each step's routing and lengths: a captured graph
+    would replay the capture step's plan."""
+    from engine_common.model.attention.torch_backend import TorchAttentionBackend
+    from engine_common.model.registry import network_class
+
+    class Capturable(TorchAttentionBackend):
+        supports_cuda_graphs = True
+
+    for model_dir, capturable in ((mxfp4_dir, False), (tiny_llama_dir, True)):
+        arch = ModelArchConfig.from_model_dir(model_dir)
+        model = network_class(arch.architecture)(arch, Capturable, torch.float32,
+                                                 torch.device("cpu"))
+        assert model.supports_cuda_graphs is capturable

@@ -85,6 +85,15 @@ class CausalLM(nn.Module):
         self.packed_lm_head: torch.Tensor | None = None  # see ``pack_linear_weights``
         self.weight_memory: WeightMemory | None = None  # set by the loader
 
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Whether a decode step can be captured: the backend allows it, and no layer plans
+        on the host from per-step values (the MoE experts size their tiles from the step's
+        routing; the sink/sliding-window path plans from sequence lengths)."""
+        arch = self.arch
+        return (self.attention_backend.supports_cuda_graphs and not arch.is_moe
+                and not arch.attention_sinks and arch.attention_window is None)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens] int64
