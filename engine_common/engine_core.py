@@ -22,6 +22,7 @@ from engine_common.config import EngineConfig
 from engine_common.kv_cache_manager import KVCacheManager
 from engine_common.kv_events import KVEvent
 from engine_common.model.arch_config import ModelArchConfig
+from engine_common.model.startup_summary import startup_summary
 from engine_common.model_runner import ModelRunner
 from engine_common.outputs import (
     EngineCoreOutput,
@@ -98,6 +99,11 @@ class EngineCore:
             kv_layout=kv_layout,
             kv_address=self.remote_kv.address if self.remote_kv else None,
         )
+        self.info.model_summary = tuple(startup_summary(
+            self.model_runner.model, self.model_runner.num_blocks, config.cache.block_size,
+            self.max_model_len))
+        for line in self.info.model_summary:
+            logger.info("%s", line)
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         """Queue a request, refusing one that breaks the engine's invariants (ValueError)."""

@@ -89,7 +89,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.warm_up()
         if self.device.type == "cuda" and not config.enforce_eager:
-            if self.model.attention_backend.supports_cuda_graphs:
+            if self.model.supports_cuda_graphs:
                 try:
                     self.decode_graphs = self.static_decode_runner(max_model_len, capture=True)
                 except RuntimeError:
@@ -97,7 +97,8 @@ class ModelRunner:
                     logger.exception("CUDA graph capture failed: decode runs eagerly")
                     torch.cuda.synchronize(self.device)
             else:
-                logger.info("CUDA graphs off: the %s attention backend cannot be captured",
+                logger.info("CUDA graphs off: the %s attention backend or this model's "
+                            "layers (MoE, sinks, sliding windows) cannot be captured",
                             self.model.attention_backend.name)
 
     def warm_up(self) -> None:

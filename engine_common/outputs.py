@@ -198,3 +198,6 @@ class EngineInfo:
     head_size: int
     kv_layout: KvLayout  # what P/D peers must agree on to exchange blocks
     kv_address: tuple[str, int] | None = None  # UCX listener of a prefill (producer) engine
+    # The startup log's lines about the model (architecture and layer types, weight memory
+    # by kind, KV blocks and concurrency, attention backend): GetInfo reports them.
+    model_summary: tuple[str, ...] = ()

@@ -337,8 +337,8 @@ def test_legacy_rope_fields_are_read():
     arch = ModelArchConfig.from_hf_config(base)
     assert arch.rope_theta == 500000.0 and arch.rope_type == "llama3"
     assert arch.num_kv_heads == 2 and arch.head_size == 4 and arch.dtype == "bfloat16"
-    with pytest.raises(ValueError, match="unsupported rope type 'yarn'"):
-        ModelArchConfig.from_hf_config({**base, "rope_scaling": {"type": "yarn", "factor": 2.0}})
+    with pytest.raises(ValueError, match="unsupported rope type 'longrope'"):
+        ModelArchConfig.from_hf_config({**base, "rope_scaling": {"type": "longrope", "factor": 2.0}})
 
 
 def test_sliding_window_caps_the_context():

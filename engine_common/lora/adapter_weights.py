@@ -4,7 +4,7 @@ Owns the tensor names PEFT saves (``base_model.model.model.layers.{i}.{self_attn
 {module}.lora_{A|B}.weight``), and checks each against the base model: the layer exists, the
 module is a projection Tandem serves, A is [r, in] and B is [out, r] with the rank the
 configuration gives that module. It does not own the configuration checks (``adapter_config``)
-or where the weights go in the model (``LlamaForCausalLM.add_lora_adapter``).
+or where the weights go in the model (``CausalLM.add_lora_adapter``).
 """
 
 from __future__ import annotations

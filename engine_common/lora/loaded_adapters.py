@@ -29,7 +29,7 @@ from engine_common.lora.errors import LoraAdapterExists, LoraAdapterNotFound
 from engine_common.lora.step_batch import BASE_MODEL_SLOT, LoraBatch
 
 if TYPE_CHECKING:
-    from engine_common.model.llama import LlamaForCausalLM
+    from engine_common.model.causal_lm import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class LoadedLoraAdapters:
         self._ever_served: set[str] = set()
 
     @classmethod
-    def load(cls, lora_modules: Mapping[str, str], model: LlamaForCausalLM,
+    def load(cls, lora_modules: Mapping[str, str], model: CausalLM,
              max_rank: int | None = None) -> LoadedLoraAdapters:
         """Reads every adapter (name -> PEFT directory) and gives its weights to ``model``;
         ValueError names the adapter that cannot be served and why."""
@@ -106,7 +106,7 @@ class LoadedLoraAdapters:
                          f"{', '.join(sorted(self._slots))}")
 
     # ----------------------------------------------------------------- runtime changes
-    def add(self, name: str, adapter_dir: str | Path, model: LlamaForCausalLM) -> None:
+    def add(self, name: str, adapter_dir: str | Path, model: CausalLM) -> None:
         """Reads and checks the adapter in ``adapter_dir`` as at start, gives its weights to
         ``model`` under the lowest free slot and serves it as ``name``. Raises
         ``LoraAdapterExists`` when the name is served or still draining, ValueError (naming
@@ -135,7 +135,7 @@ class LoadedLoraAdapters:
         self._draining[name] = _Draining(slot)
         logger.info("LoRA adapter %r unloaded: it drains from slot %d", name, slot)
 
-    def reap(self, users: Mapping[str, int], model: LlamaForCausalLM) -> list[str]:
+    def reap(self, users: Mapping[str, int], model: CausalLM) -> list[str]:
         """Frees the slot of every draining adapter no unfinished request uses (``users``:
         how many requests use each adapter): its weights leave every projection. Returns
         the names freed."""
@@ -173,7 +173,7 @@ class LoadedLoraAdapters:
         a hole of zeros; none in use: 0, and the projections run as the base model's)."""
         return max(self._used_slots(), default=-1) + 1
 
-    def _place(self, name: str, adapter_dir: str | Path, model: LlamaForCausalLM) -> None:
+    def _place(self, name: str, adapter_dir: str | Path, model: CausalLM) -> None:
         """Reads the adapter and gives its weights to ``model`` under the lowest free slot,
         without restacking."""
         if not name:

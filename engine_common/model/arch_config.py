@@ -1,20 +1,24 @@
 """The decoder architecture a model directory describes, read from its ``config.json``.
 
-Owns turning a Hugging Face ``config.json`` (Llama, Mistral, Qwen2, Qwen3) into one plain
-record the model code builds from, and rejecting what the model code cannot run. It does
+Owns turning a Hugging Face ``config.json`` (Llama, Mistral, Qwen2, Qwen3, Mixtral,
+Qwen3-MoE, GPT-OSS) into one plain record the model code builds from, and rejecting what
+the model code cannot run. It does
 not own weights (the loader) or the tokenizer.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "MixtralForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
 
 # config.json's dtype spellings -> the name ``ModelArchConfig.dtype`` keeps (torch's, which
 # the loader maps to a torch dtype; this module stays free of torch for the gateway).
@@ -57,6 +61,45 @@ class ModelArchConfig:
     # Sliding-window attention's window (Mistral v0.1, Qwen with use_sliding_window); None
     # when attention spans the whole context.
     sliding_window: int | None = None
+    # Mixture of experts (0 experts: a dense model). ``moe_intermediate_size`` is each
+    # expert's; ``intermediate_size`` stays the dense MLP's (Qwen3-MoE's dense layers).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    # Qwen3-MoE: layer i is sparse when (i + 1) % decoder_sparse_step == 0 and i is not in
+    # mlp_only_layers.
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # Per-layer attention kind (FULL_ATTENTION or SLIDING_ATTENTION); empty: all full. The
+    # sliding layers attend to the last ``attention_window`` tokens (GPT-OSS), unlike
+    # ``sliding_window``, which caps the whole context.
+    layer_types: tuple[str, ...] = ()
+    attention_window: int | None = None
+    # A learned per-head logit in the attention softmax's denominator (GPT-OSS).
+    attention_sinks: bool = False
+    # GPT-OSS's clamped SwiGLU in the experts.
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
+    # RMSNorm applies its weight in float32 before rounding (GPT-OSS).
+    norm_weight_in_float32: bool = False
+    # "mxfp4" when the checkpoint's expert weights are MXFP4 blocks/scales; else None.
+    quantization: str | None = None
+
+    def layer_type(self, layer: int) -> str:
+        return self.layer_types[layer] if self.layer_types else FULL_ATTENTION
+
+    def layer_window(self, layer: int) -> int | None:
+        """The window layer ``layer`` attends within; None: the whole context."""
+        return self.attention_window if self.layer_type(layer) == SLIDING_ATTENTION else None
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def q_size(self) -> int:
@@ -104,9 +147,10 @@ class ModelArchConfig:
         is_qwen3 = architecture == "Qwen3ForCausalLM"
         attention_bias = bool(hf.get("attention_bias", False))
         sliding_window = hf.get("sliding_window")
-        if (is_qwen2 or is_qwen3) and not hf.get("use_sliding_window", False):
+        is_qwen = is_qwen2 or is_qwen3 or architecture == "Qwen3MoeForCausalLM"
+        if is_qwen and not hf.get("use_sliding_window", False):
             sliding_window = None  # Qwen configs name a window they do not use
-        return cls(
+        base = cls(
             architecture=architecture,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden_size,
@@ -128,6 +172,54 @@ class ModelArchConfig:
             dtype=_read_dtype(hf),
             sliding_window=int(sliding_window) if sliding_window else None,
         )
+        return replace(base, **_moe_fields(architecture, hf))
+
+
+def _moe_fields(architecture: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """The fields a mixture-of-experts architecture sets beyond the dense ones."""
+    if architecture == "MixtralForCausalLM":
+        return dict(num_experts=int(hf["num_local_experts"]),
+                    num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                    moe_intermediate_size=int(hf["intermediate_size"]))
+    if architecture == "Qwen3MoeForCausalLM":
+        return dict(num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
+                    num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                    moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                    decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+                    mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+                    qk_norm=True, qkv_bias=bool(hf.get("attention_bias", False)))
+    if architecture == "GptOssForCausalLM":
+        return _gpt_oss_fields(hf)
+    return {}
+
+
+def _gpt_oss_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    num_layers = int(hf["num_hidden_layers"])
+    layer_types = tuple(hf.get("layer_types") or (
+        SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(num_layers)))
+    unknown = set(layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+    if len(layer_types) != num_layers or unknown:
+        raise ValueError(f"layer_types must name {num_layers} layers, each {FULL_ATTENTION!r} "
+                         f"or {SLIDING_ATTENTION!r}")
+    quant = hf.get("quantization_config")
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if quant is not None and method != "mxfp4":
+        raise ValueError(f"unsupported quantization {method!r}; GPT-OSS supports 'mxfp4'")
+    attention_bias = bool(hf.get("attention_bias", True))
+    window = hf.get("sliding_window")
+    return dict(num_experts=int(hf["num_local_experts"]),
+                num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                moe_intermediate_size=int(hf["intermediate_size"]),
+                layer_types=layer_types,
+                attention_window=int(window) if window else None,
+                sliding_window=None,  # per layer, not a cap on the context
+                attention_sinks=True,
+                swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+                swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                norm_weight_in_float32=True,
+                qkv_bias=attention_bias, o_proj_bias=attention_bias,
+                quantization=method)
 
 
 def _read_rope(hf: dict[str, Any]) -> tuple[float, str, dict[str, float]]:
@@ -156,6 +248,12 @@ def _read_rope(hf: dict[str, Any]) -> tuple[float, str, dict[str, float]]:
     }
     if rope_type == "linear" and "factor" not in scaling:
         raise ValueError("rope type 'linear' needs a 'factor'")
+    if rope_type == "yarn":
+        if "factor" not in scaling:
+            raise ValueError("rope type 'yarn' needs a 'factor'")
+        scaling.setdefault(
+            "original_max_position_embeddings", float(hf.get("max_position_embeddings", 8192))
+        )
     if rope_type == "llama3":
         missing = {"factor", "low_freq_factor", "high_freq_factor"} - scaling.keys()
         if missing:

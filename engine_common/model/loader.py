@@ -1,9 +1,10 @@
 """Building a model from a local Hugging Face directory: dtype choice and safetensors weights.
 
 Owns finding the checkpoint files (one file, or shards named by
-``model.safetensors.index.json``), streaming their tensors into a freshly built
-``LlamaForCausalLM`` in the requested dtype and device, and the user-facing ``dtype``
-setting. It does not own the architecture mapping (``arch_config``) or the network.
+``model.safetensors.index.json``), streaming their tensors (MXFP4 pairs dequantized on the
+way, ``layers.mxfp4``) into a freshly built network of the registry in the requested dtype
+and device, the weights' memory by kind, and the user-facing ``dtype`` setting. It does not
+own the architecture mapping (``arch_config``, ``registry``) or the networks.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from safetensors import safe_open
 
 from engine_common.model.arch_config import ModelArchConfig
 from engine_common.model.attention.selector import get_attention_backend_cls
-from engine_common.model.llama import LlamaForCausalLM
+from engine_common.model.causal_lm import CausalLM
+from engine_common.model.layers.mxfp4 import Mxfp4Stats, dequantize_pairs
 from engine_common.model.packed_linear import bf16_packing_supported
+from engine_common.model.registry import network_class
+from engine_common.model.weight_memory import WeightMemory
 
 _DTYPE_NAMES = {
     "float32": torch.float32,
@@ -90,17 +94,23 @@ def load_model(
     attention_backend: str,
     pack_weights: bool = True,
     pack_float32: bool = False,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """The model in ``dtype`` on ``device``, its weights read from ``model_dir``; on the CPU in
     bf16 its projections are packed for oneDNN unless ``pack_weights`` is False (see
     ``packed_linear``: the outputs are the same, bitwise), and in float32 too with
-    ``pack_float32`` (float32 standing in for a bf16 checkpoint)."""
+    ``pack_float32`` (float32 standing in for a bf16 checkpoint). ``model.weight_memory``
+    says what the weights take."""
     arch = ModelArchConfig.from_model_dir(model_dir)
     device = torch.device(device)
     files = safetensors_files(model_dir)
     backend_cls = get_attention_backend_cls(attention_backend, device)
-    model = LlamaForCausalLM(arch, backend_cls, dtype=dtype, device=device)
-    model.load_weights(iterate_checkpoint(files))
+    model = network_class(arch.architecture)(arch, backend_cls, dtype, device)
+    stats = Mxfp4Stats()
+    model.load_weights(dequantize_pairs(iterate_checkpoint(files), stats))
+    if stats.tensors and arch.quantization != "mxfp4":
+        raise ValueError(f"checkpoint has MXFP4 tensors ({stats.names[0]!r}, ...) but its "
+                         "config.json names no mxfp4 quantization_config")
     if pack_weights:
         model.pack_linear_weights(float32=pack_float32)
+    model.weight_memory = WeightMemory.of(model, stats.packed_bytes)
     return model.eval()

@@ -295,6 +295,7 @@ class EngineServicer(epb_grpc.EngineServicer):
                 num_kv_heads=layout.num_kv_heads, head_size=layout.head_size,
                 block_size=layout.block_size, fingerprint=layout.fingerprint()),
             lora_adapters=sorted(self.model.lora_names),
+            model_summary=list(info.model_summary),
         )
 
     @rpc_handler

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_common.model.attention.sink_window import SinkWindowAttention
+
 
 @dataclass
 class AttentionMetadata:
@@ -70,6 +72,27 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
         self.scale = scale
+        self._sink_window: SinkWindowAttention | None = None
+
+    def forward_sinks_window(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        sinks: torch.Tensor | None,  # [num_heads] learned sink logits, or None
+        window: int | None,  # attend to the last ``window`` positions; None: all
+    ) -> torch.Tensor:
+        """``forward`` for a layer with attention sinks and/or a sliding window: PyTorch ops
+        on any device (``sink_window``); no backend has a fused kernel for it yet."""
+        if self._sink_window is None:
+            self._sink_window = SinkWindowAttention(self.num_heads, self.num_kv_heads,
+                                                    self.head_size, self.scale)
+        flat_shape = (-1, self.num_kv_heads, self.head_size)
+        kv_cache[0].view(flat_shape).index_copy_(0, metadata.slot_mapping, key)
+        kv_cache[1].view(flat_shape).index_copy_(0, metadata.slot_mapping, value)
+        return self._sink_window.forward(query, kv_cache, metadata, sinks, window)
 
     @abstractmethod
     def forward(

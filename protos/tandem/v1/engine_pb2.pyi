@@ -394,7 +394,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("engine_id", "role", "model", "max_model_len", "block_size", "kv_layout", "lora_adapters")
+    __slots__ = ("engine_id", "role", "model", "max_model_len", "block_size", "kv_layout", "lora_adapters", "model_summary")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -402,6 +402,7 @@ class EngineInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SUMMARY_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: str
     model: str
@@ -409,7 +410,8 @@ class EngineInfo(_message.Message):
     block_size: int
     kv_layout: KvLayout
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    model_summary: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., model_summary: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoadLoraRequest(_message.Message):
     __slots__ = ("lora_name", "lora_path")

@@ -1,0 +1,98 @@
+"""The pre-norm decoder stack every supported network shares: embeddings, layers of
+(RMSNorm, attention, residual, RMSNorm, feed-forward, residual), the final norm.
+
+Owns the stack's wiring. The feed-forward of each layer (dense MLP or sparse MoE block) and
+its attribute name are the network's choice (``FeedForwardFactory``), so checkpoint names
+map onto parameters one to one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from engine_common.lora.step_batch import LoraBatch
+from engine_common.model.arch_config import ModelArchConfig
+from engine_common.model.attention.backend import AttentionBackend, AttentionMetadata
+from engine_common.model.layers.attention import Attention
+from engine_common.model.layers.linear import Embedding
+from engine_common.model.layers.norm import RMSNorm
+from engine_common.model.layers.rotary import RotaryEmbedding
+
+# (layer index) -> (attribute name, module): the layer's MLP or MoE block.
+FeedForwardFactory = Callable[[int], tuple[str, nn.Module]]
+
+
+class DecoderLayer(nn.Module):
+    ffn: nn.Module
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        backend: AttentionBackend,
+        feed_forward: tuple[str, nn.Module],
+        layer_idx: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        norm_in_float32 = arch.norm_weight_in_float32
+        self.self_attn = Attention(arch, backend, dtype, device, layer_idx)
+        self.ffn_name, ffn = feed_forward
+        self.add_module(self.ffn_name, ffn)
+        # NOTE: a plain reference besides the registered one, so forward needs no name
+        # lookup and the parameters are registered (and named) once.
+        object.__setattr__(self, "ffn", ffn)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device,
+                                       norm_in_float32)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype,
+                                                device, norm_in_float32)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rotary: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        lora: LoraBatch | None = None,
+    ) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(hidden), rotary, cos_sin, kv_cache, metadata,
+                              lora)
+        hidden = hidden + attn
+        return hidden + self.ffn(self.post_attention_layernorm(hidden), lora)
+
+
+class DecoderModel(nn.Module):
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        backend: AttentionBackend,
+        feed_forward: FeedForwardFactory,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(arch, backend, feed_forward(i), i, dtype, device)
+            for i in range(arch.num_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device,
+                            arch.norm_weight_in_float32)
+        self.rotary = RotaryEmbedding(arch, dtype, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        lora: LoraBatch | None = None,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, self.rotary, cos_sin, kv_cache[i], metadata, lora)
+        return self.norm(hidden)

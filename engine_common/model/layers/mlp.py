@@ -1,0 +1,25 @@
+"""The dense gated MLP: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_common.lora.step_batch import LoraBatch
+from engine_common.model.layers.linear import Linear
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype, device)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype, device)
+
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, lora)
+        gate = gate_up[:, : self.intermediate_size]
+        up = gate_up[:, self.intermediate_size :]
+        return self.down_proj(F.silu(gate) * up, lora)

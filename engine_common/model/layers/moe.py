@@ -1,0 +1,78 @@
+"""A sparse mixture-of-experts block: the router (top-k of the softmax, or softmax of the
+top-k) and the stacked expert weights, computed by ``fused_moe``.
+
+Owns the routing rules of each network family and the expert parameters. It does not own
+how the checkpoint's per-expert or packed tensors land in them (the network's weight map).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine_common.lora.step_batch import LoraBatch
+from engine_common.model.layers.fused_moe import (
+    Activation,
+    clamped_swiglu,
+    fused_experts,
+    silu_and_mul,
+)
+from engine_common.model.layers.linear import Linear, empty_param
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    # "softmax_topk": softmax over all logits in float32, then top-k (Mixtral, Qwen3-MoE);
+    # "topk_softmax": top-k of the logits, then softmax over those (GPT-OSS).
+    routing: str
+    # Renormalise the top-k probabilities to sum to 1 (Mixtral always; Qwen3 per config).
+    normalize_topk: bool = True
+    # Round the routing weights to the model dtype before use (Qwen3-MoE); Mixtral keeps
+    # them in float32.
+    weights_in_model_dtype: bool = False
+    # Biases on the router and the experts (GPT-OSS).
+    bias: bool = False
+    # GPT-OSS's clamped SwiGLU; None: silu(gate) * up.
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
+
+
+def route(logits: torch.Tensor, spec: MoeSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top-k expert ids [T, k], their weights [T, k]) from router logits [T, E]."""
+    if spec.routing == "topk_softmax":
+        values, ids = torch.topk(logits, spec.top_k, dim=-1)
+        return ids, torch.softmax(values, dim=1, dtype=values.dtype)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    values, ids = torch.topk(probs, spec.top_k, dim=-1)
+    if spec.normalize_topk:
+        values = values / values.sum(dim=-1, keepdim=True)
+    if spec.weights_in_model_dtype:
+        values = values.to(logits.dtype)
+    return ids, values
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, spec: MoeSpec, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.spec = spec
+        e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
+        self.gate = Linear(h, e, spec.bias, dtype, device)
+        self.w13 = empty_param(e, 2 * i, h, dtype=dtype, device=device)
+        self.w2 = empty_param(e, h, i, dtype=dtype, device=device)
+        self.b13 = empty_param(e, 2 * i, dtype=dtype, device=device) if spec.bias else None
+        self.b2 = empty_param(e, h, dtype=dtype, device=device) if spec.bias else None
+        self.activation: Activation = (
+            silu_and_mul if spec.swiglu_alpha is None
+            else clamped_swiglu(spec.swiglu_alpha, spec.swiglu_limit or float("inf")))
+
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        # LoRA on MoE models is refused when an adapter is loaded (``CausalLM``).
+        ids, weights = route(self.gate(x), self.spec)
+        return fused_experts(x, self.w13, self.w2, ids, weights, self.activation,
+                             self.b13, self.b2)

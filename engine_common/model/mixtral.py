@@ -1,0 +1,46 @@
+"""Mixtral: Llama attention, every layer's feed-forward a sparse MoE block
+(``block_sparse_moe``: softmax over all experts in float32, top-k, renormalised; the
+weights stay float32 as Hugging Face keeps them). Checkpoints store each expert as
+``experts.{e}.w1`` (gate), ``w3`` (up), ``w2`` (down)."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from engine_common.model.arch_config import ModelArchConfig
+from engine_common.model.attention.backend import AttentionBackend
+from engine_common.model.causal_lm import CausalLM, Placement
+from engine_common.model.layers.moe import MoeSpec, SparseMoeBlock
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe)\.experts\.(\d+)\.(w[123])\.weight$")
+
+
+class MixtralForCausalLM(CausalLM):
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        attention_backend_cls: type[AttentionBackend],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        device = torch.device(device)
+        spec = MoeSpec(arch.num_experts, arch.num_experts_per_tok, arch.hidden_size,
+                       arch.moe_intermediate_size, routing="softmax_topk")
+
+        def moe(_: int) -> tuple[str, SparseMoeBlock]:
+            return "block_sparse_moe", SparseMoeBlock(spec, dtype, device)
+
+        super().__init__(arch, attention_backend_cls, moe, dtype, device)
+
+    def placements(self, name: str) -> list[Placement]:
+        match = _EXPERT.match(name)
+        if match is None:
+            return super().placements(name)
+        prefix, expert, which = match.group(1), int(match.group(2)), match.group(3)
+        size = self.arch.moe_intermediate_size
+        if which == "w2":
+            return [Placement(f"{prefix}.w2", expert=expert)]
+        return [Placement(f"{prefix}.w13", expert=expert,
+                          rows=(0 if which == "w1" else size, size))]
