@@ -298,12 +298,21 @@ class Scheduler:
             self.kv_cache_manager.free(request)
             self.requests.pop(request.request_id, None)
             return False
-        request.num_computed_tokens += num_blocks * self.kv_cache_manager.block_size
+        kv = self.kv_cache_manager
+        request.num_computed_tokens += num_blocks * kv.block_size
         request.num_cached_tokens = request.num_computed_tokens
         request.num_offered_blocks = max(request.num_offered_blocks,
-                                         request.num_computed_tokens // self.kv_cache_manager.block_size)
-        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-        self.kv_cache_manager.note_tier_hits(num_blocks * self.kv_cache_manager.block_size)
+                                         request.num_computed_tokens // kv.block_size)
+        kv.cache_blocks(request, request.num_computed_tokens)
+        kv.note_tier_hits(num_blocks * kv.block_size)
+        if request.kv_from_peer and request.num_preemptions == 0:
+            # P/D, decode side: the loaded blocks are prefix-cache hits now. The request is
+            # admitted again at the front, as a remote one, and pulls only the rest.
+            kv.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            self.waiting.add_front(request)
+            return True
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         return True
@@ -461,13 +470,6 @@ class Scheduler:
                 self.waiting.skip()
                 continue
             computed_blocks, num_computed = kv.get_computed_blocks(request)
-            if is_remote:
-                if not self._admit_remote(request, computed_blocks, num_computed, out, reserve):
-                    break
-                reserve += self._reserve_for(request)
-                if request.lora_name:
-                    active_loras.add(request.lora_name)
-                continue
             if self.tier_probe is not None and not request.tiers_probed:
                 loading = self._admit_tier_load(request, computed_blocks, num_computed, out,
                                                 reserve)
@@ -478,6 +480,13 @@ class Scheduler:
                     if request.lora_name:
                         active_loras.add(request.lora_name)
                     continue
+            if is_remote:
+                if not self._admit_remote(request, computed_blocks, num_computed, out, reserve):
+                    break
+                reserve += self._reserve_for(request)
+                if request.lora_name:
+                    active_loras.add(request.lora_name)
+                continue
             num_new = self._cap_new_tokens(request, request.num_tokens - num_computed, budget)
             if not self.config.enable_chunked_prefill and num_new < request.num_tokens - num_computed:
                 break

@@ -150,3 +150,24 @@ def test_saturated_tier_drops_stores_and_never_stalls_a_step(tiny_llama_dir, wor
     assert llm.core.kv_tiers.drain()
     assert llm.core.kv_tiers.totals()["shared"].dropped_stores >= 8
     llm.core.close()
+
+
+def test_tandem_up_local_store_runs_a_loopback_redis_for_the_suite() -> None:
+    import argparse
+
+    import redis
+
+    from deploy.kv_store import local_kv_store
+    from services.replica.engine_flags import add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--kv-store", "local"])
+    with local_kv_store(args):
+        assert args.kv_store.startswith("redis://127.0.0.1:")
+        client = redis.Redis.from_url(args.kv_store)
+        assert client.ping()
+    with pytest.raises(redis.exceptions.ConnectionError):
+        client.ping()
+    with pytest.raises(SystemExit):  # a clear argparse error, not a traceback
+        parser.parse_args(["--kv-store", "memcached://x"])

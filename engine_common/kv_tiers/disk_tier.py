@@ -32,7 +32,7 @@ class DiskTier:
         # NOTE: sync=False: a store is in the OS's page cache when put returns and on disk a
         # moment later; a process that dies keeps it, only a machine that loses power may not.
         self._env = lmdb.open(directory, map_size=capacity_bytes, subdir=True, sync=False,
-                              metasync=False, readahead=False, max_readers=8)
+                              metasync=False, readahead=False, max_readers=126)
         self._lock = threading.Lock()
         self._keys: OrderedDict[bytes, None] = OrderedDict()
         with self._env.begin() as txn:

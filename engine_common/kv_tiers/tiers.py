@@ -13,6 +13,7 @@ queued for the worker, which puts them in every tier. A step never waits on a st
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -112,7 +113,7 @@ class KvTiers:
         raw = copied.view(torch.uint8).reshape(len(todo), -1).numpy()
         for i, block in enumerate(todo):
             payload = raw[i].tobytes()
-            if not self._worker.submit_store(lambda b=block, p=payload: self._store_one(b, p)):
+            if not self._worker.submit_store(functools.partial(self._store_one, block, payload)):
                 with self._lock:
                     for stats in self.stats.values():
                         stats.dropped_stores += 1

@@ -205,7 +205,7 @@ def _add_tier_args(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--kv-offload-max-pending", type=int, default=tiers.max_pending_stores,
                    metavar="N", help="KV tiers: block stores queued at most; more are "
                                      "dropped and counted (back-pressure)")
-    p.add_argument("--kv-store", default=tiers.store_url, metavar="URL",
+    p.add_argument("--kv-store", type=kv_store_url, default=tiers.store_url, metavar="URL",
                    help="KV tiers: a Redis shared by every replica, redis://host:port/db or "
                         "rediss://... (TLS); its password from --kv-store-password-file or "
                         "$TANDEM_KV_STORE_PASSWORD, never on the command line; tandem up "
@@ -218,6 +218,14 @@ def _add_tier_args(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--kv-store-timeout", type=float, default=tiers.store_timeout_seconds,
                    metavar="SECONDS", help="KV tiers: a shared-store call slower than this "
                                            "is a miss, counted (the prompt is recomputed)")
+
+
+def kv_store_url(text: str) -> str:
+    """A Redis URL, or ``local`` (``tandem up`` starts one and passes its URL on)."""
+    if text != "local" and not text.startswith(("redis://", "rediss://")):
+        raise argparse.ArgumentTypeError(
+            f"expected redis://host:port/db, rediss://... or local, got {text[:80]!r}")
+    return text
 
 
 def kv_tiers_config(args: argparse.Namespace) -> KvTiersConfig:
