@@ -80,3 +80,21 @@ def test_router_predicts_per_tier_what_the_engine_loads(tiny_llama_dir: Path) ->
     assert loaded == TURN2_TIER_BLOCKS and second.num_cached_tokens == loaded * BLOCK
     assert abs(predicted.count("host") - loaded) <= 1 and "device" not in predicted
     llm.core.close()
+
+
+def test_a_restarted_replica_announces_what_its_disk_tier_holds(tiny_llama_dir: Path,
+                                                               tmp_path: Path) -> None:
+    turn1, others, more = prompts()
+    config = KvTiersConfig(disk_dir=str(tmp_path / "kv"), disk_bytes=1 << 24)
+    llm = engine(tiny_llama_dir, config)
+    first = llm.generate([turn1], GREEDY)[0].token_ids
+    assert llm.core.kv_tiers.drain()
+    llm.core.close()
+    restarted = engine(tiny_llama_dir, config)
+    events = restarted.core.step().kv_events  # the first step, with no request at all
+    index = PrefixIndex()
+    assert index.apply("replica", _batch(1, events))
+    turn2 = turn1 + first + more
+    hashes = hash_prompt_blocks(turn2, BLOCK)[:(len(turn2) - 1) // BLOCK]
+    assert index.prefix_tiers("replica", hashes) == ["disk"] * TURN2_TIER_BLOCKS
+    restarted.core.close()

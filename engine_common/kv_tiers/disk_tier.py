@@ -85,6 +85,11 @@ class DiskTier:
             for key in keys:
                 self._keys.pop(key, None)
 
+    def keys(self) -> list[bytes]:
+        """Every key the store holds (what a restarted replica found)."""
+        with self._lock:
+            return list(self._keys)
+
     def contains(self, key: bytes) -> bool | None:
         with self._lock:
             return key in self._keys

@@ -78,6 +78,18 @@ class KvTiers:
         self._finished: list[TierLoadResult] = []
         self._loads_in_flight = 0
         self._worker = TierWorker(config.max_pending_stores)
+        self._announce_found_blocks()
+
+    def _announce_found_blocks(self) -> None:
+        """A disk tier opened with blocks in it (a restarted replica): say so in the first
+        step's KV events, so the router knows them before any is stored again."""
+        for tier in self.tiers:
+            if isinstance(tier, DiskTier):
+                found = [key[NAMESPACE_BYTES:] for key in tier.keys()
+                         if key.startswith(self.namespace)]
+                if found:
+                    self._events.append(BlockStored(found, None, [], self.block_size,
+                                                    medium=tier.medium))
 
     def _open_tiers(self, config: KvTiersConfig) -> list[Tier]:
         tiers: list[Tier] = []
