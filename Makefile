@@ -33,6 +33,11 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 setup: $(STAMP)
+	@# The shared KV tier's tests and `tandem up --kv-store local` run a loopback Redis.
+	@command -v redis-server >/dev/null || { if [ "$$(id -u)" = 0 ]; then \
+		apt-get install -y -q redis-server >/dev/null 2>&1 || { apt-get update -q >/dev/null && \
+		apt-get install -y -q redis-server >/dev/null; }; else \
+		echo "redis-server is missing: install the Debian package redis-server as root"; fi; }
 
 demo: setup
 	$(VENV)/bin/tandem demo

@@ -160,7 +160,9 @@ def _load_tls(directory: Path | None) -> SuiteTls | None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    with suite_certificates(args):
+    from deploy.kv_store import local_kv_store
+
+    with suite_certificates(args), local_kv_store(args):
         return _serve_suite(args)
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deploy import k8s_kv_store as kv_store
 from deploy import k8s_pod_policy as policy
 from deploy.envoy_config import (
     DEFAULT_DESCRIPTOR,
@@ -134,6 +135,12 @@ class K8sOptions:
     # A sidecar in every replica pod keeps its LoRA adapters in step with the ConfigMap
     # ``<name>-lora-adapters`` (adapter directories on the model volume).
     lora_syncer: bool = False
+    # KV tiers (deploy.k8s_kv_store): a host-memory tier per replica; the shared tier, an
+    # external Redis URL or "statefulset" (a trial Redis rendered with the suite), and a
+    # Secret whose "password" key holds its password.
+    kv_offload_memory: str | None = None
+    kv_store: str | None = None
+    kv_store_secret: str | None = None
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.both) < 0:
@@ -284,7 +291,8 @@ def _replica_args(options: K8sOptions, role: str) -> list[str]:
         args += ["--device", "cuda"]
     else:
         args += ["--device", "cpu", "--kv-cache-memory", options.kv_cache_memory]
-    return args
+    return args + kv_store.replica_args(options.kv_store, options.name,
+                                        options.kv_offload_memory)
 
 
 def _replica_resources(options: K8sOptions) -> dict[str, Any]:
@@ -325,7 +333,7 @@ def _replica_container(options: K8sOptions, role: str,
             "name": "OMP_NUM_THREADS",
             "valueFrom": {"resourceFieldRef": {"containerName": "replica",
                                                "resource": "requests.cpu", "divisor": "1"}},
-        }],
+        }, *kv_store.replica_env(options.kv_store_secret)],
         "ports": _replica_ports(options, role),
         # Loading the model takes a while; after that, health must answer within seconds.
         "startupProbe": _grpc_probe(probe_port, periodSeconds=5, failureThreshold=120),
@@ -636,6 +644,9 @@ def render_k8s_manifests(options: K8sOptions,
     descriptor = descriptor if descriptor is not None else Path(DEFAULT_DESCRIPTOR).read_bytes()
     objects: list[dict[str, Any]] = [
         envoy_config_map(options, dump_yaml(envoy_bootstrap(options, descriptor)))]
+    if options.kv_store == kv_store.IN_CLUSTER:
+        objects += kv_store.trial_store(options.name, options.namespace,
+                                        _labels(options, "kv-store"))
     if options.lora_syncer:
         objects.append(lora_adapters_config_map(options))
     deployments = [replica_deployment(options, role, count) for role, count in _roles(options)]

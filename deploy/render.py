@@ -108,6 +108,14 @@ def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         "extension's format; needs --allow-runtime-lora-updating)")
     p.add_argument("--gateway-name", default=defaults.gateway_name,
                    help="the Gateway the HTTPRoute attaches to (default: %(default)s)")
+    p.add_argument("--kv-offload-memory", default=None, metavar="SIZE",
+                   help="KV tiers: a host-memory tier of SIZE per replica (e.g. 4GiB)")
+    p.add_argument("--kv-store", default=None, metavar="URL|statefulset",
+                   help="KV tiers: the Redis every replica shares (redis://... or "
+                        "rediss://...), or 'statefulset' to render a one-pod Redis for "
+                        "trying it out")
+    p.add_argument("--kv-store-secret", default=None, metavar="SECRET",
+                   help="KV tiers: a Secret whose 'password' key is the Redis password")
     p.add_argument("-o", "--output", type=Path, required=True, help="directory to write")
 
 
@@ -177,7 +185,9 @@ def _render_k8s(args: argparse.Namespace) -> int:
             drain_seconds=args.drain_seconds,
             tls_secret=args.tls_secret, api_key_secret=args.api_key_secret,
             suite_tls=args.suite_tls,
-            gateway_name=args.gateway_name, lora_syncer=args.lora_syncer)
+            gateway_name=args.gateway_name, lora_syncer=args.lora_syncer,
+            kv_offload_memory=args.kv_offload_memory, kv_store=args.kv_store,
+            kv_store_secret=args.kv_store_secret)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from engine_common.kv_tiers.config import KvTiersConfig
+
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -150,6 +152,8 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KvTransferConfig = field(default_factory=KvTransferConfig)
+    # Host-memory, disk and shared tiers behind the KV pool (off by default).
+    kv_tiers: KvTiersConfig = field(default_factory=KvTiersConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # Stable identity of this engine instance (used in KV events and KV handles).
     engine_id: str = "engine-0"

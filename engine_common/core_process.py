@@ -274,6 +274,7 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection,
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         return  # the parent is gone
     finally:
+        core.close()
         writer.close()
 
 

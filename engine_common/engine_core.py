@@ -21,6 +21,7 @@ from engine_common.block_hash import BlockHash
 from engine_common.config import EngineConfig
 from engine_common.kv_cache_manager import KVCacheManager
 from engine_common.kv_events import KVEvent
+from engine_common.kv_tiers.tiers import BlockToStore, KvTiers
 from engine_common.model.arch_config import ModelArchConfig
 from engine_common.model.startup_summary import startup_summary
 from engine_common.model_runner import ModelRunner
@@ -73,15 +74,19 @@ class EngineCore:
             max_model_len=self.max_model_len,
             enable_caching=config.cache.enable_prefix_caching,
         )
+        # The model's directory name, not its path: P and D may keep it in different places.
+        kv_layout = KvLayout.of_cache(os.path.basename(os.path.normpath(config.model)),
+                                      self.model_runner.kv_cache)
+        self.kv_tiers = (KvTiers(config.kv_tiers, self.model_runner.kv_cache, kv_layout)
+                         if config.kv_tiers.enabled and config.cache.enable_prefix_caching
+                         else None)
         settings = config.model_settings
         self.scheduler = Scheduler(
             config.scheduler, self.kv_cache_manager, config.speculative,
             lora_enabled=bool(settings.lora_modules) or settings.allow_runtime_lora_updating,
-            max_loras=settings.max_loras)
+            max_loras=settings.max_loras,
+            tier_probe=self.kv_tiers.probe if self.kv_tiers is not None else None)
         self.scheduler.num_lora_adapters = len(self.model_runner.lora_adapters)
-        # The model's directory name, not its path: P and D may keep it in different places.
-        kv_layout = KvLayout.of_cache(os.path.basename(os.path.normpath(config.model)),
-                                      self.model_runner.kv_cache)
         self.remote_kv = (
             RemoteKv(config.kv_transfer, self.model_runner.kv_cache, kv_layout, config.engine_id)
             if config.kv_transfer.role is not None else None)
@@ -168,7 +173,8 @@ class EngineCore:
 
     def has_pulls_running(self) -> bool:
         """KV pulls are in flight (their ends come without a message to the loop)."""
-        return self.remote_kv is not None and self.remote_kv.has_pulls_running
+        return ((self.remote_kv is not None and self.remote_kv.has_pulls_running)
+                or (self.kv_tiers is not None and self.kv_tiers.has_loads_running))
 
     def has_pinned_kv(self) -> bool:
         """Blocks held for a consumer: the loop must keep checking releases and leases."""
@@ -311,6 +317,38 @@ class EngineCore:
                         if r.lora_name)
         adapters.reap(users, self.model_runner.model)
 
+    # ------------------------------------------------------------------ KV tiers
+    def _finish_tier_loads(self) -> None:
+        """Move the requests whose tier loads ended on (running, or freed if aborted)."""
+        assert self.kv_tiers is not None
+        for result in self.kv_tiers.take_finished_loads():
+            request = self.scheduler.loading.get(result.request_id)
+            if request is not None:
+                self.scheduler.finish_tier_load(request, result.num_blocks)
+
+    def _store_to_tiers(self, scheduled: list[ScheduledRequest]) -> None:
+        """Write the blocks this step completed through to the tiers (copied now: the next
+        step may reuse a finished request's blocks; stored by the tiers' worker)."""
+        assert self.kv_tiers is not None
+        bs = self.config.cache.block_size
+        blocks: list[BlockToStore] = []
+        for item in scheduled:
+            request = item.request
+            hashes = request.block_hashes
+            num_full = min(request.num_computed_tokens // bs, len(hashes), len(item.block_ids))
+            for i in range(request.num_offered_blocks, num_full):
+                blocks.append(BlockToStore(hashes[i], hashes[i - 1] if i else None,
+                                           request.all_token_ids[i * bs:(i + 1) * bs],
+                                           item.block_ids[i]))
+            request.num_offered_blocks = max(request.num_offered_blocks, num_full)
+        if blocks:
+            self.kv_tiers.store(blocks)
+
+    def close(self) -> None:
+        """Stop the tiers' worker (queued stores are written first) and close the tiers."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
+
     def snapshot_kv_cache(self) -> tuple[list[KVEvent], list[BlockHash]]:
         """Every block hash in the prefix cache, with the KV events recorded but not emitted
         yet (normally none between steps). The hashes are the state those events lead to, so
@@ -321,7 +359,13 @@ class EngineCore:
         outputs: list[EngineCoreOutput] = []
         if self.remote_kv is not None:
             outputs.extend(self._transfer_housekeeping())
+        if self.kv_tiers is not None:
+            self._finish_tier_loads()
         scheduler_output = self.scheduler.schedule()
+        if self.kv_tiers is not None:
+            for load in scheduler_output.tier_loads:
+                self.kv_tiers.start_load(load.request.request_id, load.block_hashes,
+                                         load.block_ids)
         outputs.extend(self.scheduler.take_finished_unscheduled())
         if self.remote_kv is not None:
             for pull in scheduler_output.pulls:
@@ -331,6 +375,8 @@ class EngineCore:
         if not scheduler_output.is_empty:
             runner_output = self.model_runner.execute(scheduler_output)
             outputs.extend(self.scheduler.update_from_output(scheduler_output, runner_output))
+            if self.kv_tiers is not None:
+                self._store_to_tiers(scheduler_output.scheduled)
             self.model_runner.release([o.request_id for o in outputs if o.finished])
             if self.remote_kv is not None and self.remote_kv.producer is not None:
                 outputs.extend(self._announce_kv(scheduler_output.scheduled))
@@ -339,9 +385,13 @@ class EngineCore:
             output.kv_handle = self.remote_kv.pin(
                 request, self.kv_cache_manager.get_block_ids(request.request_id))
         self._reap_lora_adapters()
+        stats = self.scheduler.make_stats()
+        if self.kv_tiers is not None:
+            stats.kv_tiers = self.kv_tiers.take_stats()
         return EngineCoreOutputs(
             outputs=outputs,
-            stats=self.scheduler.make_stats(),
-            kv_events=self.kv_cache_manager.take_events(),
+            stats=stats,
+            kv_events=self.kv_cache_manager.take_events() + (
+                self.kv_tiers.take_events() if self.kv_tiers is not None else []),
             timestamp=time.time(),
         )

@@ -30,6 +30,7 @@ class PrefixCacheStats:
     requests: int = 0
     queries: int = 0
     hits: int = 0
+    tier_hits: int = 0  # tokens loaded from a KV tier (engine_common.kv_tiers) instead
 
 
 class KVCacheManager:
@@ -214,6 +215,11 @@ class KVCacheManager:
         """Drop every block no request holds from the prefix cache (BlockRemoved events);
         see ``BlockPool.evict_cached_free_blocks``. Returns how many were evicted."""
         return self.block_pool.evict_cached_free_blocks()
+
+    def note_tier_hits(self, num_tokens: int) -> None:
+        """Tokens of an admitted request loaded from a KV tier rather than computed."""
+        if self.enable_caching:
+            self.prefix_cache_stats.tier_hits += num_tokens
 
     def take_prefix_cache_stats(self) -> PrefixCacheStats:
         stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()

@@ -37,15 +37,20 @@ class BlockStored:
 
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None  # hash of the block before the first one; None at root
-    token_ids: list[int]  # len(block_hashes) * block_size tokens
+    token_ids: list[int]  # len(block_hashes) * block_size tokens (may be empty off device)
     block_size: int
+    # Which tier holds them now: "device" (the engine's pool), "host", "disk" or "shared"
+    # (engine_common.kv_tiers), as vLLM's events' ``medium``.
+    medium: str = "device"
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """Blocks evicted from the cache (their hashes no longer resolve on this engine)."""
+    """Blocks evicted from one tier (``medium``, as ``BlockStored``'s): their hashes no
+    longer resolve there, though another tier may still hold them."""
 
     block_hashes: list[BlockHash]
+    medium: str = "device"
 
 
 @dataclass(frozen=True, slots=True)

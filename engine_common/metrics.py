@@ -123,6 +123,19 @@ class FinishedRequestStats:
         return self.decode_time / (self.num_generation_tokens - 1)
 
 
+# The KV tiers' counters, by ``TierStats`` field: tandem:kv_tier_<field>{medium}.
+_KV_TIER_COUNTERS = {
+    "hits": "Blocks loaded from a KV tier.",
+    "bytes_loaded": "Bytes loaded from a KV tier.",
+    "load_seconds": "Seconds spent loading blocks from a KV tier.",
+    "stores": "Blocks stored in a KV tier.",
+    "bytes_stored": "Bytes stored in a KV tier.",
+    "store_seconds": "Seconds spent storing blocks in a KV tier.",
+    "evictions": "Blocks a KV tier evicted to make room.",
+    "dropped_stores": "Block stores dropped: the worker's queue was full, or the tier refused.",
+}
+
+
 class EngineMetrics:
     def __init__(self, model_name: str, engine_id: str, registry: CollectorRegistry | None = None,
                  max_model_len: int | None = None):
@@ -212,6 +225,16 @@ class EngineMetrics:
             registry=reg)
         self.kv_pinned_blocks = gauge(
             "tandem:kv_pinned_blocks", "Blocks a prefill replica holds for decode replicas.")
+        # KV tiers (engine_common.kv_tiers), by medium: host, disk, shared.
+        self.kv_tier_hit_tokens = counter(
+            "tandem:kv_tier_hit_tokens", "Prompt tokens loaded from a KV tier, not computed.")
+        self._kv_tier = {
+            name: Counter(f"tandem:kv_tier_{name}", doc, [*names, "medium"], registry=reg)
+            for name, doc in _KV_TIER_COUNTERS.items()}
+        self._kv_tier_failures = Counter(
+            "tandem:kv_tier_failures", "KV tier loads or stores that failed, by reason "
+            "(down, slow, full, checksum, truncated, backoff).", [*names, "medium", "reason"],
+            registry=reg)
         # Registered by the first statistics of an engine serving LoRA adapters: an engine
         # without adapters has no such metric, as in vLLM.
         self._lora_requests_info: Gauge | None = None
@@ -245,6 +268,15 @@ class EngineMetrics:
         self.spec_decode_num_accepted_tokens.inc(stats.num_accepted_tokens)
         if stats.max_lora:
             self._record_lora(stats)
+        self.kv_tier_hit_tokens.inc(stats.kv_tier_hit_tokens)
+        for medium, tier in stats.kv_tiers.items():
+            for name in _KV_TIER_COUNTERS:
+                value = getattr(tier, name)
+                if value:
+                    self._kv_tier[name].labels(**self._labels, medium=medium).inc(value)
+            for reason, count in tier.failures.items():
+                self._kv_tier_failures.labels(**self._labels, medium=medium,
+                                              reason=reason).inc(count)
 
     def _record_lora(self, stats: SchedulerStats) -> None:
         """vLLM's ``vllm:lora_requests_info``: the adapters of running and waiting requests

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from engine_common.generation_request import GenerationRequest
 from engine_common.kv_events import KVEvent
+from engine_common.kv_tiers.tier import TierStats
 from kv_transfer.connector import KvHandle
 from kv_transfer.layout import KvLayout
 
@@ -170,6 +171,10 @@ class SchedulerStats:
     running_lora_adapters: list[str] = field(default_factory=list)
     waiting_lora_adapters: list[str] = field(default_factory=list)
     max_lora: int = 0
+    # KV tiers: prompt tokens loaded from a tier instead of computed, and each tier's
+    # counters (by medium: host, disk, shared), deltas since the previous report.
+    kv_tier_hit_tokens: int = 0
+    kv_tiers: dict[str, TierStats] = field(default_factory=dict)
 
 
 @dataclass

@@ -32,6 +32,8 @@ def tokens_sampled_elsewhere(prompt_token_ids: list[int], num_resumed_tokens: in
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     WAITING_FOR_REMOTE_KV = enum.auto()
+    # Its prefix is loading from a KV tier (engine_common.kv_tiers) into its blocks.
+    WAITING_FOR_TIER_KV = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this is finished.
@@ -90,6 +92,10 @@ class Request:
     # Tokens found in the prefix cache when the request was first scheduled.
     num_cached_tokens: int = -1
     num_preemptions: int = 0
+    # KV tiers: leading blocks already offered to the tiers (written through); whether its
+    # prefix was looked for in the tiers (once: a partial load is not tried again).
+    num_offered_blocks: int = 0
+    tiers_probed: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)

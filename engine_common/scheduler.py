@@ -32,10 +32,11 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine_common.block_hash import BlockHash
 from engine_common.config import SchedulerConfig, SpeculativeConfig
 from engine_common.kv_cache_manager import KVCacheManager
 from engine_common.ngram_drafter import NgramDrafter
@@ -79,10 +80,21 @@ class RemoteKvPull:
 
 
 @dataclass
+class TierLoad:
+    """A request whose next blocks a KV tier may hold: its blocks for them are allocated
+    and the longest run the tiers hold must now be loaded into them."""
+
+    request: Request
+    block_hashes: list[BlockHash]
+    block_ids: list[int]
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
     pulls: list[RemoteKvPull] = field(default_factory=list)
+    tier_loads: list[TierLoad] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -169,10 +181,12 @@ class WaitingQueue:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  speculative: SpeculativeConfig | None = None, *, lora_enabled: bool = False,
-                 max_loras: int | None = None):
+                 max_loras: int | None = None,
+                 tier_probe: Callable[[BlockHash], bool] | None = None):
         """``lora_enabled``: the engine serves LoRA adapters (or may load some while it
         serves), so the statistics report them. ``max_loras``: at most this many different
-        adapters among the running requests (None: any number)."""
+        adapters among the running requests (None: any number). ``tier_probe``: whether a
+        KV tier may hold a block (None: no tiers)."""
         if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         if config.max_prefill_tokens_while_decoding < 0 or \
@@ -193,6 +207,9 @@ class Scheduler:
         self.running: list[Request] = []
         # P/D, decode side: prompt blocks allocated, KV being pulled (WAITING_FOR_REMOTE_KV).
         self.receiving: dict[str, Request] = {}
+        # KV tiers: prefix blocks allocated, being loaded from a tier (WAITING_FOR_TIER_KV).
+        self.tier_probe = tier_probe
+        self.loading: dict[str, Request] = {}
         # P/D, prefill side: finished requests whose blocks stay pinned for a decode replica.
         self.held: dict[str, Request] = {}
         self._to_pin: list[tuple[Request, EngineCoreOutput]] = []
@@ -234,9 +251,10 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status.is_finished:
                 continue
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-                # A pull may still be writing into its blocks: they are freed when the
-                # pull ends (finish_remote_kv), never before.
+            if request.status in (RequestStatus.WAITING_FOR_REMOTE_KV,
+                                  RequestStatus.WAITING_FOR_TIER_KV):
+                # A pull or a tier load may still be writing into its blocks: they are
+                # freed when it ends (finish_remote_kv, finish_tier_load), never before.
                 request.status = RequestStatus.FINISHED_ABORTED
                 aborted.append(request)
                 continue
@@ -250,7 +268,8 @@ class Scheduler:
         return aborted
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0 or bool(self.receiving)
+        return (bool(self.running) or len(self.waiting) > 0 or bool(self.receiving)
+                or bool(self.loading))
 
     # ------------------------------------------------------------------ P/D
     def finish_remote_kv(self, request: Request, ok: bool) -> bool:
@@ -267,6 +286,69 @@ class Scheduler:
             self.kv_cache_manager.cache_blocks(request, request.num_prompt_tokens)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        return True
+
+    # ------------------------------------------------------------------ KV tiers
+    def finish_tier_load(self, request: Request, num_blocks: int) -> bool:
+        """A tier load ended with the first ``num_blocks`` of its blocks loaded: they join
+        the prefix cache and the request runs, computing the rest of its prompt. Returns
+        False when the request was aborted meanwhile (its blocks are freed now)."""
+        del self.loading[request.request_id]
+        if request.status == RequestStatus.FINISHED_ABORTED:
+            self.kv_cache_manager.free(request)
+            self.requests.pop(request.request_id, None)
+            return False
+        kv = self.kv_cache_manager
+        request.num_computed_tokens += num_blocks * kv.block_size
+        request.num_cached_tokens = request.num_computed_tokens
+        request.num_offered_blocks = max(request.num_offered_blocks,
+                                         request.num_computed_tokens // kv.block_size)
+        kv.cache_blocks(request, request.num_computed_tokens)
+        kv.note_tier_hits(num_blocks * kv.block_size)
+        if request.kv_from_peer and request.num_preemptions == 0:
+            # P/D, decode side: the loaded blocks are prefix-cache hits now. The request is
+            # admitted again at the front, as a remote one, and pulls only the rest.
+            kv.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            self.waiting.add_front(request)
+            return True
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return True
+
+    def _admit_tier_load(self, request: Request, computed_blocks: list, num_computed: int,
+                         out: SchedulerOutput, reserve: int) -> bool | None:
+        """Start loading the request's next prompt blocks from a tier, if one may hold the
+        first of them: allocate its blocks up to its last full prompt block (those after
+        the device's hits), without caching them until loaded. None: no tier holds it (the
+        request is admitted as usual); False: no room now."""
+        request.tiers_probed = True
+        kv = self.kv_cache_manager
+        bs = kv.block_size
+        first = num_computed // bs
+        last = (request.num_tokens - 1) // bs
+        if (self.tier_probe is None or first >= last or request.needs_prompt_logprobs
+                or not self.tier_probe(request.block_hashes[first])):
+            return None
+        if kv.allocate_slots(
+            request, (last - first) * bs, new_computed_blocks=computed_blocks,
+            num_new_computed_tokens=num_computed, num_reserved_blocks=reserve,
+            delay_caching=True,
+        ) is None:
+            if not self.running and not self.receiving and not self.loading \
+                    and not out.scheduled:
+                return None  # it cannot fit even alone: the usual admission ends it
+            request.tiers_probed = False  # probed again once there is room
+            return False
+        self.waiting.pop()
+        request.status = RequestStatus.WAITING_FOR_TIER_KV
+        request.num_computed_tokens = num_computed
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        self.loading[request.request_id] = request
+        out.tier_loads.append(TierLoad(request, request.block_hashes[first:last],
+                                       kv.get_block_ids(request.request_id)[first:last]))
         return True
 
     def take_finished_unscheduled(self) -> list[EngineCoreOutput]:
@@ -353,7 +435,8 @@ class Scheduler:
         """Blocks an admission must leave free: the watermark, and with ``reserve_output_room``
         what the running requests and those receiving their KV are expected to grow into."""
         return self._watermark_blocks + sum(
-            self._reserve_for(r) for r in itertools.chain(self.running, self.receiving.values()))
+            self._reserve_for(r) for r in itertools.chain(self.running, self.receiving.values(),
+                                                          self.loading.values()))
 
     def _reserve_for(self, request: Request) -> int:
         """The blocks a request holding some is expected to add (0 without the reserve)."""
@@ -370,10 +453,11 @@ class Scheduler:
         # KV has arrived (a finished pull joins the running requests without coming back
         # here); without one the step need not look.
         active_loras = {r.lora_name for r in itertools.chain(self.running,
-                                                              self.receiving.values())
+                                                              self.receiving.values(),
+                                                              self.loading.values())
                         if r.lora_name} if self.max_loras is not None else set()
-        while (len(self.waiting) > 0
-               and len(self.running) + len(self.receiving) < self.config.max_num_seqs):
+        while (len(self.waiting) > 0 and len(self.running) + len(self.receiving)
+               + len(self.loading) < self.config.max_num_seqs):
             request = self.waiting.peek()
             is_remote = request.kv_from_peer and request.num_preemptions == 0
             if budget <= 0 and not is_remote:  # a remote prefill computes nothing here
@@ -386,6 +470,16 @@ class Scheduler:
                 self.waiting.skip()
                 continue
             computed_blocks, num_computed = kv.get_computed_blocks(request)
+            if self.tier_probe is not None and not request.tiers_probed:
+                loading = self._admit_tier_load(request, computed_blocks, num_computed, out,
+                                                reserve)
+                if loading is False:
+                    break
+                if loading:
+                    reserve += self._reserve_for(request)
+                    if request.lora_name:
+                        active_loras.add(request.lora_name)
+                    continue
             if is_remote:
                 if not self._admit_remote(request, computed_blocks, num_computed, out, reserve):
                     break
@@ -396,7 +490,8 @@ class Scheduler:
             num_new = self._cap_new_tokens(request, request.num_tokens - num_computed, budget)
             if not self.config.enable_chunked_prefill and num_new < request.num_tokens - num_computed:
                 break
-            alone = not self.running and not self.receiving and not out.scheduled
+            alone = (not self.running and not self.receiving and not self.loading
+                     and not out.scheduled)
             if (
                 kv.allocate_slots(
                     request,
@@ -535,6 +630,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.tiers_probed = False  # its prefix may be in a tier by now
         request.num_preemptions += 1
         self._num_preemptions_since_report += 1
         self.waiting.add_front(request)
@@ -640,6 +736,7 @@ class Scheduler:
             num_total_blocks=kv.num_blocks,
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
+            kv_tier_hit_tokens=prefix.tier_hits,
             num_preemptions=self._num_preemptions_since_report,
             num_pinned_blocks=sum(
                 len(kv.get_block_ids(request_id)) for request_id in self.held),

@@ -27,6 +27,15 @@ index also records what the gateway has just routed (``expect``): the prompt's b
 as held by the chosen replica until the events confirm them or ``expect_ttl_s`` passes. It
 does not own hashing prompts (``engine_common.block_hash``, which the engines use too) or
 scoring.
+
+KV tiers (``engine_common.kv_tiers``): events carry the tier (``medium``) that stored or
+removed blocks. Device blocks are the replica's as above; "host" and "disk" blocks are kept
+per replica apart from them; "shared" blocks (a Redis every replica reads) are one set
+reachable from every replica (bounded, least recently stored out: Redis evicts unseen). A
+match walks the chain with the best tier each block is in for that replica and weighs each
+block by its tier (``tier_weights``: device > host > disk > shared, since a load costs more
+the lower the tier), so ``match`` returns weighted blocks. Snapshots carry device blocks
+only: after a resync, tier blocks are known again as they are stored.
 """
 
 from __future__ import annotations
@@ -35,7 +44,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc.aio
@@ -65,6 +75,8 @@ class _ReplicaBlocks:
     snapshot_incarnation: str = ""
     snapshot_blocks: set[BlockHash] | None = None
     snapshot_next_chunk: int = 0
+    # This replica's own KV tiers' blocks, by medium ("host", "disk").
+    tiers: dict[str, set[BlockHash]] = field(default_factory=dict)
     # Blocks routed here but not confirmed by events yet -> time.monotonic() they expire at.
     expected: dict[BlockHash, float] = field(default_factory=dict)
     task: asyncio.Task[None] | None = None
@@ -76,14 +88,29 @@ class _ReplicaBlocks:
         return expiry is not None and expiry > now
 
 
+DEVICE, SHARED = "device", "shared"
+# What a block found in each tier is worth to a match, against 1 for one in the KV pool
+# (llm-d's indexer scores device 1.0, CPU 0.8).
+DEFAULT_TIER_WEIGHTS: Mapping[str, float] = {DEVICE: 1.0, "host": 0.8, "disk": 0.6,
+                                             SHARED: 0.5}
+_REPLICA_TIERS = ("host", "disk")  # a replica's own tiers, fastest first
+
+
 class PrefixIndex:
     """A ``ReplicaListener``: subscribes to each replica's KV events as the registry adds it."""
 
-    def __init__(self, reconnect_interval_s: float = 0.2, expect_ttl_s: float = 30.0) -> None:
+    def __init__(self, reconnect_interval_s: float = 0.2, expect_ttl_s: float = 30.0,
+                 tier_weights: Mapping[str, float] | None = None,
+                 max_shared_blocks: int = 1 << 20) -> None:
         self.reconnect_interval_s = reconnect_interval_s
         self.expect_ttl_s = expect_ttl_s
+        self.tier_weights = dict(DEFAULT_TIER_WEIGHTS)
+        self.tier_weights.update(tier_weights or {})
+        self.max_shared_blocks = max_shared_blocks
         self._replicas_by_block: dict[BlockHash, set[str]] = {}
         self._state: dict[str, _ReplicaBlocks] = {}
+        # Blocks in the shared tier, reachable from every replica.
+        self._shared: OrderedDict[BlockHash, None] = OrderedDict()
 
     # ----------------------------------------------------------------- queries
     def longest_prefix(self, address: str, block_hashes: Sequence[BlockHash],
@@ -101,15 +128,52 @@ class PrefixIndex:
             n += 1
         return n
 
+    def prefix_tiers(self, address: str, block_hashes: Sequence[BlockHash],
+                     now: float | None = None) -> list[str]:
+        """The best tier each leading block of the chain is in for ``address`` (device, its
+        host or disk tier, the shared tier), up to the first block none holds."""
+        state = self._state.get(address)
+        if state is None:
+            return []
+        now = time.monotonic() if now is None else now
+        tiers = []
+        for block_hash in block_hashes:
+            medium = self._tier_of(state, block_hash, now)
+            if medium is None:
+                break
+            tiers.append(medium)
+        return tiers
+
+    def _tier_of(self, state: _ReplicaBlocks, block_hash: BlockHash, now: float) -> str | None:
+        if state.holds(block_hash, now):
+            return DEVICE
+        for medium in _REPLICA_TIERS:
+            held = state.tiers.get(medium)
+            if held is not None and block_hash in held:
+                return medium
+        return SHARED if block_hash in self._shared else None
+
     def match(self, block_hashes: Sequence[BlockHash], now: float | None = None) -> dict[str, int]:
-        """Longest cached prefix, in blocks, of every replica holding at least the first block."""
+        """Longest cached prefix of every replica holding at least the first block in any
+        tier, in blocks weighted by the tier each is in (``tier_weights``; rounded): device
+        blocks alone count whole, as without tiers."""
         if not block_hashes:
             return {}
         now = time.monotonic() if now is None else now
         first = block_hashes[0]
-        candidates = set(self._replicas_by_block.get(first, ()))
-        candidates.update(a for a, s in self._state.items() if s.expected.get(first, 0.0) > now)
-        return {a: self.longest_prefix(a, block_hashes, now) for a in candidates}
+        if first in self._shared:
+            candidates = set(self._state)
+        else:
+            candidates = set(self._replicas_by_block.get(first, ()))
+            candidates.update(a for a, s in self._state.items()
+                              if s.expected.get(first, 0.0) > now
+                              or any(first in held for held in s.tiers.values()))
+        if not self._shared and not any(s.tiers for s in self._state.values()):
+            return {a: self.longest_prefix(a, block_hashes, now) for a in candidates}
+        weights = self.tier_weights
+        # NOTE: half up, not Python's round-half-even: 2.5 weighted blocks are 3, as 3.5 are 4.
+        return {a: int(sum(weights.get(t, 0.0) for t in self.prefix_tiers(a, block_hashes, now))
+                       + 0.5) for a in candidates}
 
     def expect(self, address: str, block_hashes: Sequence[BlockHash],
                now: float | None = None) -> None:
@@ -222,11 +286,21 @@ class PrefixIndex:
         for event in batch.events:
             kind = event.WhichOneof("event")
             if kind == "block_stored":
+                medium = event.block_stored.medium or DEVICE
                 for block_hash in event.block_stored.block_hashes:
-                    self._add_block(address, state, block_hash)
+                    if medium == DEVICE:
+                        self._add_block(address, state, block_hash)
+                    else:
+                        self._add_tier_block(state, medium, block_hash)
             elif kind == "block_removed":
+                medium = event.block_removed.medium or DEVICE
                 for block_hash in event.block_removed.block_hashes:
-                    self._remove_block(address, state, block_hash)
+                    if medium == DEVICE:
+                        self._remove_block(address, state, block_hash)
+                    elif medium == SHARED:
+                        self._shared.pop(block_hash, None)
+                    else:
+                        state.tiers.get(medium, set()).discard(block_hash)
             elif kind == "all_blocks_cleared":
                 self._drop(address)
 
@@ -234,6 +308,15 @@ class PrefixIndex:
         state.blocks.add(block_hash)
         state.expected.pop(block_hash, None)
         self._replicas_by_block.setdefault(block_hash, set()).add(address)
+
+    def _add_tier_block(self, state: _ReplicaBlocks, medium: str, block_hash: BlockHash) -> None:
+        if medium == SHARED:
+            self._shared[block_hash] = None
+            self._shared.move_to_end(block_hash)
+            if len(self._shared) > self.max_shared_blocks:
+                self._shared.popitem(last=False)
+        else:
+            state.tiers.setdefault(medium, set()).add(block_hash)
 
     def _remove_block(self, address: str, state: _ReplicaBlocks, block_hash: BlockHash) -> None:
         state.blocks.discard(block_hash)
@@ -265,6 +348,7 @@ class PrefixIndex:
                 if not holders:
                     del self._replicas_by_block[block_hash]
         state.blocks = set()
+        state.tiers = {}
         state.snapshot_blocks = None
 
     # ----------------------------------------------------------------- subscription

@@ -225,8 +225,11 @@ def kv_event_batch_to_pb(batch: KVEventBatch) -> epb.KvEventBatch:
                 stored.parent_block_hash = event.parent_block_hash
             stored.token_ids.extend(event.token_ids)
             stored.block_size = event.block_size
+            stored.medium = event.medium
         elif isinstance(event, BlockRemoved):
-            message.events.add().block_removed.block_hashes.extend(event.block_hashes)
+            removed = message.events.add().block_removed
+            removed.block_hashes.extend(event.block_hashes)
+            removed.medium = event.medium
         elif isinstance(event, AllBlocksCleared):
             message.events.add().all_blocks_cleared.SetInParent()
     return message

@@ -23,6 +23,7 @@ from engine_common.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from engine_common.kv_tiers.config import KvTiersConfig
 from services.frontend.responses.store import DEFAULT_MAX_STORED_RESPONSES, STORE_HELP
 from services.model_args import add_model_args
 from services.model_settings import add_model_settings_args, model_settings_from_args
@@ -88,6 +89,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     _add_scheduler_args(group)
     _add_speculative_args(group)
     _add_transfer_args(group)
+    _add_tier_args(group)
 
 
 def _add_model_run_args(p: argparse._ArgumentGroup) -> None:
@@ -185,6 +187,63 @@ def _add_transfer_args(p: argparse._ArgumentGroup) -> None:
                         "that a long prompt's first chunks move while the next are computed")
 
 
+def _add_tier_args(p: argparse._ArgumentGroup) -> None:
+    tiers = KvTiersConfig()
+    p.add_argument("--kv-offload-memory", type=parse_bytes, default=tiers.memory_bytes,
+                   metavar="SIZE",
+                   help="KV tiers: host memory for copies of computed KV blocks, e.g. 4GiB; "
+                        "a prefix evicted from the KV cache is loaded from there instead of "
+                        "recomputed (0: no host-memory tier; docs/kv-tiers.md)")
+    p.add_argument("--kv-offload-dir", default=tiers.disk_dir, metavar="DIR",
+                   help="KV tiers: a directory for a disk tier (one LMDB store) that a "
+                        "restarted replica reads again")
+    p.add_argument("--kv-offload-disk-size", type=parse_bytes, default=tiers.disk_bytes,
+                   metavar="SIZE", help="KV tiers: the most bytes the disk tier holds")
+    p.add_argument("--kv-offload-admit-after", type=int, default=tiers.admit_after,
+                   metavar="N", help="KV tiers: store a block once it has been computed or "
+                                     "hit N times (2: only blocks seen twice)")
+    p.add_argument("--kv-offload-max-pending", type=int, default=tiers.max_pending_stores,
+                   metavar="N", help="KV tiers: block stores queued at most; more are "
+                                     "dropped and counted (back-pressure)")
+    p.add_argument("--kv-store", type=kv_store_url, default=tiers.store_url, metavar="URL",
+                   help="KV tiers: a Redis shared by every replica, redis://host:port/db or "
+                        "rediss://... (TLS); its password from --kv-store-password-file or "
+                        "$TANDEM_KV_STORE_PASSWORD, never on the command line; tandem up "
+                        "--kv-store local starts a redis-server on loopback for the suite")
+    p.add_argument("--kv-store-password-file", default=None, metavar="FILE",
+                   help="KV tiers: a file holding the shared store's password")
+    p.add_argument("--kv-store-tls-ca", default=tiers.store_tls_ca, metavar="FILE",
+                   help="KV tiers: the CA bundle a rediss:// store's certificate is checked "
+                        "against")
+    p.add_argument("--kv-store-timeout", type=float, default=tiers.store_timeout_seconds,
+                   metavar="SECONDS", help="KV tiers: a shared-store call slower than this "
+                                           "is a miss, counted (the prompt is recomputed)")
+
+
+def kv_store_url(text: str) -> str:
+    """A Redis URL, or ``local`` (``tandem up`` starts one and passes its URL on)."""
+    if text != "local" and not text.startswith(("redis://", "rediss://")):
+        raise argparse.ArgumentTypeError(
+            f"expected redis://host:port/db, rediss://... or local, got {text[:80]!r}")
+    return text
+
+
+def kv_tiers_config(args: argparse.Namespace) -> KvTiersConfig:
+    """The KV tiers the flags ask for (ValueError for settings that cannot work)."""
+    password = None
+    if args.kv_store_password_file:
+        with open(args.kv_store_password_file, encoding="utf-8") as f:
+            password = f.read().strip()
+    config = KvTiersConfig(
+        memory_bytes=args.kv_offload_memory, disk_dir=args.kv_offload_dir,
+        disk_bytes=args.kv_offload_disk_size, store_url=args.kv_store,
+        store_password=password, store_tls_ca=args.kv_store_tls_ca,
+        store_timeout_seconds=args.kv_store_timeout, admit_after=args.kv_offload_admit_after,
+        max_pending_stores=args.kv_offload_max_pending)
+    config.check()
+    return config
+
+
 def engine_argv(args: argparse.Namespace, omit: Collection[str] = ()) -> list[str]:
     """The engine group's flags whose values in ``args`` differ from a replica's defaults,
     as arguments for ``tandem serve`` (flags named by their ``dest`` in ``omit`` left out).
@@ -229,6 +288,7 @@ def engine_config(args: argparse.Namespace, device: str, engine_id: str,
             max_num_seqs=args.max_num_seqs, policy=args.scheduling_policy,
             long_prefill_token_threshold=prefill_chunk_tokens(args, kv)),
         kv_transfer=kv,
+        kv_tiers=kv_tiers_config(args),
         speculative=replace(SpeculativeConfig(), num_tokens=args.speculative_ngram,
                             ngram_min=args.speculative_ngram_range[0],
                             ngram_max=args.speculative_ngram_range[1],
