@@ -119,20 +119,31 @@ class ReplicaProcess:
             return int(stub.Check(request, timeout=timeout).status)
 
     def engine_core_pid(self) -> int:
-        """The pid of this replica's engine-core child process, which it forked (a forked
-        child keeps its parent's command line; a spawned one would not be found)."""
+        """The pid of this replica's engine-core child process: forked (it keeps its
+        parent's command line) or spawned (multiprocessing's ``spawn_main``; the replica
+        spawns when another thread runs at the engine's start, see ``fork_is_safe``, and
+        says so in its log)."""
         replica_cmdline = Path(f"/proc/{self.process.pid}/cmdline").read_bytes()
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
+            # NOTE: both reads under one guard. The scan meets every process on the machine,
+            # and any of them may exit between the listing and a read: an unguarded cmdline
+            # read raised FileNotFoundError for a stranger's process that exited after its
+            # stat was read (1 in ~1,300 lookups while two threads ran `true` in a loop). Our
+            # engine core is alive while we look, so a process gone mid-read is never it.
             try:
                 stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes()
             except OSError:
                 continue
             # Fields after the parenthesised command name: state, ppid, ...
             ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes()
-            if ppid == self.process.pid and cmdline == replica_cmdline:
+            # NOTE: a spawned core too (the resource tracker, also a spawned child, runs
+            # another entry point): this lookup once failed with "no engine-core child" in a
+            # run of tests/test_prefill_keepalive.py under load, the core not forked.
+            if ppid == self.process.pid and (cmdline == replica_cmdline
+                                             or b"spawn_main" in cmdline):
                 return int(entry.name)
         raise LookupError(f"no engine-core child of pid {self.process.pid}")
 

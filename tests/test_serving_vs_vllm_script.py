@@ -33,7 +33,7 @@ def _result(tok_s: float, ttft_ms: tuple[float, float], itl_ms: tuple[float, flo
 
 def test_the_client_runs_the_issues_workloads_as_a_vllm_user_would(tmp_path: Path):
     server = Server("tandem_both", "http://127.0.0.1:8080", "SmolLM2-135M-Instruct", [], {}, 1.0)
-    a, b = FULL_WORKLOADS
+    a, b, _, d = FULL_WORKLOADS
     argv = bench_command(server, b, Path("/models/smol"), 7, tmp_path, "b.json",
                          client=Path("/peer/bin/vllm"))
     assert argv[:3] == ["/peer/bin/vllm", "bench", "serve"]
@@ -48,6 +48,14 @@ def test_the_client_runs_the_issues_workloads_as_a_vllm_user_would(tmp_path: Pat
     assert "--ignore-eos" in argv and "--save-result" in argv
     assert flag("--result-dir") == str(tmp_path) and flag("--result-filename") == "b.json"
     assert (a.num_prompts, a.input_len, a.output_len, a.rate) == (64, 128, 128, "inf")
+
+    # Shared prefixes: vLLM's prefix_repetition dataset, the suffix after the prefix.
+    shared = bench_command(server, d, Path("/models/smol"), 7, tmp_path, "d.json",
+                           client=Path("/peer/bin/vllm"))
+    assert shared[shared.index("--dataset-name") + 1] == "prefix_repetition"
+    assert shared[shared.index("--prefix-repetition-prefix-len") + 1] == "256"
+    assert shared[shared.index("--prefix-repetition-suffix-len") + 1] == "256"
+    assert "--random-input-len" not in shared
 
 
 def test_a_result_is_read_in_seconds_and_a_missing_number_is_an_error():

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 from collections.abc import Sequence
 from dataclasses import replace
 from wsgiref.simple_server import WSGIServer
@@ -68,7 +69,12 @@ async def start_engine(config: EngineConfig,
     """Start the engine core off the event loop (seconds: the model loads); forked when this
     process is a fresh replica (see ``fork_is_safe``), as it is under ``main``. Its metrics
     name the model as clients do (``served_model_name``)."""
-    return await AsyncLLM.create(config, fork=fork_is_safe(), served_model_name=served_model_name)
+    fork = fork_is_safe()
+    if not fork:
+        # A slower start (every import again in the child); the threads say what ran.
+        logger.info("engine core spawned, not forked: threads running %s",
+                    [thread.name for thread in threading.enumerate()][:8])
+    return await AsyncLLM.create(config, fork=fork, served_model_name=served_model_name)
 
 
 class ReplicaServer:
