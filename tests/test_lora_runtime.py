@@ -31,7 +31,7 @@ from engine_common.generation_request import GenerationRequest
 from engine_common.kv_events import BlockRemoved
 from engine_common.llm import LLM
 from engine_common.lora.errors import LoraAdapterExists, LoraAdapterNotFound
-from engine_common.model.llama import Linear
+from engine_common.model.layers.linear import Linear
 from engine_common.request import Request
 from engine_common.scheduler import SchedulerOutput, WaitingQueue
 from tests.hf_reference import random_prompts
