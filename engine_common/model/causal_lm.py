@@ -10,6 +10,7 @@ network file owns only its layer wiring and its checkpoint names.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -145,6 +146,17 @@ class CausalLM(nn.Module):
                 return [Placement(name.replace(f".{original}.", f".{fused}."),
                                   rows=self._shard_ranges()[shard])]
         return [Placement(name)]
+
+    def expert_placements(self, match: re.Match[str], gate: str, down: str) -> list[Placement]:
+        """Where a per-expert checkpoint tensor goes in the stacked expert weights: ``match``
+        holds its prefix, expert index and projection name; ``down`` goes to ``w2``, ``gate``
+        to the first half of ``w13`` and the other (up) projection to its second half."""
+        prefix, expert, which = match.group(1), int(match.group(2)), match.group(3)
+        if which == down:
+            return [Placement(f"{prefix}.w2", expert=expert)]
+        size = self.arch.moe_intermediate_size
+        return [Placement(f"{prefix}.w13", expert=expert,
+                          rows=(0 if which == gate else size, size))]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies Hugging Face checkpoint tensors into the (fused) parameters.

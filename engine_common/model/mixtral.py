@@ -38,9 +38,4 @@ class MixtralForCausalLM(CausalLM):
         match = _EXPERT.match(name)
         if match is None:
             return super().placements(name)
-        prefix, expert, which = match.group(1), int(match.group(2)), match.group(3)
-        size = self.arch.moe_intermediate_size
-        if which == "w2":
-            return [Placement(f"{prefix}.w2", expert=expert)]
-        return [Placement(f"{prefix}.w13", expert=expert,
-                          rows=(0 if which == "w1" else size, size))]
+        return self.expert_placements(match, gate="w1", down="w2")

@@ -45,9 +45,4 @@ class Qwen3MoeForCausalLM(CausalLM):
         match = _EXPERT.match(name)
         if match is None:
             return super().placements(name)
-        prefix, expert, which = match.group(1), int(match.group(2)), match.group(3)
-        size = self.arch.moe_intermediate_size
-        if which == "down_proj":
-            return [Placement(f"{prefix}.w2", expert=expert)]
-        return [Placement(f"{prefix}.w13", expert=expert,
-                          rows=(0 if which == "gate_proj" else size, size))]
+        return self.expert_placements(match, gate="gate_proj", down="down_proj")
