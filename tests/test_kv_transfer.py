@@ -406,9 +406,12 @@ def test_local_producer_lease_bookkeeping() -> None:
     host, port = producer.start()
     try:
         assert host == "127.0.0.1" and port > 0
+        before = time.time()
         handle = producer.pin("a", [1, 2], 20, 5.0)
         assert handle.port == port and handle.layout_fingerprint == layout.fingerprint()
-        assert time.time() < handle.lease_deadline <= time.time() + 5.0
+        # Five seconds from the pin, rounded to the millisecond (the lease's generation,
+        # kv_transfer.leases): up to half a millisecond either side of it.
+        assert before + 5.0 - 1e-3 <= handle.lease_deadline <= time.time() + 5.0 + 1e-3
         producer.pin("b", [3], 5, 5.0)
         with pytest.raises(ValueError):
             producer.pin("a", [4], 5, 5.0)
