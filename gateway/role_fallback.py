@@ -27,10 +27,6 @@ class RoleFallbacks:
         self._metrics = metrics
         self._missing = ""  # the role missing at the last decision ("" none)
 
-    @property
-    def missing(self) -> str:
-        return self._missing
-
     def observe(self, decision: RoutingDecision) -> None:
         """Count a decision that stands in for a missing role; log a change of the state."""
         missing = decision.missing_role
