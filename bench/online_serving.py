@@ -321,9 +321,10 @@ def wait_ready(base_url: str, alive: Callable[[], None], timeout: float) -> str:
 @contextmanager
 def tandem_server(args: argparse.Namespace, model: Path, log_dir: Path,
                   layout: tuple[int, int, int] = (0, 0, 1),
-                  gateway_args: tuple[str, ...] = ()) -> Iterator[Server]:
+                  gateway_args: tuple[str, ...] = (),
+                  cpu_layout: str = "auto") -> Iterator[Server]:
     """The suite behind Envoy; ``layout``: its (prefill, decode, both) replicas;
-    ``gateway_args``: flags for the gateway alone."""
+    ``gateway_args``: flags for the gateway alone; ``cpu_layout``: `tandem up`'s."""
     replicas = sum(layout)
     replica_port, gateway_port, http_port = free_ports(replicas), free_ports(1), free_ports(1)
     metrics_port = free_ports(replicas + 2)  # the replicas', the gateway's, Envoy's admin
@@ -335,8 +336,9 @@ def tandem_server(args: argparse.Namespace, model: Path, log_dir: Path,
         extra_replica_args=["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
                             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                             *(["--cpus", args.tandem_cpus] if args.tandem_cpus else []),
-                            "--engine-cpus", args.tandem_engine_cpus],
-        extra_gateway_args=list(gateway_args))
+                            *(["--engine-cpus", args.tandem_engine_cpus]
+                              if args.tandem_engine_cpus != "auto" else [])],
+        extra_gateway_args=list(gateway_args), cpu_layout=cpu_layout)
     suite = plan_suite(cfg)
     supervisor = Supervisor(suite, log_dir)
     started = time.monotonic()

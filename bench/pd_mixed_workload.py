@@ -9,9 +9,8 @@ decoding ``--steady-tokens`` tokens, plus a long prompt every ``--long-interval`
 and reports TTFT of the long prompts and inter-token latency of the steady streams (p50 to max)
 for both layouts, with the machine and the settings, to bench/results/pd_mixed_workload.json.
 
-With ``--pin-cpus`` each replica gets its own share of the CPUs in both layouts: only then
-can P/D isolate decode steps from prefill bursts on a machine with few cores (unpinned, the
-replicas' threads time-slice the same cores whichever layout runs).
+``--cpu-layout`` is `tandem up`'s, for both layouts (``auto``: by-role for P/D, shared for
+two ``both`` replicas); ``even`` gives each replica its own share of the CPUs in both.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.report import write_report  # noqa: E402
+from deploy.cpu_layout import LAYOUTS  # noqa: E402
 from deploy.suite_plan import SuiteConfig, plan_suite  # noqa: E402
 from deploy.supervisor import Supervisor  # noqa: E402
 from engine_common.default_model import ensure_default_model  # noqa: E402
@@ -135,13 +135,13 @@ def main() -> None:
     parser.add_argument("--long-interval", type=float, default=3.0)
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--pin-cpus", action="store_true",
-                        help="give each replica its own CPUs (tandem up --pin-cpus), in both layouts")
+    parser.add_argument("--cpu-layout", choices=LAYOUTS, default="auto",
+                        help="tandem up's --cpu-layout, for both layouts")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "pd_mixed_workload.json")
     args = parser.parse_args()
     model = args.model or str(ensure_default_model())
     common = dict(model=model, base_port=50300, gateway_port=50350, metrics_base_port=9300,
-                  kv_cache_memory="512MiB", pin_cpus=args.pin_cpus)
+                  kv_cache_memory="512MiB", cpu_layout=args.cpu_layout)
     results = {
         "pd_1p_1d": run_layout("1 prefill + 1 decode", SuiteConfig(
             num_prefill=1, num_decode=1, num_both=0, **common), args),  # type: ignore[arg-type]

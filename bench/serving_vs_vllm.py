@@ -19,7 +19,9 @@ req/s (beyond a 2-core machine's capacity, so queues build); C = 24 of 1024 / 25
 (long prompts, long answers); D = 48 prompts of a 256-token prefix shared 6 ways (8 prefixes)
 and a 256-token suffix, 128 output tokens, at 2 req/s (vLLM's prefix_repetition dataset).
 A-C use the random dataset. ``tandem_pd_fraction`` (not run by default) is P/D with the
-gateway's P/D decider as it was before issue 39, for that change's before and after. Per round every
+gateway's P/D decider as it was before issue 39, for that change's before and after;
+``tandem_pd_shared`` (not run by default) is P/D with `tandem up --cpu-layout shared`, the
+CPU layout before issue 39's goal 4. Per round every
 server is started fresh, warmed up, runs A then B, and is stopped; servers interleave round
 by round (vllm, tandem_pd, tandem_both, vllm, ...), since a shared machine's speed drifts
 within minutes. The first round also sends a few greedy requests to each server and compares
@@ -72,9 +74,14 @@ from bench.peer import run_process_group  # noqa: E402
 from bench.report import write_report  # noqa: E402
 from engine_common.default_model import ensure_default_model  # noqa: E402
 
-SERVERS = ("vllm", "tandem_pd", "tandem_both", "tandem_pd_fraction")
+SERVERS = ("vllm", "tandem_pd", "tandem_both", "tandem_pd_fraction", "tandem_pd_shared")
 # (prefill, decode, both) replicas of each Tandem layout.
-LAYOUTS = {"tandem_pd": (1, 1, 0), "tandem_both": (0, 0, 1), "tandem_pd_fraction": (1, 1, 0)}
+LAYOUTS = {"tandem_pd": (1, 1, 0), "tandem_both": (0, 0, 1), "tandem_pd_fraction": (1, 1, 0),
+           "tandem_pd_shared": (1, 1, 0)}
+# `tandem up --cpu-layout` per Tandem server (default auto: by-role for P/D):
+# ``tandem_pd_shared`` is P/D with the CPU layout before issue 39's goal 4 (the prefill
+# replica on every CPU, the decode engine core on the last one, nothing else pinned).
+CPU_LAYOUTS = {"tandem_pd_shared": "shared"}
 # The gateway's flags per Tandem server: ``tandem_pd_fraction`` is P/D with the decider's
 # rule before issue 39 (the decode replica computes a prompt it holds half of), to measure
 # that change in the same run.
@@ -239,7 +246,8 @@ def launch(name: str, args: argparse.Namespace, model: Path, round_index: int) -
         with vllm_server(args, model, logs.with_suffix(".log")) as server:
             yield server
     else:
-        with tandem_server(args, model, logs, LAYOUTS[name], GATEWAY_ARGS.get(name, ())) as server:
+        with tandem_server(args, model, logs, LAYOUTS[name], GATEWAY_ARGS.get(name, ()),
+                           CPU_LAYOUTS.get(name, "auto")) as server:
             yield Server(name, server.base_url, server.model, server.commands, server.env,
                          server.started_in_s)
 

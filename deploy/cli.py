@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from deploy.cpu_layout import LAYOUTS
 from deploy.envoy_config import read_api_keys
 from deploy.local_ca import make_suite_certificates
 from deploy.suite_plan import SuiteConfig, plan_suite
@@ -47,8 +48,12 @@ def add_suite_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway-port", type=int, default=50051, help="the gateway's gRPC port")
     parser.add_argument("--metrics-base-port", type=int, default=9100,
                         help="first /metrics port: the replicas', then the gateway's")
-    parser.add_argument("--pin-cpus", action="store_true",
-                        help="give each replica its own share of this machine's CPUs")
+    parser.add_argument("--cpu-layout", choices=LAYOUTS, default="auto",
+                        help="how the suite shares this host's CPUs: by-role (decode engine "
+                             "cores get CPUs of their own, prefill replicas, frontends, the "
+                             "gateway and Envoy the rest), even (a share per replica), shared "
+                             "(no pinning); auto: by-role for a P/D suite on CPUs it owns, "
+                             "else shared (default: %(default)s)")
     parser.add_argument("--no-gateway", action="store_true", help="start replicas only")
     parser.add_argument("--envoy", action="store_true", help="also start Envoy (HTTP, OpenAI routes)")
     parser.add_argument("--http-port", type=int, default=8080, help="Envoy's HTTP port")
@@ -84,7 +89,7 @@ def suite_config(args: argparse.Namespace) -> SuiteConfig:
         metrics_base_port=args.metrics_base_port, kv_cache_memory=str(args.kv_cache_memory),
         gateway=not args.no_gateway, envoy=args.envoy, envoy_http_port=args.http_port,
         envoy_api_key_file=args.api_key_file,
-        pin_cpus=args.pin_cpus, model_settings=model_settings_from_args(args),
+        cpu_layout=args.cpu_layout, model_settings=model_settings_from_args(args),
         tls_dir=None if args.no_suite_tls else args.tls_dir,
         engine_args=engine_argv(args, omit={"kv_cache_memory"}),
         process_args=observability_args(ObservabilitySettings.from_args("", args)),
@@ -101,7 +106,7 @@ def start_suite(args: argparse.Namespace) -> Supervisor:
         raise SystemExit(2) from None
     try:
         check_ports(plan_suite(suite_config(args)).specs)  # before any model is touched
-    except SuiteFailed as error:
+    except (SuiteFailed, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
     if args.model is None:
         from engine_common.default_model import ensure_default_model
@@ -112,7 +117,8 @@ def start_suite(args: argparse.Namespace) -> Supervisor:
     tls = _load_tls(config.tls_dir)
     suite = plan_suite(config)
     supervisor = Supervisor(suite, args.log_dir, tls=tls)
-    print(f"starting {len(suite.specs)} processes (logs in {args.log_dir}) ...", flush=True)
+    print(f"starting {len(suite.specs)} processes, CPU layout {suite.cpu_layout} (logs in "
+          f"{args.log_dir}) ...", flush=True)
     started = time.monotonic()
     try:
         supervisor.start()

@@ -14,10 +14,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deploy.cpu_layout import plan_cpus
 from engine_common.config import ModelSettings
 from services.model_args import model_name_args
 from services.model_settings import model_settings_args
-from services.replica.cpu_binding import SHARED
+from services.replica.cpu_binding import cgroup_cpu_limit, omp_num_threads_from_env
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class ProcessSpec:
     # Stopped first, and the others only once these exited: a replica finishes its streams
     # while the gateway and Envoy in front of it still relay them.
     drains_first: bool = False
+    # The CPUs it runs on (its threads and children too); None: any.
+    cpus: list[int] | None = None
 
 
 @dataclass
@@ -85,46 +88,19 @@ class SuiteConfig:
     extra_gateway_args: list[str] = field(default_factory=list)  # the gateway's alone
     # The replicas' and the gateway's chat template, tool-call syntax and sampling defaults.
     model_settings: ModelSettings = field(default_factory=ModelSettings)
-    # Give each replica its own share of this machine's CPUs (``--cpus``), so that replicas
-    # compute side by side instead of time-slicing the same cores.
-    pin_cpus: bool = False
+    # How the replicas, the gateway and Envoy share this host's CPUs (``deploy.cpu_layout``).
+    cpu_layout: str = "auto"
     # The suite's mutual TLS (``services.suite_tls``: tls.crt, tls.key, ca.crt): replicas
     # serve only callers presenting a suite certificate, and the gateway, decode replicas
     # and Envoy (where it calls a replica itself) dial them with it. None: plaintext.
     tls_dir: Path | None = None
 
 
-def split_cpus(cpus: list[int], parts: int) -> list[list[int]]:
-    """``cpus`` cut into ``parts`` contiguous shares, as even as can be."""
-    if parts > len(cpus):
-        raise ValueError(f"pinning {parts} replicas needs at least {parts} CPUs; "
-                         f"this process may use {len(cpus)}")
-    size, extra = divmod(len(cpus), parts)
-    shares, start = [], 0
-    for i in range(parts):
-        end = start + size + (1 if i < extra else 0)
-        shares.append(cpus[start:end])
-        start = end
-    return shares
-
-
-def replica_cpu_args(roles: list[str], pin_cpus: bool) -> list[list[str]]:
-    """Each replica's CPU flags. Pinned, a replica gets its share (``--cpus``); within it a
-    decoding replica with two or more CPUs then keeps one for its frontend by itself
-    (``--engine-cpus auto``). Unpinned, several decoding replicas would each put their engine
-    core on the same CPUs (all but the first), so they share every CPU instead."""
-    if pin_cpus:
-        shares = split_cpus(sorted(os.sched_getaffinity(0)), len(roles))
-        return [["--cpus", ",".join(map(str, share))] for share in shares]
-    decoding = sum(role != "prefill" for role in roles)
-    return [["--engine-cpus", SHARED] if role != "prefill" and decoding > 1 else []
-            for role in roles]
-
-
 @dataclass
 class Suite:
     specs: list[ProcessSpec]
     endpoints: dict[str, str]
+    cpu_layout: str = "shared"  # the layout ``--cpu-layout`` resolved to
 
 
 def plan_suite(cfg: SuiteConfig) -> Suite:
@@ -135,13 +111,21 @@ def plan_suite(cfg: SuiteConfig) -> Suite:
     # render and tool calls parse, and the requests' sampling defaults.
     model_args = [*model_name_args(cfg.model, cfg.served_model_names),
                   *model_settings_args(cfg.model_settings)]
-    suite = Suite([], {})
-    replica_targets = _plan_replicas(cfg, roles, model_args, suite)
+    cpus = sorted(os.sched_getaffinity(0))
+    omp_threads, cpu_limit = omp_num_threads_from_env(), cgroup_cpu_limit()
+    owned = ((omp_threads is None or omp_threads >= len(cpus))
+             and (cpu_limit is None or cpu_limit >= len(cpus)))
+    cpu_plan = plan_cpus(cfg.cpu_layout, roles, cpus, owned)
+    suite = Suite([], {}, cpu_plan.layout)
+    replica_targets = _plan_replicas(cfg, roles, model_args, cpu_plan.replica_args, suite)
     if cfg.gateway:
         _plan_gateway(cfg, len(roles), model_args, replica_targets, suite)
     if cfg.envoy:
         upstream = f"{cfg.host}:{cfg.gateway_port}" if cfg.gateway else replica_targets[0]
         _plan_envoy(cfg, len(roles), upstream, suite)
+    if cpu_plan.service_cpus is not None:
+        for spec in suite.specs[len(roles):]:
+            spec.cpus = cpu_plan.service_cpus
     return suite
 
 
@@ -150,9 +134,8 @@ def _tls_args(cfg: SuiteConfig) -> list[str]:
 
 
 def _plan_replicas(cfg: SuiteConfig, roles: list[str], model_args: list[str],
-                   suite: Suite) -> list[str]:
+                   cpu_args: list[list[str]], suite: Suite) -> list[str]:
     """Adds a spec and endpoints per replica to ``suite``; their gRPC targets."""
-    cpu_args = replica_cpu_args(roles, cfg.pin_cpus)
     targets = []
     for i, role in enumerate(roles):
         port, metrics_port = cfg.base_port + i, cfg.metrics_base_port + i

@@ -28,6 +28,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -305,8 +306,11 @@ class Supervisor:
                 log.write(f"--- tandem up: restart {managed.restarts} of {spec.name} at "
                           f"{time.strftime('%H:%M:%S')}\n".encode())
                 log.flush()
+            argv = spec.argv if spec.cpus is None else [
+                sys.executable, "-m", "deploy.pinned_exec", ",".join(map(str, spec.cpus)), "--",
+                *spec.argv]
             managed.proc = subprocess.Popen(
-                spec.argv, stdout=log, stderr=subprocess.STDOUT,
+                argv, stdout=log, stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}, start_new_session=True)
         managed.started_at = time.monotonic()
         managed.ready_since = managed.restart_at = managed.failing_since = None

@@ -3,7 +3,8 @@
 A replica started with ``--cpus`` must run its frontend and its engine-core child on those
 CPUs only, with one OpenMP/torch thread per CPU; ``--engine-cpus`` puts the engine core alone
 on some of them and the frontend on the rest (by default, on a decoding replica that owns two
-CPUs or more: all but the first); ``tandem up --pin-cpus`` gives each replica its own share.
+CPUs or more: all but the first); ``tandem up --cpu-layout`` shares a host's CPUs among a
+suite's processes (by default for P/D: decode engine cores apart from everything else).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deploy.suite_plan import SuiteConfig, plan_suite, replica_cpu_args, split_cpus
+from deploy.cpu_layout import CpuPlan, plan_cpus, split_cpus
+from deploy.suite_plan import SuiteConfig, plan_suite
 from services.replica.cpu_binding import (
     cgroup_cpu_limit,
     default_engine_cpus,
@@ -52,19 +54,76 @@ def test_cpus_split_evenly_among_replicas():
 
 def test_the_suite_passes_each_replica_its_share():
     cpus = sorted(os.sched_getaffinity(0))
-    suite = plan_suite(SuiteConfig(num_prefill=1, num_decode=1, pin_cpus=len(cpus) >= 2))
-    replica_args = [spec.argv for spec in suite.specs if spec.name != "gateway"]
     if len(cpus) < 2:
-        assert all("--cpus" not in argv for argv in replica_args)
+        with pytest.raises(ValueError, match="at least 2 CPUs"):
+            plan_suite(SuiteConfig(num_prefill=1, num_decode=1, cpu_layout="even"))
         return
+    suite = plan_suite(SuiteConfig(num_prefill=1, num_decode=1, cpu_layout="even"))
+    replica_args = [spec.argv for spec in suite.specs if spec.name != "gateway"]
     shares = [argv[argv.index("--cpus") + 1] for argv in replica_args]
     assert shares == [",".join(map(str, share)) for share in split_cpus(cpus, 2)]
+    assert all(spec.cpus is None for spec in suite.specs)
 
 
 def test_unpinned_decoding_replicas_share_every_cpu_rather_than_stack_their_engines():
-    assert replica_cpu_args(["prefill", "decode"], pin_cpus=False) == [[], []]
-    assert replica_cpu_args(["decode", "both", "prefill"], pin_cpus=False) == [
+    assert plan_cpus("shared", ["prefill", "decode"], [0, 1], True).replica_args == [[], []]
+    assert plan_cpus("shared", ["decode", "both", "prefill"], [0, 1], True).replica_args == [
         ["--engine-cpus", "none"], ["--engine-cpus", "none"], []]
+
+
+def test_by_role_gives_decode_engines_cpus_of_their_own():
+    # The 2-core default: the decode engine alone on CPU 1; prefill, every frontend, the
+    # gateway and Envoy on CPU 0.
+    assert plan_cpus("auto", ["prefill", "decode"], [0, 1], True) == CpuPlan(
+        [["--cpus", "0"], ["--cpus", "0,1", "--engine-cpus", "1"]], [0], "by-role")
+    # Half the host to the decode engines, split among them; the rest among prefills.
+    plan = plan_cpus("by-role", ["prefill", "prefill", "decode", "decode"], list(range(8)), True)
+    assert plan.replica_args == [
+        ["--cpus", "0,1"], ["--cpus", "2,3"],
+        ["--cpus", "0,1,2,3,4,5", "--engine-cpus", "4,5"],
+        ["--cpus", "0,1,2,3,6,7", "--engine-cpus", "6,7"]]
+    assert plan.service_cpus == [0, 1, 2, 3]
+    # Every prefill replica keeps a CPU, however many decode replicas there are.
+    assert plan_cpus("by-role", ["prefill", "decode", "decode"], [0, 1, 2], True).replica_args == [
+        ["--cpus", "0"], ["--cpus", "0,1", "--engine-cpus", "1"],
+        ["--cpus", "0,2", "--engine-cpus", "2"]]
+    # Without prefill replicas the frontends, gateway and Envoy keep one CPU, as `vllm serve`
+    # keeps one for its API server.
+    assert plan_cpus("auto", ["both"], [0, 1], True) == CpuPlan(
+        [["--cpus", "0,1", "--engine-cpus", "1"]], [0], "by-role")
+
+
+def test_auto_pins_nothing_it_cannot_own_or_split():
+    # A CPU quota or OMP_NUM_THREADS below the visible CPUs; too few CPUs; only prefill.
+    assert plan_cpus("auto", ["prefill", "decode"], [0, 1], owned=False).layout == "shared"
+    assert plan_cpus("auto", ["prefill", "decode", "both"], [0, 1], True).layout == "shared"
+    assert plan_cpus("auto", ["prefill", "decode"], [0], True).layout == "shared"
+    assert plan_cpus("auto", ["both", "both"], [0, 1], True).layout == "shared"
+    assert plan_cpus("auto", ["prefill"], [0, 1], True).layout == "shared"
+    with pytest.raises(ValueError, match="needs a CPU for each decode or both"):
+        plan_cpus("by-role", ["both", "both"], [0, 1], True)
+    with pytest.raises(ValueError, match="unknown CPU layout"):
+        plan_cpus("pinned", ["prefill", "decode"], [0, 1], True)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to split")
+def test_the_suite_pins_the_gateway_and_envoy_by_role():
+    suite = plan_suite(SuiteConfig(num_prefill=1, num_decode=1, envoy=True, cpu_layout="by-role"))
+    front = sorted(os.sched_getaffinity(0))[:-(len(os.sched_getaffinity(0)) // 2)]
+    assert suite.cpu_layout == "by-role"
+    assert {spec.name: spec.cpus for spec in suite.specs}["gateway"] == front
+    assert {spec.name: spec.cpus for spec in suite.specs}["envoy"] == front
+
+
+def test_a_pinned_program_and_its_children_run_on_the_cpus_given():
+    cpu = max(os.sched_getaffinity(0))
+    child = "import os, subprocess, sys; print(sorted(os.sched_getaffinity(0))); " \
+            "subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'])"
+    run = subprocess.run(
+        [sys.executable, "-m", "deploy.pinned_exec", str(cpu), "--", sys.executable, "-c", child],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [f"[{cpu}]", f"[{cpu}]"]
 
 
 def test_a_decoding_replica_that_owns_cpus_to_spare_keeps_one_for_its_frontend():
