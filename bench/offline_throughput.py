@@ -63,6 +63,14 @@ def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]
     return torch.randint(100, vocab, (num, length), generator=gen).tolist()
 
 
+def main_thread_schedstat(pid: int) -> tuple[float, float]:
+    """Seconds the process's main thread ran on a CPU and waited runnable for one
+    (``/proc/PID/task/PID/schedstat``): the rest of a wall-clock span it slept, waiting for
+    work, where the second figure is what other tenants of its CPU cost it."""
+    ran_ns, waited_ns, _ = Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()
+    return int(ran_ns) / 1e9, int(waited_ns) / 1e9
+
+
 def tandem_worker(config: dict[str, Any]) -> None:
     """In the child process: pin, build the engine, warm up, time one generate, print."""
     cpus = config["cpus"]
@@ -79,12 +87,16 @@ def tandem_worker(config: dict[str, Any]) -> None:
     llm.generate([prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     llm.core.kv_cache_manager.reset_prefix_cache()
     cpu_start, start = sum(os.times()[:2]), time.perf_counter()
+    sched_start = main_thread_schedstat(os.getpid())
     results = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     cpu_seconds = sum(os.times()[:2]) - cpu_start
+    run_s, waited_s = (after - before for after, before in zip(
+        main_thread_schedstat(os.getpid()), sched_start, strict=True))
     runner = llm.core.model_runner
     print(RESULT_PREFIX + json.dumps({
         "elapsed": elapsed, "cpu_seconds": cpu_seconds,
+        "main_thread": {"ran_s": run_s, "runnable_waiting_s": waited_s},
         "tokens": [r.token_ids for r in results],
         "ran": {"dtype": str(runner.dtype).removeprefix("torch."),
                 "weights_packed_for_onednn": runner.model.packed_lm_head is not None,

@@ -17,7 +17,9 @@ token received, against ``LLM.generate``'s wall time) and the CPU seconds of eac
 (``/proc/PID/stat``: the engine core, the replica's frontend, the gateway; the offline
 process). The goal: the replica's throughput >= 90% of the offline engine's, per round. The
 engine core's CPU seconds against the offline process's say whether serving makes the engine
-itself do more (polling, output transport) or only wait for its inputs.
+itself do more (polling, output transport); its main thread's scheduler statistics split
+the wall time into running, waiting runnable for the CPU (other tenants: on a shared
+machine, the figure to subtract) and idle (waiting for work: the serving path's own cost).
 
     python bench/suite_vs_offline.py [--rounds 3] [--dtype auto]
 """
@@ -38,7 +40,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.offline_throughput import make_prompts, run_tandem  # noqa: E402
+from bench.offline_throughput import main_thread_schedstat, make_prompts, run_tandem  # noqa: E402
 from bench.online_serving import free_ports  # noqa: E402
 from bench.report import write_report  # noqa: E402
 from deploy.suite_plan import SuiteConfig, plan_suite  # noqa: E402
@@ -118,10 +120,14 @@ def run_served(args: argparse.Namespace, gateway: bool) -> dict[str, Any]:
     with suite(args.model, args.dtype, gateway, args.log_dir) as (target, pids):
         before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         client_before = sum(os.times()[:2])
+        sched_before = main_thread_schedstat(pids["engine_core"])
         elapsed = asyncio.run(burst(target, args.model.name, args.prompts, args.output_len))
+        ran, waited = (after - start for after, start in zip(
+            main_thread_schedstat(pids["engine_core"]), sched_before, strict=True))
         used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
         used["client"] = sum(os.times()[:2]) - client_before
-    return {"seconds": elapsed, "cpu_seconds": used}
+    return {"seconds": elapsed, "cpu_seconds": used,
+            "engine_main_thread": {"ran_s": ran, "runnable_waiting_s": waited}}
 
 
 def run_offline(args: argparse.Namespace) -> dict[str, Any]:
@@ -129,7 +135,8 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
                         args.dtype, nice=0)
     if result is None:
         raise RuntimeError("the offline engine failed")
-    return {"seconds": result["elapsed"], "cpu_seconds": {"engine": result["cpu_seconds"]}}
+    return {"seconds": result["elapsed"], "cpu_seconds": {"engine": result["cpu_seconds"]},
+            "engine_main_thread": result["main_thread"]}
 
 
 def main() -> None:
@@ -160,8 +167,12 @@ def main() -> None:
             record.update(load_1min_before=load, tok_s=tokens / record["seconds"])
             runs[path].append(record)
             cpu = ", ".join(f"{k} {v:.1f}" for k, v in record["cpu_seconds"].items())
+            main = record["engine_main_thread"]
+            idle = record["seconds"] - main["ran_s"] - main["runnable_waiting_s"]
             print(f"round {round_index + 1} {path:8s} {record['tok_s']:7.1f} tok/s "
-                  f"(CPU s: {cpu}; load {load:.1f})", flush=True)
+                  f"(CPU s: {cpu}; engine thread ran {main['ran_s']:.1f} s, waited for a "
+                  f"CPU {main['runnable_waiting_s']:.1f} s, idle {idle:.1f} s; load "
+                  f"{load:.1f})", flush=True)
     summary = {
         f"{path}_over_offline_per_round": [
             r["tok_s"] / o["tok_s"] for r, o in zip(runs[path], runs["offline"], strict=True)]
