@@ -232,3 +232,27 @@ def test_an_all_sliding_model_releases_the_blocks_behind_its_window(tmp_path):
         assert kv.num_free_blocks == kv.num_blocks
         if run == 1:  # the first run's blocks, released along the way, are hits
             assert cached == (len(prompt) - 1) // 4 * 4
+
+
+def test_packed_bf16_experts_are_bitwise_the_plain_ones(moe_dir):
+    """On the CPU in bf16 each expert's matrices are packed for oneDNN (the plain copies
+    freed): every MoE block's output, on a batch spread over the experts, is bitwise the
+    unpacked block's (GPT-OSS's biases and clamped SwiGLU included)."""
+    from engine_common.model.layers.moe import SparseMoeBlock
+    from engine_common.model.packed_linear import bf16_packing_supported
+
+    if not bf16_packing_supported():
+        pytest.skip("this CPU has no oneDNN bf16 matmul (AVX512 or AVX-NE-CONVERT): bf16 "
+                    "experts stay plain here")
+    packed = load_model(moe_dir, torch.bfloat16, "cpu", "torch")
+    plain = load_model(moe_dir, torch.bfloat16, "cpu", "torch", pack_weights=False)
+    pairs = [(a, b) for a, b in zip(packed.modules(), plain.modules(), strict=True)
+             if isinstance(a, SparseMoeBlock)]
+    assert pairs and all(a.packed is not None and a.w13.numel() == 0 for a, _ in pairs)
+    assert all(b.packed is None for _, b in pairs)
+    x = torch.randn(37, packed.arch.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        for ours, reference in pairs:
+            assert torch.equal(ours(x.bfloat16()), reference(x.bfloat16()))
+    assert packed.weight_memory is not None and plain.weight_memory is not None
+    assert packed.weight_memory.expert_bytes >= plain.weight_memory.expert_bytes > 0
