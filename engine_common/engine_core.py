@@ -46,9 +46,10 @@ logger = logging.getLogger(__name__)
 def context_length(requested: int | None, arch: ModelArchConfig) -> int:
     """The engine's context length: ``requested``, at most what the model supports.
 
-    A sliding-window model supports at most its window here: attention always spans the
-    whole context, which is exactly sliding-window attention while a sequence fits the
-    window (vLLM caps the same way when it runs such a model without sliding windows).
+    A Qwen model with ``use_sliding_window`` supports at most its window here: its layers
+    attend to the whole context, which is exactly sliding-window attention while a sequence
+    fits the window (vLLM caps the same way when it runs such a model without sliding
+    windows). Mistral's and Mixtral's windows are run per layer (``attention_window``): no cap.
     """
     limit = arch.max_position_embeddings
     window = arch.sliding_window
@@ -73,6 +74,7 @@ class EngineCore:
             block_size=config.cache.block_size,
             max_model_len=self.max_model_len,
             enable_caching=config.cache.enable_prefix_caching,
+            sliding_window=self.arch.kv_window,
         )
         # The model's directory name, not its path: P and D may keep it in different places.
         kv_layout = KvLayout.of_cache(os.path.basename(os.path.normpath(config.model)),

@@ -9,6 +9,18 @@ Block i of a request holds the KV of its tokens [i * block_size, (i + 1) * block
 A block is registered in the prefix cache as soon as it is allocated for a step that will
 fill it, before the forward pass runs: a request scheduled later in the same step may then
 reuse it, which is sound because the model runner writes a step's KV before attention reads.
+
+Sliding windows: when every attention layer of the model slides (``sliding_window``: Mistral,
+Mixtral with a window), a request's leading blocks whose tokens all lie before the window of
+its next query are released while it runs, as vLLM's ``SlidingWindowManager`` does: the
+table keeps a placeholder there (``OUT_OF_WINDOW_BLOCK_ID``, a valid id the attention never
+reads at those positions, nor writes: a step writes only its own new tokens' slots). A
+released block that was registered keeps its hash: it stays a prefix-cache hit until
+evicted, like any freed block. Only blocks already registered are released (a block whose KV
+arrives later, or not yet hashed, is kept until it is), and never those of a request whose
+blocks a decode replica will pull (``hold_kv`` / ``announce_kv``: the whole prompt moves).
+Models with any full-attention layer (GPT-OSS's alternating layers) keep every block: one
+table serves all layers here (vLLM's per-group tables are not built).
 """
 
 from __future__ import annotations
@@ -20,6 +32,10 @@ from engine_common.block_hash import BlockHash
 from engine_common.block_pool import BlockPool, KVCacheBlock
 from engine_common.kv_events import KVEvent
 from engine_common.request import Request
+
+# What a released block's table entry reads (see the module docstring): block 0, which may
+# belong to another request; only positions the attention never visits point at it.
+OUT_OF_WINDOW_BLOCK_ID = 0
 
 
 @dataclass
@@ -41,6 +57,7 @@ class KVCacheManager:
         max_model_len: int,
         enable_caching: bool = True,
         enable_kv_events: bool = True,
+        sliding_window: int | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -54,6 +71,10 @@ class KVCacheManager:
         # How many leading blocks of each request were already offered to the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        # Every layer's window, when all slide; how many leading blocks each request released.
+        self.sliding_window = sliding_window
+        self.num_released_blocks: dict[str, int] = {}
+        self._placeholder = KVCacheBlock(OUT_OF_WINDOW_BLOCK_ID)
 
     @property
     def num_blocks(self) -> int:
@@ -156,7 +177,35 @@ class KVCacheManager:
 
         if not delay_caching:
             self.cache_blocks(request, num_required_tokens)
+        if self.sliding_window is not None:
+            self._release_out_of_window(request, num_computed_tokens)
         return new_blocks
+
+    def _release_out_of_window(self, request: Request, first_query: int) -> None:
+        """Release the leading blocks no query from position ``first_query`` on can see: a
+        query at p sees positions (p - window, p]."""
+        if request.hold_kv or request.announce_kv:
+            return
+        assert self.sliding_window is not None
+        request_id = request.request_id
+        lowest_visible = first_query - self.sliding_window + 1
+        num_out = max(0, lowest_visible) // self.block_size
+        if self.enable_caching:
+            num_out = min(num_out, self.num_cached_blocks[request_id])
+        start = self.num_released_blocks.get(request_id, 0)
+        if num_out <= start:
+            return
+        blocks, block_ids = self.req_to_blocks[request_id], self.req_to_block_ids[request_id]
+        released = blocks[start:num_out]
+        blocks[start:num_out] = [self._placeholder] * len(released)
+        block_ids[start:num_out] = [OUT_OF_WINDOW_BLOCK_ID] * len(released)
+        self.num_released_blocks[request_id] = num_out
+        self.block_pool.free_blocks(reversed(released))
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds in the pool (released out-of-window ones excluded)."""
+        return (len(self.req_to_blocks.get(request_id, ()))
+                - self.num_released_blocks.get(request_id, 0))
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's full blocks within its first ``num_computed_tokens`` tokens
@@ -190,8 +239,9 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         self.req_to_block_ids.pop(request.request_id, None)
+        num_released = self.num_released_blocks.pop(request.request_id, 0)
         if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+            self.block_pool.free_blocks(reversed(blocks[num_released:]))
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         return self.req_to_blocks.get(request_id, [])

@@ -2,9 +2,10 @@
 Qwen3-MoE and GPT-OSS (plain, and with its experts rewritten in MXFP4 as GPT-OSS ships
 them), built with transformers' own classes in float32 and saved with ``save_pretrained``.
 
-Shapes are small but exercise every feature: top-2 of 8 experts, Qwen3-MoE with a dense
-layer between sparse ones (``mlp_only_layers``), GPT-OSS with a 16-token sliding window on
-alternate layers, YaRN, random sinks and biases.
+Shapes are small but exercise every feature: top-2 of 8 experts, Mixtral with a 16-token
+sliding window on every layer, Qwen3-MoE with a dense layer between sparse ones
+(``mlp_only_layers``), GPT-OSS with a 16-token sliding window on alternate layers, YaRN,
+random sinks and biases.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from transformers import (
 from tests.model_factory import _token_ids, build_tokenizer
 
 GPT_OSS_WINDOW = 16
+MIXTRAL_WINDOW = 16
 _COMMON = dict(
     hidden_size=64,
     num_attention_heads=4,
@@ -43,7 +45,7 @@ def _model(architecture: str, ids: dict[str, int]) -> torch.nn.Module:
     if architecture == "mixtral":
         return MixtralForCausalLM(MixtralConfig(
             **_COMMON, **ids, num_hidden_layers=2, intermediate_size=64, num_local_experts=8,
-            num_experts_per_tok=2, sliding_window=None))
+            num_experts_per_tok=2, sliding_window=MIXTRAL_WINDOW))
     if architecture == "qwen3_moe":
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
             **_COMMON, **ids, num_hidden_layers=3, head_dim=32, intermediate_size=96,

@@ -49,6 +49,44 @@ def decode(kv: KVCacheManager, req: Request) -> None:
     req.append_output_token(1000 + req.num_tokens)
 
 
+
+def test_a_sliding_window_releases_only_registered_blocks_behind_it() -> None:
+    """Window 8, blocks of 4: a query at p sees (p - 8, p]. Blocks wholly behind the next
+    query's window are released (placeholders in the table, cached hashes kept, the pool's
+    free count up); KV a decode replica will pull is kept; a request whose KV arrives later
+    keeps its blocks until they are registered."""
+    from engine_common.kv_cache_manager import OUT_OF_WINDOW_BLOCK_ID
+
+    kv = KVCacheManager(num_blocks=16, block_size=BS, max_model_len=128, sliding_window=8)
+    a = make_request("a", list(range(20)))
+    run_prefill(kv, a)  # 5 blocks, the next query at 20 sees 13..20: none released yet
+    assert kv.num_held_blocks("a") == 5
+    decode(kv, a)  # next query at 20 (allocated before computing it): 20 - 8 + 1 = 13
+    assert kv.get_block_ids("a")[:3] == [OUT_OF_WINDOW_BLOCK_ID] * 3
+    assert kv.num_held_blocks("a") == 3 and kv.num_free_blocks == 16 - 3
+    # Released, still cached: a prompt with the same prefix hits them.
+    b = make_request("b", list(range(20)) + [99])
+    assert run_prefill(kv, b) == 20
+    kv.free(a)
+    kv.free(b)
+    assert kv.num_free_blocks == 16
+
+    held = make_request("held", list(range(100, 120)))
+    held.hold_kv = True
+    run_prefill(kv, held)
+    decode(kv, held)
+    assert kv.num_held_blocks("held") == 6  # the whole prompt stays for the transfer
+    kv.free(held)
+
+    late = make_request("late", list(range(200, 224)))
+    assert kv.allocate_slots(late, 24, delay_caching=True) is not None
+    late.num_computed_tokens = 24
+    assert kv.allocate_slots(late, 1, delay_caching=True) is not None
+    assert kv.num_held_blocks("late") == 7  # none registered: none released
+    kv.cache_blocks(late, 24)  # the pull arrived
+    assert kv.allocate_slots(late, 1) is not None
+    assert kv.num_held_blocks("late") == 7 - 4
+
 def test_prefix_hit_after_free_and_last_token_recomputed() -> None:
     kv = KVCacheManager(num_blocks=16, block_size=BS, max_model_len=128)
     prompt = list(range(12))  # exactly 3 full blocks

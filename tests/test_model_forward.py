@@ -341,21 +341,29 @@ def test_legacy_rope_fields_are_read():
         ModelArchConfig.from_hf_config({**base, "rope_scaling": {"type": "longrope", "factor": 2.0}})
 
 
-def test_sliding_window_caps_the_context():
-    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+def test_sliding_windows_run_per_layer_or_cap_the_context():
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
                 num_attention_heads=2, max_position_embeddings=32768, sliding_window=4096)
+    # Mistral's window holds on every layer: run per layer, the context is not capped, and
+    # the KV cache manager may release what is behind the window.
     mistral = ModelArchConfig.from_hf_config({**base, "architectures": ["MistralForCausalLM"]})
-    assert mistral.sliding_window == 4096
-    # Full attention is sliding-window attention only while a sequence fits the window.
-    assert context_length(None, mistral) == 4096
-    assert context_length(8192, mistral) == 4096
+    assert mistral.sliding_window is None and mistral.kv_window == 4096
+    assert [mistral.layer_window(i) for i in range(2)] == [4096, 4096]
+    assert context_length(None, mistral) == 32768
     assert context_length(1000, mistral) == 1000
+    # Qwen2 with use_sliding_window: full attention, capped at the window, where it is the
+    # same thing.
+    qwen2_windowed = ModelArchConfig.from_hf_config(
+        {**base, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True})
+    assert qwen2_windowed.sliding_window == 4096 and qwen2_windowed.kv_window is None
+    assert context_length(None, qwen2_windowed) == 4096
+    assert context_length(8192, qwen2_windowed) == 4096
     qwen2 = ModelArchConfig.from_hf_config(
         {**base, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False})
     assert qwen2.sliding_window is None and context_length(None, qwen2) == 32768
     unwindowed = ModelArchConfig.from_hf_config(
         {**base, "architectures": ["MistralForCausalLM"], "sliding_window": None})
-    assert context_length(None, unwindowed) == 32768
+    assert context_length(None, unwindowed) == 32768 and unwindowed.kv_window is None
 
 
 def test_config_errors(tmp_path, tiny_llama_dir):

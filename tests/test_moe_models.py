@@ -21,7 +21,12 @@ from engine_common.model.arch_config import ModelArchConfig
 from engine_common.model.loader import load_model
 from engine_common.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy, random_prompts
-from tests.moe_factory import GPT_OSS_WINDOW, MOE_ARCHITECTURES, build_tiny_moe_model
+from tests.moe_factory import (
+    GPT_OSS_WINDOW,
+    MIXTRAL_WINDOW,
+    MOE_ARCHITECTURES,
+    build_tiny_moe_model,
+)
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
@@ -196,3 +201,58 @@ def test_moe_and_sink_models_are_never_captured_in_cuda_graphs(mxfp4_dir, tiny_l
         model = network_class(arch.architecture)(arch, Capturable, torch.float32,
                                                  torch.device("cpu"))
         assert model.supports_cuda_graphs is capturable
+
+
+
+def test_an_all_sliding_model_releases_the_blocks_behind_its_window(tmp_path):
+    """Mixtral with a 16-token window on every layer: while a 72-token prompt is prefilled
+    in 8-token chunks and decoded, the request holds at most the window's blocks and a
+    chunk's (the pool's free count shows the rest released), its tokens stay HF's, and a
+    second request with the same prompt hits the released blocks in the prefix cache."""
+    model_dir = build_tiny_moe_model(tmp_path / "mixtral", "mixtral")
+    prompt = random_prompts(400, [72], seed=7)[0]
+    expected = hf_greedy(model_dir, [prompt], MAX_TOKENS)[0]
+    llm = _engine(model_dir, budget=8)
+    kv = llm.core.kv_cache_manager
+    assert kv.sliding_window == MIXTRAL_WINDOW and llm.core.max_model_len > MIXTRAL_WINDOW
+    # block_size 4: the window's blocks, one more where it starts mid-block, a chunk's two.
+    bound = MIXTRAL_WINDOW // 4 + 1 + 8 // 4
+    for run in range(2):
+        llm.add_request(prompt, GREEDY, request_id=f"long-{run}")
+        tokens: list[int] = []
+        held = []
+        cached = 0
+        while llm.outputs.num_unfinished:
+            for out in llm.step():
+                tokens.extend(out.new_token_ids)
+                cached = out.num_cached_tokens
+            held.append(kv.num_blocks - kv.num_free_blocks)
+        assert tokens == expected
+        assert max(held) <= bound < len(prompt) // 4, held
+        assert kv.num_free_blocks == kv.num_blocks
+        if run == 1:  # the first run's blocks, released along the way, are hits
+            assert cached == (len(prompt) - 1) // 4 * 4
+
+
+def test_packed_bf16_experts_are_bitwise_the_plain_ones(moe_dir):
+    """On the CPU in bf16 each expert's matrices are packed for oneDNN (the plain copies
+    freed): every MoE block's output, on a batch spread over the experts, is bitwise the
+    unpacked block's (GPT-OSS's biases and clamped SwiGLU included)."""
+    from engine_common.model.layers.moe import SparseMoeBlock
+    from engine_common.model.packed_linear import bf16_packing_supported
+
+    if not bf16_packing_supported():
+        pytest.skip("this CPU has no oneDNN bf16 matmul (AVX512 or AVX-NE-CONVERT): bf16 "
+                    "experts stay plain here")
+    packed = load_model(moe_dir, torch.bfloat16, "cpu", "torch")
+    plain = load_model(moe_dir, torch.bfloat16, "cpu", "torch", pack_weights=False)
+    pairs = [(a, b) for a, b in zip(packed.modules(), plain.modules(), strict=True)
+             if isinstance(a, SparseMoeBlock)]
+    assert pairs and all(a.packed is not None and a.w13.numel() == 0 for a, _ in pairs)
+    assert all(b.packed is None for _, b in pairs)
+    x = torch.randn(37, packed.arch.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        for ours, reference in pairs:
+            assert torch.equal(ours(x.bfloat16()), reference(x.bfloat16()))
+    assert packed.weight_memory is not None and plain.weight_memory is not None
+    assert packed.weight_memory.expert_bytes >= plain.weight_memory.expert_bytes > 0

@@ -58,8 +58,9 @@ class ModelArchConfig:
     # The checkpoint's dtype as config.json states it ("float32", "bfloat16" or "float16");
     # None when it does not say.
     dtype: str | None = None
-    # Sliding-window attention's window (Mistral v0.1, Qwen with use_sliding_window); None
-    # when attention spans the whole context.
+    # A cap on the whole context at this window (Qwen with use_sliding_window, whose
+    # per-layer rule is not run here: full attention equals it while a sequence fits);
+    # None: no cap. Mistral's and Mixtral's windows are per layer (``attention_window``).
     sliding_window: int | None = None
     # Mixture of experts (0 experts: a dense model). ``moe_intermediate_size`` is each
     # expert's; ``intermediate_size`` stays the dense MLP's (Qwen3-MoE's dense layers).
@@ -72,7 +73,8 @@ class ModelArchConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     # Per-layer attention kind (FULL_ATTENTION or SLIDING_ATTENTION); empty: all full. The
-    # sliding layers attend to the last ``attention_window`` tokens (GPT-OSS), unlike
+    # sliding layers attend to the last ``attention_window`` tokens (GPT-OSS alternating;
+    # Mistral and Mixtral with a ``sliding_window``: every layer), unlike
     # ``sliding_window``, which caps the whole context.
     layer_types: tuple[str, ...] = ()
     attention_window: int | None = None
@@ -92,6 +94,15 @@ class ModelArchConfig:
     def layer_window(self, layer: int) -> int | None:
         """The window layer ``layer`` attends within; None: the whole context."""
         return self.attention_window if self.layer_type(layer) == SLIDING_ATTENTION else None
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window when every attention layer slides (Mistral, Mixtral with a
+        ``sliding_window``): a sequence's KV older than it is never read again, so the KV
+        cache manager may release those blocks. None when any layer attends to everything."""
+        if self.layer_types and all(t == SLIDING_ATTENTION for t in self.layer_types):
+            return self.attention_window
+        return None
 
     def is_sparse_layer(self, layer: int) -> bool:
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
@@ -150,6 +161,13 @@ class ModelArchConfig:
         is_qwen = is_qwen2 or is_qwen3 or architecture == "Qwen3MoeForCausalLM"
         if is_qwen and not hf.get("use_sliding_window", False):
             sliding_window = None  # Qwen configs name a window they do not use
+        per_layer = {}
+        if sliding_window and not is_qwen:
+            # Mistral's and Mixtral's window holds on every layer: run it per layer (no cap
+            # on the context), as Hugging Face's sliding-window mask does.
+            per_layer = dict(layer_types=(SLIDING_ATTENTION,) * int(hf["num_hidden_layers"]),
+                             attention_window=int(sliding_window))
+            sliding_window = None
         base = cls(
             architecture=architecture,
             vocab_size=int(hf["vocab_size"]),
@@ -172,7 +190,8 @@ class ModelArchConfig:
             dtype=_read_dtype(hf),
             sliding_window=int(sliding_window) if sliding_window else None,
         )
-        return replace(base, **_moe_fields(architecture, hf))
+        # GPT-OSS's own layer types replace the all-sliding ones.
+        return replace(base, **{**per_layer, **_moe_fields(architecture, hf)})
 
 
 def _moe_fields(architecture: str, hf: dict[str, Any]) -> dict[str, Any]:

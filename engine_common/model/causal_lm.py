@@ -26,6 +26,7 @@ from engine_common.model.attention.backend import AttentionBackend, AttentionMet
 from engine_common.model.decoder import DecoderModel, FeedForwardFactory
 from engine_common.model.layers.linear import Embedding, Linear
 from engine_common.model.layers.mlp import GatedMLP
+from engine_common.model.layers.moe import SparseMoeBlock
 from engine_common.model.logit_ties import resolve_near_ties
 from engine_common.model.packed_linear import can_pack, pack, packed_linear
 from engine_common.model.weight_memory import WeightMemory
@@ -125,7 +126,7 @@ class CausalLM(nn.Module):
         if not can_pack(self.lm_head.weight, float32):
             return False
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear | SparseMoeBlock):
                 module.pack_weight(float32)
         # A copy: the embedding keeps its plain rows for the lookup (the head is the
         # embedding when they are tied).

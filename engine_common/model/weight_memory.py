@@ -34,6 +34,9 @@ class WeightMemory:
             packed = getattr(module, "packed_weight", None)
             if isinstance(packed, torch.Tensor):
                 dense += packed.numel() * packed.element_size()
+            if isinstance(module, SparseMoeBlock) and module.packed is not None:
+                experts += sum(w.numel() * w.element_size()
+                               for w in module.packed.w13 + module.packed.w2)
         packed_head = getattr(model, "packed_lm_head", None)
         if isinstance(packed_head, torch.Tensor):
             dense += packed_head.numel() * packed_head.element_size()

@@ -2,9 +2,11 @@
 pairs sorted by expert, one gate/up and one down matrix product per active expert over all
 its tokens, the outputs weighted and summed back per token.
 
-Where torch has a grouped GEMM (``F.grouped_mm``; on the CPU) both projections are one call
-each over all experts; on CUDA, the Triton grouped GEMM (``triton_fused_moe``); otherwise
-one ``F.linear`` pair per active expert.
+With the experts' weights packed for oneDNN (the CPU in bf16: ``moe.SparseMoeBlock.
+pack_weight``), one packed matmul pair per active expert; else where torch has a grouped
+GEMM (``F.grouped_mm``; on the CPU) both projections are one call each over all experts; on
+CUDA, the Triton grouped GEMM (``triton_fused_moe``); otherwise one ``F.linear`` pair per
+active expert.
 
 Owns the torch computation of routed experts (the Triton kernel, where there is one, must
 agree with it). It does not own routing (``moe``) or the weights' layout on disk.
@@ -18,11 +20,23 @@ over the expert-sorted rows adds each token's experts in that same order).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from engine_common.model.packed_linear import packed_linear
+
 Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class PackedExperts:
+    """Each expert's gate/up ([2 * intermediate, hidden]) and down ([hidden, intermediate])
+    matrices in oneDNN's packed layout (``packed_linear.pack``), by expert."""
+
+    w13: list[torch.Tensor]
+    w2: list[torch.Tensor]
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -55,14 +69,17 @@ def fused_experts(
     activation: Activation,
     b13: torch.Tensor | None = None,  # [num_experts, 2 * intermediate]
     b2: torch.Tensor | None = None,  # [num_experts, hidden]
+    packed: PackedExperts | None = None,  # w13 and w2 packed (then both are empty)
 ) -> torch.Tensor:  # [num_tokens, hidden]
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
     sorted_ids, order = torch.sort(flat_ids, stable=True)
     token_of_row = order // top_k
     rows = x.index_select(0, token_of_row)
-    num_experts = w13.shape[0]
-    if _grouped_mm is not None and x.device.type == "cpu" and _aligned(w13, w2):
+    num_experts = w13.shape[0] if packed is None else len(packed.w13)
+    if packed is not None:
+        out_rows = _packed_expert_loop(rows, flat_ids, packed, activation, b13, b2)
+    elif _grouped_mm is not None and x.device.type == "cpu" and _aligned(w13, w2):
         out_rows = _grouped_experts(rows, sorted_ids, num_experts, w13, w2, activation, b13, b2)
     elif x.device.type == "cuda":
         out_rows = triton_experts(rows, flat_ids, num_experts, w13, w2, activation, b13, b2)
@@ -119,6 +136,31 @@ def triton_experts(rows: torch.Tensor, flat_ids: torch.Tensor, num_experts: int,
     if b2 is not None:
         h = h + b2.index_select(0, sorted_ids)
     return h
+
+
+def _packed_expert_loop(rows: torch.Tensor, flat_ids: torch.Tensor, packed: PackedExperts,
+                        activation: Activation, b13: torch.Tensor | None,
+                        b2: torch.Tensor | None) -> torch.Tensor:
+    """One packed oneDNN matmul pair per active expert over its rows (``rows`` sorted by
+    expert); bitwise the grouped GEMM's and the plain loop's result in bf16 (tested)."""
+    # NOTE: one host sync per layer to size the per-expert slices.
+    counts = torch.bincount(flat_ids, minlength=len(packed.w13)).tolist()
+    out_rows = torch.empty_like(rows)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        end = start + count
+        # Biases added after, as the other paths do (a fused bias rounds once, not twice).
+        h = packed_linear(rows[start:end], packed.w13[expert], None)
+        if b13 is not None:
+            h = h + b13[expert]
+        h = packed_linear(activation(h), packed.w2[expert], None)
+        if b2 is not None:
+            h = h + b2[expert]
+        out_rows[start:end] = h
+        start = end
+    return out_rows
 
 
 def _expert_loop(rows: torch.Tensor, flat_ids: torch.Tensor, num_experts: int,
