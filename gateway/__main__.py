@@ -18,6 +18,7 @@ from gateway.picker import PickerConfig
 from gateway.proxy import RetryPolicy
 from gateway.registry import DnsTarget
 from gateway.server import GatewayOptions, serve
+from gateway.tier_weights import TIER_WEIGHTS_HELP, tier_weights_argument
 from services.entrypoint import run_service
 from services.frontend.responses.store import STORE_HELP
 from services.help_format import DefaultsHelpFormatter
@@ -69,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-min-uncached-tokens", type=int,
                    default=picker.prefill_min_uncached_tokens,
                    help="skip the prefill hop for fewer uncached tokens (default: %(default)s)")
+    p.add_argument("--kv-tier-weights", type=tier_weights_argument, default=None,
+                   metavar="TIER=W,...", help=TIER_WEIGHTS_HELP)
     p.add_argument("--max-attempts", type=int, default=retry.max_attempts,
                    help="replicas tried before the first token (default: %(default)s)")
     p.add_argument("--max-resumptions", type=int, default=retry.max_resumptions,
@@ -100,7 +103,7 @@ def options_from_args(args: argparse.Namespace) -> GatewayOptions:
     return GatewayOptions(
         model=args.model, replicas=args.replica, dns=args.dns, host=args.host, port=args.port,
         metrics_port=args.metrics_port, served_model_name=args.served_model_name,
-        picker=picker,
+        picker=picker, kv_tier_weights=args.kv_tier_weights,
         retry=RetryPolicy(max_attempts=args.max_attempts, max_resumptions=args.max_resumptions),
         load_interval_s=args.load_interval, dns_interval_s=args.dns_interval,
         model_settings=model_settings_from_args(args),

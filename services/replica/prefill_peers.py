@@ -4,7 +4,9 @@ Owns one gRPC channel per prefill replica (reused across requests), the Prefill 
 the engine's records (``RemoteKvChunk`` announcements, then the ``RemotePrefill`` result) and
 the fire-and-forget release once the decode side has pulled the blocks (or given up on them).
 A channel whose last connection attempt failed gets ``connect_wait_s`` to connect before its
-Prefill fails, and reconnects within a second of a restart.
+Prefill fails, unless nothing listens at the peer's address any more (a TCP connection there is
+refused: the replica is dead, and its Prefill fails at once), and reconnects within a second
+of a restart.
 It does not move KV: the decode engine core pulls the blocks over UCX with the handles the
 stream carries. The call has no deadline; the prefill replica's keepalives show it alive while
 the prompt queues, and a silence of ``silence_timeout_s`` ends it. Closing the stream before
@@ -20,6 +22,7 @@ nothing and the result's pin stays until its lease ends.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncGenerator
 from typing import cast
@@ -50,6 +53,26 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
+
+
+async def _refused(peer: str, timeout_s: float) -> bool:
+    """Whether a TCP connection to ``peer`` (host:port, [v6]:port) is refused outright. A
+    peer that accepts, or does not answer within ``timeout_s`` (a host gone silent), or an
+    address this cannot read, is not known to be dead: False."""
+    host, sep, port = peer.rpartition(":")
+    if not sep or not port.isdigit():
+        return False
+    try:
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(host.strip("[]"), int(port)), timeout_s)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return False
 
 
 class PrefillFailed(RemotePrefillLost):
@@ -107,6 +130,12 @@ class PrefillPeers:
         failing = grpc.ChannelConnectivity.TRANSIENT_FAILURE
         if channel.get_state(try_to_connect=True) != failing:
             return
+        if await _refused(peer, self.connect_wait_s):
+            # NOTE: dead, not restarting: waiting out connect_wait_s here cost every prompt
+            # that named a killed prefill replica 2 s before it was handed back (or computed
+            # here), while a replica the gateway routes to again listens already.
+            raise PrefillFailed("unreachable", f"{peer} refused a connection (nothing "
+                                f"listens there)", grpc.StatusCode.UNAVAILABLE)
         try:
             await asyncio.wait_for(channel.channel_ready(), self.connect_wait_s)
         except TimeoutError:
