@@ -21,8 +21,8 @@ from engine_common.step_costs import StepCosts
 class PrefillOutlook:
     # Prompt tokens still to compute here: waiting requests' and those being prefilled.
     queued_tokens: int = 0
-    # Prompt tokens a step computes per second of its prompt share (1 / the measured cost of
-    # one more prompt token); 0: not measured yet (no prompt computed since the start).
+    # Prompt tokens computed per second of their steps' time, lately (``StepCosts``); 0: not
+    # measured yet (no prompt computed since the start).
     tokens_per_s: float = 0.0
     # The fraction of step time a new prompt gets: 1 with no decodes running; beside running
     # decodes the chunk cap (``max_prefill_tokens_while_decoding``, and
@@ -34,8 +34,7 @@ def prefill_outlook(costs: StepCosts, config: SchedulerConfig, *, queued_tokens:
                     decoding: bool, block_size: int) -> PrefillOutlook:
     """The outlook of a scheduler whose requests leave ``queued_tokens`` prompt tokens to
     compute, with running decodes when ``decoding``."""
-    rate = 1.0 / costs.prefill_token_s if costs.prefill_token_s else 0.0
-    return PrefillOutlook(queued_tokens, rate,
+    return PrefillOutlook(queued_tokens, costs.prefill_tokens_per_s,
                           _share(costs, config, decoding, block_size))
 
 
