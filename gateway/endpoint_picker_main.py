@@ -187,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-weight", type=float, default=picker.prefix_weight)
     p.add_argument("--kv-usage-weight", type=float, default=picker.kv_usage_weight)
     p.add_argument("--queue-weight", type=float, default=picker.queue_weight)
+    p.add_argument("--prefill-placement", choices=("estimate", "score"), default="estimate",
+                   help="where a prompt is computed: estimate: where its first token is "
+                        "estimated soonest from the replicas' queued prompt tokens and measured "
+                        "rates (a prefill replica, or the decode replica itself); score: the "
+                        "best-scoring prefill replica, always (default: %(default)s)")
     p.add_argument("--kv-tier-weights", type=tier_weights_argument, default=None,
                    metavar="TIER=W,...", help=TIER_WEIGHTS_HELP)
     p.add_argument("--shed-queue-depth", type=int, default=shedding.queue_depth_threshold,
@@ -213,7 +218,8 @@ def options_from_args(args: argparse.Namespace) -> PickerOptions:
         model=args.model, replicas=args.replica, dns=args.dns, host=args.host, port=args.port,
         metrics_port=args.metrics_port,
         picker=replace(PickerConfig(), prefix_weight=args.prefix_weight,
-                       kv_usage_weight=args.kv_usage_weight, queue_weight=args.queue_weight),
+                       kv_usage_weight=args.kv_usage_weight, queue_weight=args.queue_weight,
+                       estimate_placement=args.prefill_placement == "estimate"),
         kv_tier_weights=args.kv_tier_weights,
         shedding=SheddingPolicy(args.shed_queue_depth, args.shed_kv_cache_usage),
         dns_interval_s=args.dns_interval, model_settings=model_settings_from_args(args),
