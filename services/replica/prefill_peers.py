@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator
-from typing import cast
+from typing import Any, cast
 
 import grpc
 import grpc.aio
@@ -123,25 +123,41 @@ class PrefillPeers:
 
     async def _connected(self, peer: str) -> None:
         """A channel to ``peer`` whose last connection attempt failed (a call on it would
-        fail at once) gets up to ``connect_wait_s`` to connect; PrefillFailed UNAVAILABLE when
-        it does not. Any other state goes ahead: the call itself connects, or waits for the
-        attempt under way, and a silent peer is the silence timeout's to give up on."""
+        fail at once) gets up to ``connect_wait_s`` to connect, unless the peer's port
+        refuses a TCP connection meanwhile (dead: PrefillFailed "unreachable" at once);
+        PrefillFailed UNAVAILABLE when it does not connect in time. Any other state goes
+        ahead: the call itself connects, or waits for the attempt under way, and a silent
+        peer is the silence timeout's to give up on."""
         channel = self._channel(peer)
         failing = grpc.ChannelConnectivity.TRANSIENT_FAILURE
         if channel.get_state(try_to_connect=True) != failing:
             return
-        if await _refused(peer, self.connect_wait_s):
-            # NOTE: dead, not restarting: waiting out connect_wait_s here cost every prompt
-            # that named a killed prefill replica 2 s before it was handed back (or computed
-            # here), while a replica the gateway routes to again listens already.
-            raise PrefillFailed("unreachable", f"{peer} refused a connection (nothing "
-                                f"listens there)", grpc.StatusCode.UNAVAILABLE)
+        # NOTE: the probe runs beside the wait, not before it: a peer that drops packets (a
+        # partition) would otherwise cost its timeout and then the wait again.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.connect_wait_s
+        ready = asyncio.ensure_future(channel.channel_ready())
+        probe = asyncio.ensure_future(_refused(peer, self.connect_wait_s))
+        waiting: set[asyncio.Future[Any]] = {ready, probe}
         try:
-            await asyncio.wait_for(channel.channel_ready(), self.connect_wait_s)
-        except TimeoutError:
-            raise PrefillFailed(
-                "prefill_failed", f"{peer} did not accept a connection within "
-                f"{self.connect_wait_s:g} s", grpc.StatusCode.UNAVAILABLE) from None
+            while not ready.done():
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise PrefillFailed(
+                        "prefill_failed", f"{peer} did not accept a connection within "
+                        f"{self.connect_wait_s:g} s", grpc.StatusCode.UNAVAILABLE)
+                done, waiting = await asyncio.wait(waiting, timeout=remaining,
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                if probe in done and not ready.done() and probe.result():
+                    # Dead, not restarting: waiting out connect_wait_s here cost every
+                    # prompt that named a killed prefill replica 2 s before it was handed
+                    # back (or computed here), while a replica the gateway routes to again
+                    # listens already.
+                    raise PrefillFailed("unreachable", f"{peer} refused a connection "
+                                        "(nothing listens there)", grpc.StatusCode.UNAVAILABLE)
+        finally:
+            for task in (ready, probe):
+                task.cancel()
 
     async def prefill(self, peer: str, request_id: str, request: GenerationRequest,
                       announce_kv: bool = False
