@@ -23,6 +23,7 @@ from deploy.envoy_config import read_api_keys
 from deploy.local_ca import make_suite_certificates
 from deploy.suite_plan import SuiteConfig, plan_suite
 from deploy.supervisor import SuiteFailed, Supervisor, check_ports
+from gateway.tier_weights import TIER_WEIGHTS_HELP, format_tier_weights, tier_weights_argument
 from services.help_format import DefaultsHelpFormatter
 from services.model_args import ModelDirError, check_model_dir
 from services.model_settings import model_settings_from_args
@@ -69,6 +70,8 @@ def add_suite_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-suite-tls", action="store_true",
                         help="plaintext between the suite's processes (replicas accept any "
                              "caller)")
+    parser.add_argument("--kv-tier-weights", type=tier_weights_argument, default=None,
+                        metavar="TIER=W,...", help="the gateway's: " + TIER_WEIGHTS_HELP)
     add_engine_args(parser)
     parser.set_defaults(kv_cache_memory="512MiB")  # per replica: a suite runs several
     add_observability_args(parser)
@@ -93,6 +96,8 @@ def suite_config(args: argparse.Namespace) -> SuiteConfig:
         tls_dir=None if args.no_suite_tls else args.tls_dir,
         engine_args=engine_argv(args, omit={"kv_cache_memory"}),
         process_args=observability_args(ObservabilitySettings.from_args("", args)),
+        extra_gateway_args=[] if args.kv_tier_weights is None
+        else ["--kv-tier-weights", format_tier_weights(args.kv_tier_weights)],
     )
 
 

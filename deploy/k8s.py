@@ -48,6 +48,7 @@ from deploy.envoy_config import (
 from deploy.lora_sync import render_config
 from deploy.yaml_text import dump_yaml
 from engine_common.config import ModelSettings
+from gateway.tier_weights import format_tier_weights
 from services.model_settings import model_settings_args
 
 # What ``make image`` tags (the Makefile's IMAGE; tests/test_k8s_manifests.py checks).
@@ -141,6 +142,9 @@ class K8sOptions:
     kv_offload_memory: str | None = None
     kv_store: str | None = None
     kv_store_secret: str | None = None
+    # The endpoint picker's prefix-index weight per KV tier (``--kv-tier-weights``); None:
+    # its defaults.
+    kv_tier_weights: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.both) < 0:
@@ -426,6 +430,11 @@ def _roles(options: K8sOptions) -> list[tuple[str, int]]:
     return [(role, counts[role]) for role in ROLES if counts[role] > 0]
 
 
+def _tier_weight_args(options: K8sOptions) -> list[str]:
+    weights = options.kv_tier_weights
+    return [] if weights is None else ["--kv-tier-weights", format_tier_weights(weights)]
+
+
 def picker_deployment(options: K8sOptions) -> dict[str, Any]:
     labels = _labels(options, "endpoint-picker")
     volumes, mounts = _model_volumes(options)
@@ -439,7 +448,8 @@ def picker_deployment(options: K8sOptions) -> dict[str, Any]:
         "imagePullPolicy": options.image_pull_policy,
         "command": ["tandem"],
         "args": ["picker", *_model_args(options), "--host", "0.0.0.0", "--port", str(PICKER_PORT),
-                 "--metrics-port", str(PICKER_METRICS_PORT), *_suite_tls_args(options), *dns],
+                 "--metrics-port", str(PICKER_METRICS_PORT), *_suite_tls_args(options),
+                 *_tier_weight_args(options), *dns],
         "env": _env(),
         "ports": [
             {"name": "grpc", "containerPort": PICKER_PORT, "protocol": "TCP"},

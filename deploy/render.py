@@ -26,6 +26,7 @@ from deploy.envoy_args import EnvoyArgDefaults, add_envoy_args, bootstrap_from_a
 from deploy.envoy_config import TlsFiles, dump_bootstrap, read_api_keys, with_api_keys
 from deploy.k8s import DEFAULT_IMAGE, K8sOptions, render_k8s_manifests
 from deploy.yaml_text import dump_yaml
+from gateway.tier_weights import TIER_WEIGHTS_HELP, tier_weights_argument
 from services.help_format import DefaultsHelpFormatter
 from services.model_settings import add_model_settings_args, model_settings_from_args
 
@@ -116,6 +117,8 @@ def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         "trying it out")
     p.add_argument("--kv-store-secret", default=None, metavar="SECRET",
                    help="KV tiers: a Secret whose 'password' key is the Redis password")
+    p.add_argument("--kv-tier-weights", type=tier_weights_argument, default=None,
+                   metavar="TIER=W,...", help="the endpoint picker's: " + TIER_WEIGHTS_HELP)
     p.add_argument("-o", "--output", type=Path, required=True, help="directory to write")
 
 
@@ -187,7 +190,7 @@ def _render_k8s(args: argparse.Namespace) -> int:
             suite_tls=args.suite_tls,
             gateway_name=args.gateway_name, lora_syncer=args.lora_syncer,
             kv_offload_memory=args.kv_offload_memory, kv_store=args.kv_store,
-            kv_store_secret=args.kv_store_secret)
+            kv_store_secret=args.kv_store_secret, kv_tier_weights=args.kv_tier_weights)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -175,6 +175,10 @@ class SchedulerStats:
     # counters (by medium: host, disk, shared), deltas since the previous report.
     kv_tier_hit_tokens: int = 0
     kv_tiers: dict[str, TierStats] = field(default_factory=dict)
+    # For routers' time-to-first-token estimates (``engine_common.prefill_outlook``).
+    num_prefill_tokens_queued: int = 0
+    prefill_tokens_per_s: float = 0.0  # 0: not measured yet
+    prefill_share: float = 1.0
 
 
 @dataclass

@@ -42,6 +42,7 @@ from engine_common.kv_cache_manager import KVCacheManager
 from engine_common.ngram_drafter import NgramDrafter
 from engine_common.output_room import OutputRoom
 from engine_common.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerStats
+from engine_common.prefill_outlook import PrefillOutlook, prefill_outlook
 from engine_common.request import Request, RequestStatus
 from engine_common.step_costs import StepCosts
 
@@ -725,6 +726,14 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
 
+    def _prefill_outlook(self) -> PrefillOutlook:
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        queued += sum(r.num_tokens - r.num_computed_tokens for r in self.running
+                      if _is_prefilling(r))
+        decoding = any(not _is_prefilling(r) for r in self.running)
+        return prefill_outlook(self.step_costs, self.config, queued_tokens=queued,
+                               decoding=decoding, block_size=self.kv_cache_manager.block_size)
+
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         prefix = kv.take_prefix_cache_stats()
@@ -744,6 +753,9 @@ class Scheduler:
             num_draft_tokens=self._num_draft_tokens,
             num_accepted_tokens=self._num_accepted_tokens,
         )
+        outlook = self._prefill_outlook()
+        stats.num_prefill_tokens_queued = outlook.queued_tokens
+        stats.prefill_tokens_per_s, stats.prefill_share = outlook.tokens_per_s, outlook.share
         if self.lora_enabled:
             stats.max_lora = (self.max_loras if self.max_loras is not None
                               else self.num_lora_adapters)

@@ -18,6 +18,7 @@ from gateway.picker import PickerConfig
 from gateway.proxy import RetryPolicy
 from gateway.registry import DnsTarget
 from gateway.server import GatewayOptions, serve
+from gateway.tier_weights import TIER_WEIGHTS_HELP, tier_weights_argument
 from services.entrypoint import run_service
 from services.frontend.responses.store import STORE_HELP
 from services.help_format import DefaultsHelpFormatter
@@ -69,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-min-uncached-tokens", type=int,
                    default=picker.prefill_min_uncached_tokens,
                    help="skip the prefill hop for fewer uncached tokens (default: %(default)s)")
+    p.add_argument("--prefill-placement", choices=("estimate", "score"), default="estimate",
+                   help="where a prompt is computed: estimate: where its first token is "
+                        "estimated soonest from the replicas' queued prompt tokens and measured "
+                        "rates (a prefill replica, or the decode replica itself); score: the "
+                        "best-scoring prefill replica, always (default: %(default)s)")
+    p.add_argument("--kv-tier-weights", type=tier_weights_argument, default=None,
+                   metavar="TIER=W,...", help=TIER_WEIGHTS_HELP)
     p.add_argument("--max-attempts", type=int, default=retry.max_attempts,
                    help="replicas tried before the first token (default: %(default)s)")
     p.add_argument("--max-resumptions", type=int, default=retry.max_resumptions,
@@ -94,13 +102,14 @@ def options_from_args(args: argparse.Namespace) -> GatewayOptions:
         prefix_weight=args.prefix_weight, kv_usage_weight=args.kv_usage_weight,
         queue_weight=args.queue_weight, queue_scale=args.queue_scale,
         prefill_skip_fraction=args.prefill_skip_fraction,
-        prefill_min_uncached_tokens=args.prefill_min_uncached_tokens)
+        prefill_min_uncached_tokens=args.prefill_min_uncached_tokens,
+        estimate_placement=args.prefill_placement == "estimate")
     if args.policy == "round_robin":
         picker = replace(picker, prefix_weight=0.0, kv_usage_weight=0.0, queue_weight=0.0)
     return GatewayOptions(
         model=args.model, replicas=args.replica, dns=args.dns, host=args.host, port=args.port,
         metrics_port=args.metrics_port, served_model_name=args.served_model_name,
-        picker=picker,
+        picker=picker, kv_tier_weights=args.kv_tier_weights,
         retry=RetryPolicy(max_attempts=args.max_attempts, max_resumptions=args.max_resumptions),
         load_interval_s=args.load_interval, dns_interval_s=args.dns_interval,
         model_settings=model_settings_from_args(args),

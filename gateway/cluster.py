@@ -9,7 +9,7 @@ prompt is scored (``snapshot``, ``picker``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gateway.load import LoadTracker
@@ -27,9 +27,11 @@ class ClusterView:
     @classmethod
     def create(cls, replicas: Sequence[str], dns: Sequence[DnsTarget], *,
                dns_interval_s: float, load_interval_s: float,
-               tls: SuiteTls | None = None) -> ClusterView:
+               tls: SuiteTls | None = None,
+               tier_weights: Mapping[str, float] | None = None) -> ClusterView:
         registry = ReplicaRegistry(replicas, dns, dns_interval_s=dns_interval_s, tls=tls)
-        view = cls(registry, LoadTracker(interval_s=load_interval_s), PrefixIndex())
+        view = cls(registry, LoadTracker(interval_s=load_interval_s),
+                   PrefixIndex(tier_weights=tier_weights))
         registry.add_listener(view.loads)
         registry.add_listener(view.index)
         return view

@@ -40,6 +40,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.picker import PickerConfig
 from gateway.registry import DnsTarget
 from gateway.server import load_inputs
+from gateway.tier_weights import TIER_WEIGHTS_HELP, tier_weights_argument
 from protos.third_party.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from services.entrypoint import run_service, wait_for_stop_signal
 from services.frontend.grpc_server import new_server
@@ -65,6 +66,8 @@ class PickerOptions:
     port: int = 9002  # the inference extension's conventional endpoint-picker port
     metrics_port: int = 0
     picker: PickerConfig = field(default_factory=PickerConfig)
+    # The prefix index's weight per KV tier (``PrefixIndex.tier_weights``); None: defaults.
+    kv_tier_weights: dict[str, float] | None = None
     shedding: SheddingPolicy = field(default_factory=SheddingPolicy)
     load_interval_s: float = 0.05
     dns_interval_s: float = 5.0
@@ -107,7 +110,8 @@ class EndpointPickerServer:
         metrics = GatewayMetrics()
         cluster = ClusterView.create(
             options.replicas, options.dns, dns_interval_s=options.dns_interval_s,
-            load_interval_s=options.load_interval_s, tls=options.tls)
+            load_interval_s=options.load_interval_s, tls=options.tls,
+            tier_weights=options.kv_tier_weights)
         chooser = EndpointChooser(cluster.registry, cluster.loads, cluster.index, inputs,
                                   options.picker, options.shedding, metrics,
                                   frozenset(options.model_settings.lora_modules))
@@ -183,6 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-weight", type=float, default=picker.prefix_weight)
     p.add_argument("--kv-usage-weight", type=float, default=picker.kv_usage_weight)
     p.add_argument("--queue-weight", type=float, default=picker.queue_weight)
+    p.add_argument("--prefill-placement", choices=("estimate", "score"), default="estimate",
+                   help="where a prompt is computed: estimate: where its first token is "
+                        "estimated soonest from the replicas' queued prompt tokens and measured "
+                        "rates (a prefill replica, or the decode replica itself); score: the "
+                        "best-scoring prefill replica, always (default: %(default)s)")
+    p.add_argument("--kv-tier-weights", type=tier_weights_argument, default=None,
+                   metavar="TIER=W,...", help=TIER_WEIGHTS_HELP)
     p.add_argument("--shed-queue-depth", type=int, default=shedding.queue_depth_threshold,
                    help="waiting requests at which a replica counts as saturated "
                         "(default: %(default)s)")
@@ -207,7 +218,9 @@ def options_from_args(args: argparse.Namespace) -> PickerOptions:
         model=args.model, replicas=args.replica, dns=args.dns, host=args.host, port=args.port,
         metrics_port=args.metrics_port,
         picker=replace(PickerConfig(), prefix_weight=args.prefix_weight,
-                       kv_usage_weight=args.kv_usage_weight, queue_weight=args.queue_weight),
+                       kv_usage_weight=args.kv_usage_weight, queue_weight=args.queue_weight,
+                       estimate_placement=args.prefill_placement == "estimate"),
+        kv_tier_weights=args.kv_tier_weights,
         shedding=SheddingPolicy(args.shed_queue_depth, args.shed_kv_cache_usage),
         dns_interval_s=args.dns_interval, model_settings=model_settings_from_args(args),
         tls=tls_from_args(args))

@@ -42,6 +42,13 @@ class LoadView:
     age_s: float | None = None
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Prompt tokens still to compute there: its report's, or the prompts this gateway sent it
+    # that have not had their first token yet, whichever is more (as ``queue_depth``).
+    prefill_tokens_queued: int = 0
+    # Its measured prompt rate (tokens/s; 0 unknown) and the share of step time a new prompt
+    # gets beside its running decodes (``engine_common.prefill_outlook``).
+    prefill_tokens_per_s: float = 0.0
+    prefill_share: float = 1.0
 
     @property
     def queue_depth(self) -> int:
@@ -56,6 +63,8 @@ class _ReplicaLoad:
     report: engine_pb2.LoadReport | None = None
     received_at: float = 0.0
     in_flight: int = 0
+    # Prompt tokens sent here to compute that have not had their first token yet.
+    pending_prefill_tokens: int = 0
     task: asyncio.Task[None] | None = None
 
 
@@ -100,6 +109,18 @@ class LoadTracker:
         if load is not None and load.in_flight > 0:
             load.in_flight -= 1
 
+    def prefill_sent(self, address: str, tokens: int) -> None:
+        """``tokens`` prompt tokens were sent to ``address`` to compute (the report shows them
+        only after its next step); ``prefill_done`` with the same count at the first token."""
+        load = self._loads.get(address)
+        if load is not None:
+            load.pending_prefill_tokens += tokens
+
+    def prefill_done(self, address: str, tokens: int) -> None:
+        load = self._loads.get(address)
+        if load is not None:
+            load.pending_prefill_tokens = max(0, load.pending_prefill_tokens - tokens)
+
     # ----------------------------------------------------------------- views
     def view(self, address: str, now: float | None = None) -> LoadView:
         load = self._loads.get(address)
@@ -107,7 +128,8 @@ class LoadTracker:
             return LoadView()
         report = load.report
         if report is None:
-            return LoadView(in_flight=load.in_flight)
+            return LoadView(in_flight=load.in_flight,
+                            prefill_tokens_queued=load.pending_prefill_tokens)
         now = time.monotonic() if now is None else now
         return LoadView(
             num_running=report.num_requests_running,
@@ -117,6 +139,10 @@ class LoadTracker:
             age_s=max(0.0, now - load.received_at),
             prefix_cache_queries=report.prefix_cache_queries,
             prefix_cache_hits=report.prefix_cache_hits,
+            prefill_tokens_queued=max(report.num_prefill_tokens_queued,
+                                      load.pending_prefill_tokens),
+            prefill_tokens_per_s=report.prefill_tokens_per_s,
+            prefill_share=report.prefill_share or 1.0,
         )
 
     def report(self, address: str) -> engine_pb2.LoadReport | None:

@@ -34,6 +34,21 @@ holding the same prefix, idled (issue 39: P/D TTFT 7.5-20x the aggregated layout
 shared-prefix workload). The prefill replica's own prefix match is in its score, and the
 decode replica pulls only the blocks it does not hold.
 
+Where the prompt is computed, when the hop is worth it, is placed by estimated time to the
+first token (``estimate_placement``), from what each replica publishes
+(``engine_common.prefill_outlook``): (prompt tokens queued there + this prompt's tokens it does
+not cache) / (its measured prompt rate x the share of a step a new prompt gets beside its
+decodes). A replica that has not measured its rate yet (a restarted one, a decode replica
+that has computed no prompt) is estimated with the median rate the others measured (one
+model, one kind of machine); with none measured the scores decide, as before. The prefill
+replica with the lowest estimate takes it (estimates within ``estimate_tie_s`` are even, and
+the scores break the tie); the decode replica computes the prompt itself instead
+(``pd_reason="self_prefill_sooner"``) when its own estimate beats that one, plus the hop's
+cost (``prefill_hop_s``), by at least ``self_prefill_min_gain_s``: its compute belongs to its
+running streams, which wait while it prefills, so a gain of milliseconds is not worth it, but
+a prefill replica seconds behind (a queue of long prompts, or the prompts of a dead prefill
+replica handed back to it) is.
+
 Roles are a preference, not a wall: with no usable decode-capable replica, the best prefill
 replica is the decode side and runs the request whole (``missing_role="decode"``,
 ``pd_reason="no_decode_replica"``); with prefill replicas known but none usable, the decode
@@ -43,8 +58,9 @@ replica of the missing role is usable again: nothing here remembers it.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gateway.load import LoadView
 
@@ -87,10 +103,23 @@ class PickerConfig:
     prefill_skip_fraction: float = 1.0
     # Fewer uncached prompt tokens than this are not worth a prefill hop.
     prefill_min_uncached_tokens: int = 32
+    # Place the prompt's computation by estimated time to first token (the module
+    # docstring); False: the best-scoring prefill replica, always.
+    estimate_placement: bool = True
+    # What the hop adds to a prefill replica's estimate: the Prefill call and the KV pull.
+    prefill_hop_s: float = 0.05
+    # The decode replica computes the prompt itself only when that is estimated sooner by at
+    # least this much (its running streams pay for it).
+    self_prefill_min_gain_s: float = 1.0
+    # Prefill replicas whose estimates differ by less than this are even: scores decide.
+    estimate_tie_s: float = 0.01
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.kv_usage_floor < 1.0:
             raise ValueError(f"kv_usage_floor must be in [0, 1), got {self.kv_usage_floor}")
+        for name in ("prefill_hop_s", "self_prefill_min_gain_s", "estimate_tie_s"):
+            if not getattr(self, name) >= 0.0:  # NaN too
+                raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -103,6 +132,9 @@ class ScoredReplica:
     queue_depth: int
     kv_cache_usage: float
     scores: dict[str, float]
+    # Estimated seconds to the prompt's first token if computed here (the module
+    # docstring); None where not estimated.
+    ttft_estimate_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -113,7 +145,8 @@ class RoutingDecision:
     # Why ``decode`` won: "prefix" (it caches more of the prompt than some other candidate),
     # "load" (caches are level; load decided) or "only_candidate".
     reason: str
-    # "prefill_hop", "cached_on_decode", "short_prompt", "no_prefill_replica" or
+    # "prefill_hop", "cached_on_decode", "short_prompt", "self_prefill_sooner" (estimated
+    # sooner on the decode replica than on any prefill replica), "no_prefill_replica" or
     # "no_decode_replica" (``decode`` is a prefill replica running the request whole).
     pd_reason: str
     # Decode candidates, best first.
@@ -237,12 +270,49 @@ def pick(
     elif uncached_tokens < config.prefill_min_uncached_tokens:
         pd_reason = "short_prompt"
     else:
-        prefill = _best(
-            [score_replica(r, num_prompt_tokens, block_size, config) for r in prefill_pool],
-            tie_break)
-        pd_reason = "prefill_hop"
+        own = next(r for r in decode_pool if r.address == decode.address)
+        decode, prefill = _place_prompt(decode, own, prefill_pool, replicas,
+                                        num_prompt_tokens, block_size, config, tie_break)
+        pd_reason = "prefill_hop" if prefill is not None else "self_prefill_sooner"
     return RoutingDecision(decode, prefill, reason, pd_reason, candidates, filtered,
                            missing_role)
+
+
+def ttft_estimate(replica: ReplicaState, num_prompt_tokens: int, block_size: int,
+                  fallback_rate: float) -> float | None:
+    """Seconds until the prompt's first token if ``replica`` computes it (the module
+    docstring); None when no rate is known, its own or ``fallback_rate``."""
+    load = replica.load
+    rate = (load.prefill_tokens_per_s or fallback_rate) * min(max(load.prefill_share, 0.0), 1.0)
+    if rate <= 0.0:
+        return None
+    uncached = num_prompt_tokens - min(replica.matched_blocks * block_size, num_prompt_tokens)
+    return (load.prefill_tokens_queued + uncached) / rate
+
+
+def _place_prompt(
+    decode: ScoredReplica, own: ReplicaState, prefill_pool: Sequence[ReplicaState],
+    replicas: Sequence[ReplicaState], num_prompt_tokens: int, block_size: int,
+    config: PickerConfig, tie_break: int,
+) -> tuple[ScoredReplica, ScoredReplica | None]:
+    """The decode side (with its own estimate when it computes the prompt) and the prefill
+    replica that computes the prompt, or None for the decode replica itself."""
+    scored = [score_replica(r, num_prompt_tokens, block_size, config) for r in prefill_pool]
+    rates = [r.load.prefill_tokens_per_s for r in replicas if r.load.prefill_tokens_per_s > 0]
+    fallback = statistics.median(rates) if rates else 0.0
+    estimates = {r.address: ttft_estimate(r, num_prompt_tokens, block_size, fallback)
+                 for r in prefill_pool}
+    known = [e for e in estimates.values() if e is not None]
+    if not config.estimate_placement or len(known) < len(estimates):
+        return decode, _best(scored, tie_break)
+    lowest = min(known)
+    even = [s for s in scored if (estimates[s.address] or 0.0) - lowest <= config.estimate_tie_s]
+    best = _best(even, tie_break)
+    via_hop = (estimates[best.address] or 0.0) + config.prefill_hop_s
+    itself = ttft_estimate(own, num_prompt_tokens, block_size, fallback)
+    if itself is not None and itself + config.self_prefill_min_gain_s <= via_hop:
+        return replace(decode, ttft_estimate_s=itself), None
+    return decode, replace(best, ttft_estimate_s=via_hop)
 
 
 def _best_of(

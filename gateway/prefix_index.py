@@ -52,6 +52,7 @@ import grpc.aio
 
 from engine_common.block_hash import BlockHash
 from gateway.registry import Replica
+from gateway.tier_weights import DEFAULT_TIER_WEIGHTS, DEVICE, SHARED
 from protos.tandem.v1 import engine_pb2
 
 logger = logging.getLogger(__name__)
@@ -88,11 +89,6 @@ class _ReplicaBlocks:
         return expiry is not None and expiry > now
 
 
-DEVICE, SHARED = "device", "shared"
-# What a block found in each tier is worth to a match, against 1 for one in the KV pool
-# (llm-d's indexer scores device 1.0, CPU 0.8).
-DEFAULT_TIER_WEIGHTS: Mapping[str, float] = {DEVICE: 1.0, "host": 0.8, "disk": 0.6,
-                                             SHARED: 0.5}
 _REPLICA_TIERS = ("host", "disk")  # a replica's own tiers, fastest first
 
 

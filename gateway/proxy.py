@@ -306,11 +306,19 @@ class EngineProxy:
         for address in (attempt.decode, prefill):
             if address is not None:
                 self.loads.stream_started(address)
+        # The prompt tokens this sends to be computed, until the first token shows them done
+        # (the replica's report has them only after its next step).
+        computing = decision.prefill or decision.decode
+        pending = round(len(stream.prompt) * (1.0 - computing.prefix_fraction))
+        self.loads.prefill_sent(computing.address, pending)
         # The replica hands back a request whose prefill replica is down: this picks again.
         call = replica.engine.Generate(self._upstream(stream, attempt.route), timeout=remaining,
                                        metadata=handback_metadata())
         try:
             async for response in call:
+                if not attempt.got_response:
+                    self.loads.prefill_done(computing.address, pending)
+                    pending = 0
                 if not attempt.got_response and prefill is not None:
                     self.loads.stream_finished(prefill)  # its part ends with the first token
                     prefill = None
@@ -333,6 +341,7 @@ class EngineProxy:
             for address in (attempt.decode, prefill):
                 if address is not None:
                     self.loads.stream_finished(address)
+            self.loads.prefill_done(computing.address, pending)
 
     def _close_after_status(self, call: grpc.aio.UnaryStreamCall) -> None:
         """End a call whose last message came: once the replica's status arrives (it follows

@@ -69,6 +69,8 @@ class GatewayOptions:
     metrics_port: int = 9450  # 0: no /metrics endpoint
     served_model_name: str | Sequence[str] | None = None  # the first names answers
     picker: PickerConfig = field(default_factory=PickerConfig)
+    # The prefix index's weight per KV tier (``PrefixIndex.tier_weights``); None: defaults.
+    kv_tier_weights: dict[str, float] | None = None
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     load_interval_s: float = 0.05
     dns_interval_s: float = 5.0
@@ -106,7 +108,8 @@ class GatewayServer:
         self.metrics = GatewayMetrics()
         self.cluster = ClusterView.create(
             options.replicas, options.dns, dns_interval_s=options.dns_interval_s,
-            load_interval_s=options.load_interval_s, tls=options.tls)
+            load_interval_s=options.load_interval_s, tls=options.tls,
+            tier_weights=options.kv_tier_weights)
         self.proxy = EngineProxy(self.cluster.registry, self.cluster.loads, self.cluster.index,
                                  self.metrics, options.picker, options.retry)
         self.inputs = inputs

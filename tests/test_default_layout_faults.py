@@ -48,7 +48,10 @@ from tests.replica_process import (
 
 pytestmark = pytest.mark.timeout(600)
 ARGS = ["--num-kv-blocks", "256", "--max-num-seqs", "16"]
-ROLES = {"prefill-0": ["--role", "prefill", *ARGS], "decode-1": ["--role", "decode", *ARGS]}
+# prefill-2: a second prefill replica, killed in test_a_killed_prefill_replicas_prompts_go_to_the_
+# live_one and left dead; the tests after it see the default layout (one of each role).
+ROLES = {"prefill-0": ["--role", "prefill", *ARGS], "decode-1": ["--role", "decode", *ARGS],
+         "prefill-2": ["--role", "prefill", *ARGS]}
 STREAMS = 8
 MAX_TOKENS = 300
 # Long enough for the gateway's prefill hop (prefill_min_uncached_tokens).
@@ -86,8 +89,8 @@ def layout(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     try:
         with gateway_started(tiny_llama_dir, log_dir, [r.target for r in replicas.values()],
                              ["--metrics-port", str(metrics_port)]) as gateway:
-            wait_until(lambda: healthy_replicas(metrics_port) == 2, time.monotonic() + 120,
-                       "the gateway's two replicas", log_dir)
+            wait_until(lambda: healthy_replicas(metrics_port) == len(ROLES),
+                       time.monotonic() + 120, "the gateway's replicas", log_dir)
             yield Layout(replicas, gateway, metrics_port, log_dir, tiny_llama_dir)
     finally:
         for replica in replicas.values():
@@ -195,19 +198,73 @@ def test_a_killed_decode_replica_leaves_its_work_to_the_prefill_replica(
 
     # Back: the decode replica serves again and the fallback ends.
     layout.restart("decode-1")
-    wait_until(lambda: healthy_replicas(layout.metrics_port) == 2, time.monotonic() + 60,
-               "the restarted decode replica", layout.log_dir)
+    wait_until(lambda: healthy_replicas(layout.metrics_port) == len(ROLES),
+               time.monotonic() + 60, "the restarted decode replica", layout.log_dir)
     during = layout.metric("tandem:gateway_role_fallbacks_total", missing_role="decode")
     assert complete(layout.gateway, probe, 4) == probe_want
     assert layout.metric("tandem:gateway_role_fallbacks_total", missing_role="decode") == during
     assert re.search(r"decode replicas are usable again", layout.gateway_log())
 
 
-def kv_fallbacks(replica: ReplicaProcess) -> float:
+def kv_fallbacks(replica: ReplicaProcess, reason: str = "") -> float:
+    """The replica's prompts computed there after a failed Prefill or pull (``reason``: of
+    that reason only)."""
+    name = "tandem:kv_transfer_failures_total" if reason else "tandem:kv_transfer_fallbacks_total"
     text = urllib.request.urlopen(replica.metrics_url, timeout=5).read().decode()
     return sum(sample.value for family in text_string_to_metric_families(text)
                for sample in family.samples
-               if sample.name == "tandem:kv_transfer_fallbacks_total")
+               if sample.name == name and sample.labels.get("reason", "") == reason)
+
+
+def complete_all(target: str, prompts: list[list[int]], max_tokens: int) -> list[str | Exception]:
+    """``prompts`` sent at once, each in its thread; their outputs (or errors) in order."""
+    results: list[str | Exception] = [""] * len(prompts)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = complete(target, prompts[i], max_tokens)
+        except Exception as error:  # noqa: BLE001 - reported per request
+            results[i] = error
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return results
+
+
+def test_a_killed_prefill_replicas_prompts_go_to_the_live_one(layout: Layout,
+                                                               offline: LLM) -> None:
+    """Two prefill replicas; prefill-2 is SIGKILLed as prompts are sent. Every prompt gets its
+    KV from prefill-0, the live one (a prompt the decode replica had sent to prefill-2 is
+    handed back, and routed there): none is computed on the decode replica, outputs exact.
+    prefill-2 stays dead: the tests after this one run on the default layout."""
+    decode, live = layout.replicas["decode-1"], layout.replicas["prefill-0"]
+    # Stride 3: no block in common with the other tests' prompts (a decode replica caching
+    # one would compute it itself, no hop).
+    prompts = [[(13 * i + 3 * j) % 350 + 11 for j in range(90 + i)] for i in range(8)]
+    want = greedy(offline, prompts, 4)
+    fallbacks = kv_fallbacks(decode)
+    picks = layout.metric("tandem:gateway_picks_total", replica=live.target, as_role="prefill")
+    handbacks = layout.metric("tandem:gateway_retries_total", code="prefill_handback")
+    sooner = layout.metric("tandem:gateway_routing_decisions_total", pd="self_prefill_sooner")
+    layout.replicas["prefill-2"].kill()
+    started = time.monotonic()
+    results = complete_all(layout.gateway, prompts, 4)
+    print(f"\n8 prompts sent as the second prefill replica died: all served in "
+          f"{time.monotonic() - started:.2f} s; handed back: "
+          f"{layout.metric('tandem:gateway_retries_total', code='prefill_handback') - handbacks:.0f}")
+    assert results == want
+    # Each took the hop to the live one, or was placed on the decode replica by the
+    # time-to-first-token estimate (a loaded machine can make the live one's queue look a
+    # second behind: gateway.picker); none went nowhere.
+    assert (layout.metric("tandem:gateway_picks_total", replica=live.target, as_role="prefill")
+            - picks + layout.metric("tandem:gateway_routing_decisions_total",
+                                    pd="self_prefill_sooner") - sooner) >= len(prompts)
+    # A pull from the dead one after its answer would be one (its KV is gone with it); none
+    # was under way here: every Prefill went to the live one or was handed back before it.
+    assert kv_fallbacks(decode) == fallbacks, "prompts computed on the decode replica"
 
 
 def prefill_through(decode: ReplicaProcess, peer: str, prompt: list[int]) -> None:
@@ -229,34 +286,42 @@ def test_a_restarted_prefill_replica_takes_prompts_once_it_is_back_none_recomput
     prefill, decode = layout.replicas["prefill-0"], layout.replicas["decode-1"]
     prompts = [[(11 * i + j) % 300 + 3 for j in range(80 + i)] for i in range(6)]
     want = greedy(offline, prompts, 8)
+    healthy = healthy_replicas(layout.metrics_port)
     prefill.kill()
-    wait_until(lambda: healthy_replicas(layout.metrics_port) == 1, time.monotonic() + 10,
-               "the gateway seeing the prefill replica go", layout.log_dir)
-    for i in range(8):  # while it is down, the decode replica's calls to it fail
+    wait_until(lambda: healthy_replicas(layout.metrics_port) == healthy - 1,
+               time.monotonic() + 10, "the gateway seeing the prefill replica go",
+               layout.log_dir)
+    # While it is down, the decode replica's calls to it fail, and at once: nothing listens
+    # there, so a Prefill does not wait out the 2 s a restarting peer gets to connect; the
+    # decode replica computes the prompt itself (the endpoint picker's path, no hand-back).
+    refused = kv_fallbacks(decode, "unreachable")
+    waits = []
+    for i in range(8):
+        started = time.monotonic()
         prefill_through(decode, prefill.target, [5 + i, *range(40, 80)])
+        waits.append(time.monotonic() - started)
         time.sleep(0.5)
+    print(f"\nrequests naming the dead prefill replica, computed on the decode replica in: "
+          f"{', '.join(f'{w:.2f}' for w in waits)} s "
+          f"({kv_fallbacks(decode, 'unreachable') - refused:.0f} of 8 refused at once)")
+    # Each such call used to wait 2 s (its channel in backoff): reason prefill_failed.
+    assert kv_fallbacks(decode, "unreachable") - refused >= 1
     layout.restart("prefill-0")
-    wait_until(lambda: healthy_replicas(layout.metrics_port) == 2, time.monotonic() + 60,
+    wait_until(lambda: healthy_replicas(layout.metrics_port) == healthy, time.monotonic() + 60,
                "the gateway routing to the restarted prefill replica", layout.log_dir)
     fallbacks = kv_fallbacks(decode)
     handbacks = layout.metric("tandem:gateway_retries_total", code="prefill_handback")
     hops = layout.metric("tandem:gateway_routing_decisions_total", pd="prefill_hop")
-    results: list[str | Exception] = [""] * len(prompts)
-
-    def one(i: int) -> None:
-        try:
-            results[i] = complete(layout.gateway, prompts[i], 8)
-        except Exception as error:  # noqa: BLE001 - reported per request
-            results[i] = error
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    assert results == want
-    assert layout.metric("tandem:gateway_routing_decisions_total",
-                         pd="prefill_hop") - hops == len(prompts)
+    sooner = layout.metric("tandem:gateway_routing_decisions_total", pd="self_prefill_sooner")
+    assert complete_all(layout.gateway, prompts, 8) == want
+    print(f"after the restart: {layout.metric('tandem:gateway_routing_decisions_total', pd='prefill_hop') - hops:.0f} "
+          f"hops, {layout.metric('tandem:gateway_routing_decisions_total', pd='self_prefill_sooner') - sooner:.0f} "
+          "placed on the decode replica by the estimate")
+    # The hop to the restarted replica, or the decode replica by the estimate (as above);
+    # never a prompt handed back or recomputed because of the restart.
+    assert (layout.metric("tandem:gateway_routing_decisions_total", pd="prefill_hop") - hops
+            + layout.metric("tandem:gateway_routing_decisions_total", pd="self_prefill_sooner")
+            - sooner) == len(prompts)
     assert layout.metric("tandem:gateway_retries_total", code="prefill_handback") == handbacks
     assert kv_fallbacks(decode) == fallbacks, "prompts recomputed on the decode replica"
 
@@ -270,8 +335,8 @@ def test_with_no_replica_left_a_broken_stream_says_so_and_counts_no_resumption(
               for o in ("resumed", "no_replica")}
     streams = Streams(layout.gateway, PROMPTS[:1], 450)  # still running at the kills
     streams.wait_started()
-    layout.replicas["prefill-0"].kill()
-    layout.replicas["decode-1"].kill()
+    for replica in layout.replicas.values():
+        replica.kill()
     [result] = streams.join()
     assert isinstance(result, Exception) and "no other replica can continue it" in str(result)
     assert layout.metric("tandem:gateway_resumptions_total", outcome="resumed") == counts[

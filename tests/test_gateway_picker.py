@@ -182,6 +182,58 @@ def test_pd_decider() -> None:
     assert decision.filtered == {"p1": "unhealthy"}
 
 
+def measured(address: str, role: str, *, queued: int = 0, rate: float = 0.0,
+             share: float = 1.0, running: int = 0, matched: int = 0,
+             healthy: bool = True) -> ReplicaState:
+    """A replica with what it publishes for time-to-first-token estimates."""
+    load = LoadView(num_running=running, age_s=0.01, prefill_tokens_queued=queued,
+                    prefill_tokens_per_s=rate, prefill_share=share)
+    return ReplicaState(address, role, healthy, load, matched)
+
+
+def test_the_prompt_goes_to_the_prefill_replica_estimated_to_finish_it_first() -> None:
+    """Queued prompt tokens and measured rates, not queue depth: one long prompt queued (4 s
+    of work) loses to two short ones (0.1 s), which the queue scorer preferred; a dead one is
+    no candidate, however idle; a replica not measured yet (just restarted) is estimated
+    with the others' rate; none measured: the scores decide, as before."""
+    long_queue = measured("p-long", "prefill", queued=8000, rate=2000.0, running=1)
+    short_queue = measured("p-short", "prefill", queued=200, rate=2000.0, running=2)
+    decode = measured("d", "decode", rate=2000.0, share=0.5, running=4)
+    decision = pick([decode, long_queue, short_queue], 20 * BS, BS)
+    assert decision.prefill is not None and decision.prefill.address == "p-short"
+    assert decision.prefill.ttft_estimate_s == pytest.approx((200 + 320) / 2000 + 0.05)
+    unplaced = pick([decode, long_queue, short_queue], 20 * BS, BS,
+                    PickerConfig(estimate_placement=False))
+    assert unplaced.prefill is not None and unplaced.prefill.address == "p-long"
+    dead_idle = measured("p-dead", "prefill", rate=2000.0, healthy=False)
+    assert pick([decode, short_queue, dead_idle], 20 * BS, BS).prefill.address == "p-short"
+    restarted = measured("p-new", "prefill")  # no rate yet: the median of the others'
+    decision = pick([decode, long_queue, short_queue, restarted], 20 * BS, BS)
+    assert decision.prefill is not None and decision.prefill.address == "p-new"
+    unknown = [measured("d", "decode"), measured("p1", "prefill", queued=9000, running=0),
+               measured("p2", "prefill", running=3)]
+    assert pick(unknown, 20 * BS, BS).prefill.address == "p1"  # the queue scorer's choice
+
+
+def test_the_decode_replica_computes_the_prompt_when_that_is_estimated_sooner() -> None:
+    """Its own estimate counts its share beside its streams; it must beat the hop by
+    ``self_prefill_min_gain_s``: a prefill replica a few prompts behind keeps the prompt, one
+    seconds behind (the prompts of a dead prefill replica handed back to it) does not."""
+    decode = measured("d", "decode", share=0.5, running=4)  # rate: the prefill replica's
+    behind = measured("p", "prefill", queued=12000, rate=2000.0, running=6)
+    decision = pick([decode, behind], 20 * BS, BS)
+    assert (decision.pd_reason, decision.prefill) == ("self_prefill_sooner", None)
+    assert decision.decode.ttft_estimate_s == pytest.approx(320 / 1000)
+    assert decision.missing_role == ""
+    near = measured("p", "prefill", queued=1000, rate=2000.0, running=2)
+    assert pick([decode, near], 20 * BS, BS).pd_reason == "prefill_hop"
+    # A busy decode replica (its own prompts queued) keeps the hop even then.
+    busy = measured("d", "decode", queued=20000, share=0.5, running=4)
+    assert pick([busy, behind], 20 * BS, BS).pd_reason == "prefill_hop"
+    with pytest.raises(ValueError, match="self_prefill_min_gain_s must be 0 or more"):
+        PickerConfig(self_prefill_min_gain_s=-1.0)
+
+
 def _stored(seq: int, hashes: list[bytes]) -> engine_pb2.KvEventBatch:
     batch = engine_pb2.KvEventBatch(seq=seq)
     batch.events.add().block_stored.block_hashes.extend(hashes)

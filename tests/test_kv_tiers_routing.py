@@ -5,12 +5,27 @@ loads (within one block)."""
 
 from __future__ import annotations
 
+import argparse
+import re
 from pathlib import Path
 
+import pytest
+
+from deploy.cli import add_suite_args, suite_config
+from deploy.k8s import K8sOptions, render_k8s_manifests
+from deploy.suite_plan import plan_suite
 from engine_common.block_hash import hash_prompt_blocks
 from engine_common.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from engine_common.kv_tiers.config import KvTiersConfig
+from gateway.__main__ import build_parser as gateway_parser
+from gateway.__main__ import options_from_args as gateway_options
+from gateway.cluster import ClusterView
+from gateway.endpoint_picker_main import build_parser as picker_parser
+from gateway.endpoint_picker_main import options_from_args as picker_options
+from gateway.load import LoadView
+from gateway.picker import ReplicaState, pick
 from gateway.prefix_index import PrefixIndex
+from gateway.tier_weights import parse_tier_weights
 from protos.tandem.v1 import engine_pb2 as epb
 from services.engine_api.messages import kv_event_batch_to_pb
 from tests.kv_tiers_workload import BLOCK, GREEDY, TURN2_TIER_BLOCKS, engine, prompts
@@ -98,3 +113,50 @@ def test_a_restarted_replica_announces_what_its_disk_tier_holds(tiny_llama_dir: 
     hashes = hash_prompt_blocks(turn2, BLOCK)[:(len(turn2) - 1) // BLOCK]
     assert index.prefix_tiers("replica", hashes) == ["disk"] * TURN2_TIER_BLOCKS
     restarted.core.close()
+
+
+def test_tier_weights_flag_is_validated_and_changes_the_routing_decision(
+        tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--kv-tier-weights`` on the gateway (and the endpoint picker, ``tandem up``, ``tandem
+    render k8s``, which pass it on): a replica holding 8 blocks in its host tier beats one
+    holding 5 in its pool at host=0.8 (6.4 blocks), loses at host=0.5 (4)."""
+    for bad, said in [("host=2", "must be in [0, 1], got 2"), ("tape=0.1", "unknown KV tier"),
+                      ("host=x", "must be a number"), ("host", "expected TIER=WEIGHT"),
+                      ("host=0.1,host=0.2", "given twice"), ("disk=nan", "in [0, 1]")]:
+        with pytest.raises(ValueError, match=re.escape(said)):
+            parse_tier_weights(bad)
+    with pytest.raises(SystemExit) as exit_:
+        gateway_parser().parse_args(["--replica", "h:1", "--kv-tier-weights", "tape=1"])
+    assert exit_.value.code == 2
+    assert "--kv-tier-weights: unknown KV tier 'tape'" in capsys.readouterr().err
+
+    def decision(flags: list[str]) -> str:
+        options = gateway_options(gateway_parser().parse_args(
+            ["--model", str(tiny_llama_dir), "--replica", "h:1", *flags]))
+        index = ClusterView.create(["h:1"], [], dns_interval_s=5, load_interval_s=0.05,
+                                   tier_weights=options.kv_tier_weights).index
+        chain = hash_prompt_blocks(list(range(40)), BS)
+        index.apply("host-tier", _batch(1, [BlockStored(chain[:8], None, [], BS,
+                                                        medium="host")]))
+        index.apply("pool", _batch(1, [BlockStored(chain[:5], None, [], BS)]))
+        matched = index.match(chain)
+        states = [ReplicaState(a, "both", True, LoadView(age_s=0.0), matched.get(a, 0))
+                  for a in ("host-tier", "pool")]
+        return pick(states, len(chain) * BS, BS).decode.address
+
+    assert decision([]) == "host-tier"
+    assert decision(["--kv-tier-weights", "host=0.5"]) == "pool"
+    picker = picker_options(picker_parser().parse_args(
+        ["--replica", "h:1", "--kv-tier-weights", "device=1,shared=0.3"]))
+    assert picker.kv_tier_weights == {"device": 1.0, "shared": 0.3}
+    # Passed on: tandem up to its gateway, tandem render k8s to the endpoint picker.
+    parser = argparse.ArgumentParser()
+    add_suite_args(parser)
+    suite = plan_suite(suite_config(parser.parse_args(["--kv-tier-weights", "host=0.5"])))
+    [gateway_argv] = [s.argv for s in suite.specs if s.name == "gateway"]
+    assert gateway_argv[-2:] == ["--kv-tier-weights", "host=0.5"]
+    objects = render_k8s_manifests(K8sOptions(kv_tier_weights={"disk": 0.4}))
+    [epp] = [o for o in objects if o["kind"] == "Deployment"
+             and o["metadata"]["name"].endswith("-epp")]
+    args = epp["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--kv-tier-weights") + 1] == "disk=0.4"

@@ -187,3 +187,33 @@ def test_a_queue_lifts_the_time_cap_one_prompt_keeps_it():
     assert chunks(scale=False, queued_prompts=3) == [BLOCK]
     assert chunks(scale=True, queued_prompts=2) == [100, 28]
     assert chunks(scale=True, queued_prompts=3) == [100, 92]
+
+
+def test_what_a_scheduler_publishes_for_time_to_first_token_estimates():
+    """``engine_common.prefill_outlook``: the prompt tokens queued (waiting and being
+    prefilled), the recent prompt rate (a few prompt tokens beside many decodes, their fixed
+    cost charged to them, do not drag it down as they do the chunk-sizing cost) and the step
+    share a new prompt gets beside running decodes (1 without them)."""
+    costs = StepCosts()
+    costs.observe(prefill_tokens=1000, decodes=0, seconds=0.5)
+    costs.observe(prefill_tokens=0, decodes=8, seconds=0.05)
+    costs.observe(prefill_tokens=2, decodes=8, seconds=0.08)
+    assert costs.prefill_token_s == 0.015  # 30 ms for 2 tokens: the chunk sizer's safe side
+    assert costs.prefill_tokens_per_s == (0.9 * 1000 + 2) / (0.9 * 0.5 + 0.03)  # ~1879
+    config = SchedulerConfig(max_num_batched_tokens=200, max_prefill_tokens_while_decoding=64,
+                             max_prefill_time_per_decode_step=1.0)
+    kv = KVCacheManager(num_blocks=256, block_size=BLOCK, max_model_len=200)
+    sched = Scheduler(config, kv)
+    sched.add_request(Request("running", [1, 2, 3], SamplingParams(max_tokens=50),
+                              max_model_len=200, block_size=BLOCK))
+    assert sched.make_stats().prefill_share == 1.0  # nothing decodes yet
+    _finish_step(sched, sched.schedule(), random.Random(0))
+    sched.step_costs = StepCosts(decode_step_s=0.01, prefill_token_s=0.001)
+    sched.step_costs.observe(prefill_tokens=100, decodes=0, seconds=0.1)
+    sched.add_request(Request("queued", [7] * 90, SamplingParams(max_tokens=2),
+                              max_model_len=200, block_size=BLOCK))
+    stats = sched.make_stats()
+    assert stats.num_prefill_tokens_queued == 90
+    assert stats.prefill_tokens_per_s == 1000.0
+    # Beside the decode, a chunk of 10 tokens (one decode step's time): half of each step.
+    assert stats.prefill_share == 0.5

@@ -260,6 +260,10 @@ class EngineServicer(epb_grpc.EngineServicer):
             kv_events_last_seq=self.llm.kv_events.last_seq,
             timestamp=time.time(),
             lora_adapters=sorted(self.model.lora_names),
+            num_prefill_tokens_queued=stats.num_prefill_tokens_queued,
+            # Rounded: a report is sent again only when its content changes (load_watch).
+            prefill_tokens_per_s=float(f"{stats.prefill_tokens_per_s:.3g}"),
+            prefill_share=round(stats.prefill_share, 3),
         )
 
     @rpc_handler

@@ -4,7 +4,9 @@ Owns one gRPC channel per prefill replica (reused across requests), the Prefill 
 the engine's records (``RemoteKvChunk`` announcements, then the ``RemotePrefill`` result) and
 the fire-and-forget release once the decode side has pulled the blocks (or given up on them).
 A channel whose last connection attempt failed gets ``connect_wait_s`` to connect before its
-Prefill fails, and reconnects within a second of a restart.
+Prefill fails, unless nothing listens at the peer's address any more (a TCP connection there is
+refused: the replica is dead, and its Prefill fails at once), and reconnects within a second
+of a restart.
 It does not move KV: the decode engine core pulls the blocks over UCX with the handles the
 stream carries. The call has no deadline; the prefill replica's keepalives show it alive while
 the prompt queues, and a silence of ``silence_timeout_s`` ends it. Closing the stream before
@@ -20,9 +22,10 @@ nothing and the result's pin stays until its lease ends.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncGenerator
-from typing import cast
+from typing import Any, cast
 
 import grpc
 import grpc.aio
@@ -50,6 +53,26 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
+
+
+async def _refused(peer: str, timeout_s: float) -> bool:
+    """Whether a TCP connection to ``peer`` (host:port, [v6]:port) is refused outright. A
+    peer that accepts, or does not answer within ``timeout_s`` (a host gone silent), or an
+    address this cannot read, is not known to be dead: False."""
+    host, sep, port = peer.rpartition(":")
+    if not sep or not port.isdigit():
+        return False
+    try:
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(host.strip("[]"), int(port)), timeout_s)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return False
 
 
 class PrefillFailed(RemotePrefillLost):
@@ -100,19 +123,41 @@ class PrefillPeers:
 
     async def _connected(self, peer: str) -> None:
         """A channel to ``peer`` whose last connection attempt failed (a call on it would
-        fail at once) gets up to ``connect_wait_s`` to connect; PrefillFailed UNAVAILABLE when
-        it does not. Any other state goes ahead: the call itself connects, or waits for the
-        attempt under way, and a silent peer is the silence timeout's to give up on."""
+        fail at once) gets up to ``connect_wait_s`` to connect, unless the peer's port
+        refuses a TCP connection meanwhile (dead: PrefillFailed "unreachable" at once);
+        PrefillFailed UNAVAILABLE when it does not connect in time. Any other state goes
+        ahead: the call itself connects, or waits for the attempt under way, and a silent
+        peer is the silence timeout's to give up on."""
         channel = self._channel(peer)
         failing = grpc.ChannelConnectivity.TRANSIENT_FAILURE
         if channel.get_state(try_to_connect=True) != failing:
             return
+        # NOTE: the probe runs beside the wait, not before it: a peer that drops packets (a
+        # partition) would otherwise cost its timeout and then the wait again.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.connect_wait_s
+        ready = asyncio.ensure_future(channel.channel_ready())
+        probe = asyncio.ensure_future(_refused(peer, self.connect_wait_s))
+        waiting: set[asyncio.Future[Any]] = {ready, probe}
         try:
-            await asyncio.wait_for(channel.channel_ready(), self.connect_wait_s)
-        except TimeoutError:
-            raise PrefillFailed(
-                "prefill_failed", f"{peer} did not accept a connection within "
-                f"{self.connect_wait_s:g} s", grpc.StatusCode.UNAVAILABLE) from None
+            while not ready.done():
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise PrefillFailed(
+                        "prefill_failed", f"{peer} did not accept a connection within "
+                        f"{self.connect_wait_s:g} s", grpc.StatusCode.UNAVAILABLE)
+                done, waiting = await asyncio.wait(waiting, timeout=remaining,
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                if probe in done and not ready.done() and probe.result():
+                    # Dead, not restarting: waiting out connect_wait_s here cost every
+                    # prompt that named a killed prefill replica 2 s before it was handed
+                    # back (or computed here), while a replica the gateway routes to again
+                    # listens already.
+                    raise PrefillFailed("unreachable", f"{peer} refused a connection "
+                                        "(nothing listens there)", grpc.StatusCode.UNAVAILABLE)
+        finally:
+            for task in (ready, probe):
+                task.cancel()
 
     async def prefill(self, peer: str, request_id: str, request: GenerationRequest,
                       announce_kv: bool = False

@@ -290,7 +290,7 @@ class WatchLoadRequest(_message.Message):
     def __init__(self, min_interval_s: _Optional[float] = ..., heartbeat_s: _Optional[float] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("engine_id", "role", "model", "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_free_blocks", "num_total_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "block_size", "kv_events_last_seq", "timestamp", "lora_adapters")
+    __slots__ = ("engine_id", "role", "model", "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_free_blocks", "num_total_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "block_size", "kv_events_last_seq", "timestamp", "lora_adapters", "num_prefill_tokens_queued", "prefill_tokens_per_s", "prefill_share")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -306,6 +306,9 @@ class LoadReport(_message.Message):
     KV_EVENTS_LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFILL_TOKENS_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SHARE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: str
     model: str
@@ -321,7 +324,10 @@ class LoadReport(_message.Message):
     kv_events_last_seq: int
     timestamp: float
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_cache_usage_perc: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_events_last_seq: _Optional[int] = ..., timestamp: _Optional[float] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    num_prefill_tokens_queued: int
+    prefill_tokens_per_s: float
+    prefill_share: float
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_cache_usage_perc: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_events_last_seq: _Optional[int] = ..., timestamp: _Optional[float] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., num_prefill_tokens_queued: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_share: _Optional[float] = ...) -> None: ...
 
 class WatchKvEventsRequest(_message.Message):
     __slots__ = ("since_seq", "incarnation")
