@@ -26,6 +26,7 @@ from engine_common.decode_graphs import DecodeGraphRunner, DecodeInputs
 from engine_common.lora.loaded_adapters import LoadedLoraAdapters
 from engine_common.model.arch_config import ModelArchConfig
 from engine_common.model.attention.backend import AttentionMetadata
+from engine_common.model.attention.kv_cache_layout import kv_cache_shape
 from engine_common.model.cpu_allocator import keep_large_temporaries_in_heap
 from engine_common.model.loader import load_model, resolve_dtype
 from engine_common.outputs import ModelRunnerOutput
@@ -78,7 +79,8 @@ class ModelRunner:
                                                      settings.max_lora_rank)
         self.num_blocks = self._num_kv_blocks()
         self.kv_cache = torch.zeros(
-            (arch.num_layers, 2, self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_size),
+            kv_cache_shape(arch.num_layers, self.num_blocks, self.block_size, arch.num_kv_heads,
+                           arch.head_size),
             dtype=self.dtype,
             device=self.device,
         )

@@ -4,8 +4,9 @@
 //
 // Owns only the arithmetic of one decode step's attention for one layer. The Python side
 // (engine_common/model/attention/cpu_paged_kernel.py) builds this file, checks the tensors
-// and passes raw pointers; the cache layout is the engine's (attention/backend.py):
-//   k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_size], contiguous.
+// and passes raw pointers; the cache layout is the engine's (attention/kv_cache_layout.py):
+//   k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_size] of one layer, read
+//   through their strides (a block's stride spans every layer; rows have unit stride).
 //
 // Work items are (sequence, KV head) pairs, shared among OpenMP threads (the library links
 // the libgomp torch already loaded, so torch.set_num_threads bounds them too). For one item
@@ -56,6 +57,7 @@ struct Args {
   int64_t q_token_stride, q_head_stride;  // in elements
   const void* k_cache;
   const void* v_cache;
+  int64_t block_stride, head_stride, token_stride;  // of k_cache and v_cache, in elements
   const int32_t* block_tables;
   int64_t block_table_stride;
   const int32_t* seq_lens;
@@ -127,11 +129,11 @@ inline float dot(const float* q, const T* k, int head_size) {
 }
 
 // One sequence's blocks in the cache: block j of its context starts at
-// cache + table[j] * block_stride and holds block_size tokens of token_stride elements
-// (every KV head's row, head after head).
+// cache + table[j] * block_stride; the row of token t of KV head h starts
+// h * head_stride + t * token_stride elements into it.
 struct Blocks {
   const int32_t* table;
-  int64_t token_stride, block_stride;
+  int64_t token_stride, block_stride, head_stride;
   template <typename T>
   const T* start(const T* cache, int t0, int block_size) const {
     return cache + table[t0 / block_size] * block_stride;
@@ -141,13 +143,16 @@ struct Blocks {
 // Fetch the next block's rows of heads [h0, h1) while this block computes: a sequence's
 // blocks lie anywhere in the cache, where the hardware prefetchers do not look.
 template <typename T>
-inline void prefetch_block(const T* block, int n, int64_t token_stride, int h0, int h1,
+inline void prefetch_block(const T* block, int n, const Blocks& blocks, int h0, int h1,
                            int head_size) {
-  const char* first = reinterpret_cast<const char*>(block + h0 * head_size);
-  const int64_t span = static_cast<int64_t>(h1 - h0) * head_size * sizeof(T);
-  const int64_t stride = token_stride * static_cast<int64_t>(sizeof(T));
-  for (int t = 0; t < n; ++t)
-    for (int64_t b = 0; b < span; b += 64) __builtin_prefetch(first + t * stride + b);
+  const int64_t span = static_cast<int64_t>(head_size) * sizeof(T);
+  for (int h = h0; h < h1; ++h) {
+    const char* first = reinterpret_cast<const char*>(block + h * blocks.head_stride);
+    for (int t = 0; t < n; ++t) {
+      const char* row = first + t * blocks.token_stride * static_cast<int64_t>(sizeof(T));
+      for (int64_t b = 0; b < span; b += 64) __builtin_prefetch(row + b);
+    }
+  }
 }
 
 // The heads [h0, h1) of one sequence, block after block (each block read once, while it is
@@ -163,14 +168,14 @@ void scores_for_heads(const Args& a, const Blocks& blocks, int ctx, int h0, int 
     const T* block = blocks.start(k_cache, t0, bs);
     const int n = std::min(bs, ctx - t0);
     if (t0 + bs < ctx)
-      prefetch_block(blocks.start(k_cache, t0 + bs, bs), std::min(bs, ctx - t0 - bs), ts, h0,
-                     h1, hs);
+      prefetch_block(blocks.start(k_cache, t0 + bs, bs), std::min(bs, ctx - t0 - bs), blocks,
+                     h0, h1, hs);
     int t = 0;
 #ifdef TANDEM_AVX2
     // Eight tokens at a time: eight independent FMA chains per query head.
     for (; hs % 8 == 0 && t + 8 <= n; t += 8) {
       for (int h = h0; h < h1; ++h) {
-        const T* k = block + t * ts + h * hs;
+        const T* k = block + t * ts + h * blocks.head_stride;
         for (int g = 0; g < group; ++g) {
           const int i = (h - h0) * group + g;
           const float* qi = q + i * hs;
@@ -205,7 +210,7 @@ void scores_for_heads(const Args& a, const Blocks& blocks, int ctx, int h0, int 
       for (int h = h0; h < h1; ++h) {
         for (int g = 0; g < group; ++g) {
           const int i = (h - h0) * group + g;
-          const float s = dot(q + i * hs, block + t * ts + h * hs, hs);
+          const float s = dot(q + i * hs, block + t * ts + h * blocks.head_stride, hs);
           scores[static_cast<int64_t>(i) * ctx + t0 + t] = (bf16 ? round_bf16(s) : s) * a.scale;
         }
       }
@@ -239,15 +244,15 @@ inline void softmax(float* x, int n) {
 // acc[i][0 .. head_size) += sum over the block's n tokens of p[i][t] * v_t, for the query
 // heads i of KV heads [h0, h1); weights p[i] start at the block's first token.
 template <typename T>
-void accumulate_block(const Args& a, const T* block, int n, int64_t ts, int h0, int h1,
-                      const float* p, int64_t p_stride, float* acc) {
+void accumulate_block(const Args& a, const T* block, int n, int64_t ts, int64_t head_stride,
+                      int h0, int h1, const float* p, int64_t p_stride, float* acc) {
   const int group = a.num_heads / a.num_kv_heads, hs = a.head_size;
   for (int h = h0; h < h1; ++h) {
     for (int g = 0; g < group; ++g) {
       const int i = (h - h0) * group + g;
       const float* w = p + i * p_stride;
       float* out = acc + static_cast<int64_t>(i) * hs;
-      const T* rows = block + h * hs;
+      const T* rows = block + h * head_stride;
       int d0 = 0;
 #ifdef TANDEM_AVX2
       // 64 columns at a time: eight accumulators, eight independent FMA chains.
@@ -301,8 +306,9 @@ void attend(const Args& a, int seq, int h0, int h1, std::vector<float>& scratch)
     const T* src = query + row * a.q_token_stride + (h0 * group + i) * a.q_head_stride;
     for (int d = 0; d < hs; ++d) q[i * hs + d] = load1(src + d);
   }
-  const int64_t ts = static_cast<int64_t>(a.num_kv_heads) * hs;
-  const Blocks blocks{a.block_tables + seq * a.block_table_stride, ts, ts * bs};
+  const int64_t ts = a.token_stride;
+  const Blocks blocks{a.block_tables + seq * a.block_table_stride, ts, a.block_stride,
+                      a.head_stride};
   scores_for_heads<T>(a, blocks, ctx, h0, h1, q, scores);
   for (int i = 0; i < heads; ++i) {
     float* p = scores + static_cast<int64_t>(i) * ctx;
@@ -315,10 +321,10 @@ void attend(const Args& a, int seq, int h0, int h1, std::vector<float>& scratch)
   const T* v_cache = static_cast<const T*>(a.v_cache);
   for (int t0 = 0; t0 < ctx; t0 += bs) {
     if (t0 + bs < ctx)
-      prefetch_block(blocks.start(v_cache, t0 + bs, bs), std::min(bs, ctx - t0 - bs), ts, h0,
-                     h1, hs);
-    accumulate_block(a, blocks.start(v_cache, t0, bs), std::min(bs, ctx - t0), ts, h0, h1,
-                     scores + t0, ctx, acc);
+      prefetch_block(blocks.start(v_cache, t0 + bs, bs), std::min(bs, ctx - t0 - bs), blocks,
+                     h0, h1, hs);
+    accumulate_block(a, blocks.start(v_cache, t0, bs), std::min(bs, ctx - t0), ts,
+                     blocks.head_stride, h0, h1, scores + t0, ctx, acc);
   }
   T* out = static_cast<T*>(a.out);
   for (int i = 0; i < heads; ++i) {
@@ -354,6 +360,7 @@ extern "C" {
 // Returns 0, or a negative code for arguments the kernel cannot take.
 int tandem_paged_decode(int dtype, const void* query, int64_t q_token_stride,
                         int64_t q_head_stride, const void* k_cache, const void* v_cache,
+                        int64_t block_stride, int64_t head_stride, int64_t token_stride,
                         const int32_t* block_tables, int64_t block_table_stride,
                         const int32_t* seq_lens, const int32_t* query_start_loc,
                         const int32_t* seqs, int num_items, void* out,
@@ -363,7 +370,8 @@ int tandem_paged_decode(int dtype, const void* query, int64_t q_token_stride,
     return -1;
   if (dtype != kFloat32 && dtype != kBFloat16) return -2;
   const Args a{dtype,       query,          q_token_stride,  q_head_stride,
-               k_cache,     v_cache,        block_tables,    block_table_stride,
+               k_cache,     v_cache,        block_stride,    head_stride,
+               token_stride, block_tables,  block_table_stride,
                seq_lens,    query_start_loc, seqs,           out,
                out_token_stride, out_head_stride, num_items,  num_heads,
                num_kv_heads, head_size,     block_size,      scale};
