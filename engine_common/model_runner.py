@@ -28,7 +28,6 @@ from engine_common.model.arch_config import ModelArchConfig
 from engine_common.model.attention.backend import AttentionMetadata
 from engine_common.model.attention.kv_cache_layout import kv_cache_shape
 from engine_common.model.cpu_allocator import keep_large_temporaries_in_heap
-from engine_common.model.huge_pages import zeros_on_huge_pages
 from engine_common.model.loader import load_model, resolve_dtype
 from engine_common.outputs import ModelRunnerOutput
 from engine_common.request import Request
@@ -81,10 +80,11 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         shape = kv_cache_shape(arch.num_layers, self.num_blocks, self.block_size,
                                arch.num_kv_heads, arch.head_size)
-        if self.device.type == "cpu":  # a layer's blocks lie far apart: fewer TLB misses
-            self.kv_cache = zeros_on_huge_pages(shape, self.dtype)
-        else:
-            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # NOTE: not on transparent huge pages: 8-13% faster decode attention (a layer's
+        # blocks lie a block apart, a TLB miss each on 4 KiB pages), but faulting in a GiB
+        # of them took 2.6-3.3 s against 1.0-1.2 on a loaded host (direct compaction), at
+        # every engine start (docs/benchmarks.md).
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         self._grammar_bitmask: GrammarBitmask | None = None  # made by the first grammar
