@@ -119,8 +119,10 @@ def make_step_inputs(
     blocks_per_seq = [math.ceil(s / bs) for s in seq_lens]
     width = max(blocks_per_seq)
     num_blocks = sum(blocks_per_seq) + 1
+    # One layer's [num_blocks, 2, kv_heads, block_size, head] (kv_cache_layout; one layer
+    # alone, so its block stride is that layer's block)
     kv_cache = torch.empty(
-        (2, num_blocks, bs, shape.num_kv_heads, shape.head_size), dtype=dtype, device=device
+        (num_blocks, 2, shape.num_kv_heads, bs, shape.head_size), dtype=dtype, device=device
     ).normal_()
     ids = (torch.randperm(num_blocks - 1, device=device) + 1).to(torch.int32)
     block_tables = torch.zeros((len(seq_lens), width), dtype=torch.int32, device=device)

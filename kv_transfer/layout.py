@@ -6,9 +6,17 @@ per-block byte count. It does not own the cache tensor (the model runner allocat
 block bookkeeping (the engine's block pool).
 
 The cache this describes is the engine's one tensor
-``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]`` (see
-``engine_common/model/attention/backend.py``); ``num_blocks`` is deliberately left out:
-replicas with different cache sizes can exchange blocks.
+``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_size]`` (see
+``engine_common/model/attention/kv_cache_layout.py``): a block's bytes, every layer's K and
+V, are one contiguous stretch of ``bytes_per_block``, and so are a run of consecutive
+blocks'. ``num_blocks`` is deliberately left out: replicas with different cache sizes can
+exchange blocks.
+
+Fingerprint versions: 1 was the layer-major cache ``[num_layers, 2, num_blocks,
+block_size, num_kv_heads, head_size]``; 2 is the block-major, head-major one. Both sides
+compare fingerprints before any byte moves, so a peer of the old layout is refused (a
+``layout_mismatch``, counted, and the request recomputes) and never read wrong;
+``previous_layout_fingerprint`` lets the refusal say that it is the old layout.
 """
 
 from __future__ import annotations
@@ -21,7 +29,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported where tensors are: a gateway reads layouts without it
     import torch
 
-_FINGERPRINT_VERSION = 1
+_FINGERPRINT_VERSION = 2
+_PREVIOUS_FINGERPRINT_VERSION = 1  # the layer-major cache (see the module docstring)
 
 # The KV-cache dtypes an engine allocates, by ``KvLayout.dtype``, and their sizes in bytes.
 ITEM_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -52,12 +61,12 @@ class KvLayout:
     @classmethod
     def of_cache(cls, model: str, kv_cache: torch.Tensor) -> KvLayout:
         """The layout of an existing cache tensor."""
-        if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+        if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
             raise ValueError(
-                "expected a cache of shape [num_layers, 2, num_blocks, block_size, "
-                f"num_kv_heads, head_size], got {tuple(kv_cache.shape)}"
+                "expected a cache of shape [num_blocks, num_layers, 2, num_kv_heads, "
+                f"block_size, head_size], got {tuple(kv_cache.shape)}"
             )
-        num_layers, _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+        _, num_layers, _, num_kv_heads, block_size, head_size = kv_cache.shape
         return cls(
             model=model,
             dtype=dtype_name(kv_cache.dtype),
@@ -74,19 +83,37 @@ class KvLayout:
         return elements * ITEM_SIZES[self.dtype]
 
     def fingerprint(self) -> str:
-        """A stable hex digest of every field: equal iff the layouts are equal.
+        """A stable hex digest of every field and of the cache's memory order: equal iff
+        the layouts are equal.
 
         Stable across processes, machines and Python versions (canonical JSON, sha256),
         unlike ``hash()``.
         """
+        return self._fingerprint(_FINGERPRINT_VERSION)
+
+    def previous_layout_fingerprint(self) -> str:
+        """The fingerprint an engine of the previous (layer-major) cache layout gives these
+        same fields: a peer that sends it runs the previous release."""
+        return self._fingerprint(_PREVIOUS_FINGERPRINT_VERSION)
+
+    def mismatch(self, theirs: str, side: str) -> str:
+        """Why a peer's layout fingerprint ``theirs`` is refused, for an error's detail."""
+        if theirs == self.previous_layout_fingerprint():
+            return (f"the {side} runs the previous KV cache layout (layer-major, fingerprint "
+                    f"version {_PREVIOUS_FINGERPRINT_VERSION}; this side is block-major, "
+                    f"version {_FINGERPRINT_VERSION}): upgrade it; until then its requests "
+                    "recompute")
+        return f"{side} layout {theirs}, ours {self.fingerprint()}"
+
+    def _fingerprint(self, version: int) -> str:
         canonical = json.dumps(
-            {"v": _FINGERPRINT_VERSION, **asdict(self)}, sort_keys=True, separators=(",", ":")
+            {"v": version, **asdict(self)}, sort_keys=True, separators=(",", ":")
         )
         return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
     def check_cache(self, kv_cache: torch.Tensor) -> None:
         """Raise ValueError unless ``kv_cache`` is a contiguous cache of this layout."""
-        expected = KvLayout.of_cache(self.model, kv_cache)
+        expected = type(self).of_cache(self.model, kv_cache)
         if expected != self:
             raise ValueError(f"cache of layout {expected} does not match {self}")
         if not kv_cache.is_contiguous():

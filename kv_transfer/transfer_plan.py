@@ -4,17 +4,18 @@ Owns the choice between the two ways a pull moves and the list of messages each 
 which producer and consumer must compute identically (message i of a pull travels under
 tag ``wire.payload_tag(connection, seq, i)``):
 
-- **direct**: when the pulled blocks form long runs that are consecutive in both caches,
-  every (layer, K/V, run) is one contiguous stretch of bytes in each cache, and is sent
-  from the producer's cache straight into the consumer's cache: one message each, no
-  staging buffer, no copy but the transport's own.
+- **direct**: every run of blocks consecutive in both caches is one contiguous stretch of
+  bytes in each (the cache is block-major: a block holds every layer's K and V), and is
+  moved from the producer's cache straight into the consumer's: one message (or one read)
+  per run, however many layers, no staging buffer, no copy but the transport's own.
 - **staged**: otherwise, the producer gathers the blocks into a contiguous staging buffer
-  ``[num_layers, 2, n, block_size, heads, head_size]``, sends it in layer chunks, and the
+  ``[num_layers, 2, n, heads, block_size, head_size]``, sends it in layer chunks, and the
   consumer scatters each chunk into its blocks as it arrives.
 
 Why not always direct: a message costs a fixed ~tens of microseconds of Python and UCX
-bookkeeping on each side, so direct pays only while a message is large; scattered blocks
-make ``2 * num_layers`` messages per block, and then two memcpys are cheaper
+bookkeeping on each side, so direct pays only while a message is large; with blocks of a
+few KiB (tiny models) scattered blocks make many small messages, and then two memcpys are
+cheaper. A block of the default model is 360 KiB, so its pulls always go direct
 (``bench/kv_transfer_bandwidth.py`` measures both). It does not own the copies
 (``block_copy``) or the sending (``ucx_connector``).
 """
@@ -51,23 +52,11 @@ class Run:
 
 
 @dataclass(frozen=True)
-class DirectMessage:
-    """Rows ``[start, start + count)`` of (layer, K/V) group ``group`` (= layer * 2 + kv)."""
-
-    group: int
-    run: Run
-
-
-@dataclass(frozen=True)
 class TransferPlan:
     mode: Mode
     runs: tuple[Run, ...] = ()  # direct
     layers_per_chunk: int = 0  # staged
 
-    def direct_messages(self, layout: KvLayout) -> list[DirectMessage]:
-        """Layer-major: all runs of group 0, then group 1, ..."""
-        return [DirectMessage(group, run) for group in range(2 * layout.num_layers)
-                for run in self.runs]
 
     def layer_chunks(self, layout: KvLayout) -> list[tuple[int, int]]:
         """The [start, stop) layer ranges of a staged payload's messages."""
@@ -77,7 +66,7 @@ class TransferPlan:
 
     def num_messages(self, layout: KvLayout) -> int:
         if self.mode == "direct":
-            return 2 * layout.num_layers * len(self.runs)
+            return len(self.runs)  # message i is runs[i]
         return len(self.layer_chunks(layout))
 
     def to_wire(self) -> dict[str, Any]:

@@ -189,16 +189,14 @@ class UcxKvConsumer(KvConsumer):
         local = [int(b) for b in local_block_ids]
         if len(remote) != len(local):
             raise ValueError(f"{len(remote)} remote blocks for {len(local)} local blocks")
-        num_blocks = self._kv_cache.shape[2]
+        num_blocks = self._kv_cache.shape[0]
         if any(not 0 <= b < num_blocks for b in local) or len(set(local)) != len(local):
             raise ValueError(f"local block ids must be distinct and in [0, {num_blocks})")
         if handle.layout_fingerprint != self._fingerprint:
             failed: Future[TransferResult] = Future()
             failed.set_exception(
-                KvTransferError(
-                    "layout_mismatch",
-                    f"producer layout {handle.layout_fingerprint}, ours {self._fingerprint}",
-                )
+                KvTransferError("layout_mismatch",
+                                self._layout.mismatch(handle.layout_fingerprint, "producer"))
             )
             return failed
         return self._runtime.submit(self._pull(handle, remote, local, timeout))
@@ -354,8 +352,8 @@ class UcxKvConsumer(KvConsumer):
                 "unreachable", f"{handle.host}:{handle.port} is KV engine {welcome.engine_id!r}, "
                 f"not {handle.engine_id!r}{_loopback_hint(handle.host)}")
         if welcome.version >= 4 and welcome.fingerprint != self._fingerprint:
-            raise KvTransferError("layout_mismatch", f"producer layout {welcome.fingerprint}, "
-                                  f"ours {self._fingerprint}")
+            raise KvTransferError("layout_mismatch",
+                                  self._layout.mismatch(welcome.fingerprint, "producer"))
 
     async def _exchange(self, peer: _Peer, handle: KvHandle, remote: list[int],
                         local: list[int]) -> TransferPlan:
@@ -471,13 +469,13 @@ class UcxKvConsumer(KvConsumer):
         engine may reuse the blocks after a failure."""
         readable, rkey = connection.readable, connection.rkey
         assert readable is not None and rkey is not None
-        row_bytes = self._layout.bytes_per_block // (2 * self._layout.num_layers)
+        block_bytes = self._layout.bytes_per_block
+        # One GET per run: a run's blocks, every layer's K and V, are one stretch on both
+        # sides (block-major caches).
         reads = coalesce_reads(
-            [(self._copier.run_view(m.group, m.run.local_start, m.run.count).data_ptr(),
-              m.run.count * row_bytes,
-              readable.address + (m.group * readable.num_blocks + m.run.remote_start)
-              * row_bytes)
-             for m in plan.direct_messages(self._layout)])
+            [(self._copier.run_view(run.local_start, run.count).data_ptr(),
+              run.count * block_bytes, readable.address + run.remote_start * block_bytes)
+             for run in plan.runs])
         burst = self._reader.get(connection.endpoint.ucp_endpoint, rkey, reads)
         try:
             # NOTE: progressed here first, on the loop's thread: a hop to a copy thread and
@@ -520,8 +518,8 @@ class UcxKvConsumer(KvConsumer):
 
     def _receive_buffers(self, plan: TransferPlan, staging: torch.Tensor | None) -> list[Any]:
         if plan.mode == "direct":
-            return [as_wire(self._copier.run_view(m.group, m.run.local_start, m.run.count))
-                    for m in plan.direct_messages(self._layout)]
+            return [as_wire(self._copier.run_view(run.local_start, run.count))
+                    for run in plan.runs]
         assert staging is not None
         return [as_wire(staging[start:stop]) for start, stop in plan.layer_chunks(self._layout)]
 

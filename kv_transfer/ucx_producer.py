@@ -129,7 +129,7 @@ class UcxKvProducer(KvProducer):
     ) -> KvHandle:
         if self._runtime is None:
             raise RuntimeError("start() the producer before pinning")
-        num_blocks = self._kv_cache.shape[2]
+        num_blocks = self._kv_cache.shape[0]
         ids = [int(b) for b in block_ids]
         if any(not 0 <= b < num_blocks for b in ids) or len(set(ids)) != len(ids):
             raise ValueError(f"block ids must be distinct and in [0, {num_blocks}): {ids}")
@@ -195,7 +195,7 @@ class UcxKvProducer(KvProducer):
         shared memory, as that version did."""
         if not hello.read or self._mapped is None or (hello.version < 4 and kind != "shm"):
             return None
-        return ReadableCache(self._mapped.rkey, self._mapped.address, self._kv_cache.shape[2])
+        return ReadableCache(self._mapped.rkey, self._mapped.address, self._kv_cache.shape[0])
 
     async def _listen(self) -> int:
         self._server = await asyncio.start_server(
@@ -333,10 +333,8 @@ class UcxKvProducer(KvProducer):
     def _admit(self, request: BlockRequest) -> tuple[Lease, TransferPlan]:
         """The lease and plan to serve, or the KvTransferError to answer."""
         if request.fingerprint != self._fingerprint:
-            raise KvTransferError(
-                "layout_mismatch",
-                f"consumer layout {request.fingerprint}, producer {self._fingerprint}",
-            )
+            raise KvTransferError("layout_mismatch",
+                                  self._layout.mismatch(request.fingerprint, "consumer"))
         # Pinned, unexpired, and the asked blocks are among the pinned ones.
         with self._leases.reading(request.request_id, request.block_ids, time.time()) as lease:
             pass
@@ -353,9 +351,9 @@ class UcxKvProducer(KvProducer):
         try:
             if plan.mode == "direct":
                 messages = [
-                    (as_wire(self._copier.run_view(m.group, m.run.remote_start, m.run.count)),
+                    (as_wire(self._copier.run_view(run.remote_start, run.count)),
                      payload_tag(connection_id, request.seq, i))
-                    for i, m in enumerate(plan.direct_messages(self._layout))]
+                    for i, run in enumerate(plan.runs)]
                 sends = post(endpoint, messages, receive=False)
             else:
                 final = await self._send_staged(request, plan, endpoint, connection_id,

@@ -11,12 +11,17 @@ from dataclasses import dataclass
 import torch
 
 from engine_common.model.attention.backend import AttentionMetadata
+from engine_common.model.attention.kv_cache_layout import key_value, kv_cache_shape, layer_cache
+
+# The step's layer sits among others, so its cache is strided over blocks as the engine's.
+_LAYERS, _LAYER = 3, 1
 
 
 @dataclass
 class DecodeStep:
     query: torch.Tensor  # [n, num_heads, head_size], a strided view like the model's
-    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_size]
+    layer_kv: torch.Tensor  # [num_blocks, 2, num_kv_heads, block_size, head_size], a layer's
+    k_cache: torch.Tensor  # [num_blocks, num_kv_heads, block_size, head_size], its K
     v_cache: torch.Tensor
     block_tables: torch.Tensor  # [n, width] int32, zero-padded
     seq_lens: torch.Tensor  # [n] int32
@@ -33,27 +38,29 @@ def random_decode_step(num_heads: int, num_kv_heads: int, head_size: int, block_
     block_tables = torch.zeros(len(seq_lens), max(needed), dtype=torch.int32)
     for i, table in enumerate(tables):
         block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-    shape = (num_blocks, block_size, num_kv_heads, head_size)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    shape = kv_cache_shape(_LAYERS, num_blocks, block_size, num_kv_heads, head_size)
+    layer_kv = layer_cache(torch.randn(shape, generator=gen).to(dtype), _LAYER)
+    k_cache, v_cache = key_value(layer_kv)
     # Rows of a fused q/k/v projection: the query heads are a strided view of them.
     width = (num_heads + 2 * num_kv_heads) * head_size
     qkv = (3 * torch.randn(len(seq_lens), width, generator=gen)).to(dtype)
     query = qkv[:, : num_heads * head_size].view(len(seq_lens), num_heads, head_size)
-    return DecodeStep(query, k_cache, v_cache, block_tables,
+    return DecodeStep(query, layer_kv, k_cache, v_cache, block_tables,
                       torch.tensor(seq_lens, dtype=torch.int32), tables)
 
 
 def decode_reference(step: DecodeStep, scale: float) -> torch.Tensor:
     """[n, num_heads, head_size] float64: each query row against its whole context."""
     num_heads = step.query.shape[1]
-    num_kv_heads = step.k_cache.shape[2]
+    num_kv_heads = step.k_cache.shape[1]
     group = num_heads // num_kv_heads
     outs = []
     for i, table in enumerate(step.tables):
         n = int(step.seq_lens[i])
-        k = step.k_cache[table].flatten(0, 1)[:n].double().repeat_interleave(group, dim=1)
-        v = step.v_cache[table].flatten(0, 1)[:n].double().repeat_interleave(group, dim=1)
+        # [blocks, heads, block_size, head] -> [tokens, heads, head]
+        k = step.k_cache[table].transpose(1, 2).flatten(0, 1)[:n].double()
+        v = step.v_cache[table].transpose(1, 2).flatten(0, 1)[:n].double()
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         weights = torch.einsum("hd,thd->ht", step.query[i].double(), k) * scale
         outs.append(torch.einsum("ht,thd->hd", weights.softmax(-1), v))
     return torch.stack(outs)

@@ -37,7 +37,7 @@ _MS_REC, _MS_SLAVE, _MNT_DETACH = 0x4000, 1 << 19, 2
 
 def kv_pattern(layout: KvLayout, num_blocks: int, seed: int) -> torch.Tensor:
     """A cache whose every element's bits are a (nonlinear) function of its position."""
-    shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads,
+    shape = (num_blocks, layout.num_layers, 2, layout.num_kv_heads, layout.block_size,
              layout.head_size)
     prime = 2_147_483_647
     x = (torch.arange(math.prod(shape), dtype=torch.int64) * 40_503 + seed * 7_919) % prime
@@ -115,7 +115,7 @@ def _serve(conn: Connection, peer: Any, cache: torch.Tensor) -> None:
                     outcomes.append(_pull(peer, *args))
                 conn.send(outcomes)
             elif command == "blocks":
-                conn.send(cache[:, :, args[0]].clone())
+                conn.send(cache[args[0]].clone())
             elif command == "connections":
                 conn.send(peer.num_connections)
             elif command == "stop":

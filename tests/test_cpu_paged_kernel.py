@@ -51,9 +51,10 @@ def test_kernel_agrees_with_gather_path(dtype):
     step = random_decode_step(num_heads, num_kv_heads, head_size, block_size, SEQ_LENS, dtype,
                               seed=7)
     metadata = decode_metadata(step, block_size)
-    kv_cache = torch.stack([step.k_cache, step.v_cache])
-    new_k = kv_cache[0].view(-1, num_kv_heads, head_size)[metadata.slot_mapping].clone()
-    new_v = kv_cache[1].view(-1, num_kv_heads, head_size)[metadata.slot_mapping].clone()
+    kv_cache = step.layer_kv
+    blocks, offsets = metadata.slot_mapping // block_size, metadata.slot_mapping % block_size
+    new_k = step.k_cache[blocks, :, offsets].clone()  # [tokens, kv_heads, head_size]
+    new_v = step.v_cache[blocks, :, offsets].clone()
     outs = [
         TorchAttentionBackend(num_heads, num_kv_heads, head_size, head_size**-0.5,
                               use_paged_kernel=use).forward(step.query, new_k, new_v,
@@ -108,8 +109,10 @@ def test_kernel_refuses_layouts_it_cannot_read(kernel):
     step = random_decode_step(4, 2, 64, 16, [5, 9], torch.float32, seed=1)
     out = torch.empty(step.query.shape)
     args = (step.block_tables, step.seq_lens, None, None, 2, out, 0.125)
-    with pytest.raises(ValueError, match="contiguous"):
+    with pytest.raises(ValueError, match="strides"):
         kernel(step.query, step.k_cache.transpose(1, 2), step.v_cache, *args)
+    with pytest.raises(ValueError, match="unit-stride rows"):
+        kernel(step.query, step.k_cache.transpose(2, 3), step.v_cache.transpose(2, 3), *args)
     with pytest.raises(ValueError, match="dtype"):
         kernel(step.query.double(), step.k_cache, step.v_cache, *args)
     with pytest.raises(ValueError, match="int32"):

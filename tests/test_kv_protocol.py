@@ -9,6 +9,7 @@ bit-exactly with the producer's.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
@@ -31,7 +32,7 @@ PRODUCER_BLOCKS, CONSUMER_BLOCKS = 48, 40
 def _pull_exact(consumer: UcxKvConsumer, kv: torch.Tensor, handle, remote: list[int],
                 local: list[int], source: torch.Tensor):
     result = consumer.pull(handle, remote, local, 20).result(30)
-    assert torch.equal(as_bits(kv[:, :, local]), as_bits(source[:, :, remote]))
+    assert torch.equal(as_bits(kv[local]), as_bits(source[remote]))
     return result
 
 
@@ -58,7 +59,7 @@ def test_reads_are_exact_on_both_transports_and_a_re_pinned_lease_is_detected(
         old = producer.pin(f"reused-{transport}", remote)
         result = _pull_exact(consumer, kv, old, remote, local, source)
         assert (result.transport, result.mode) == (carried, "read")
-        # One GET per (layer, K/V): the 12 blocks are one run on both sides.
+        # One GET: the 12 blocks are one run on both sides, every layer in it.
         assert consumer.num_connections == 1
 
         assert producer.call("release", f"reused-{transport}") == remote
@@ -141,6 +142,44 @@ def test_an_old_consumer_of_a_producer_that_dropped_its_version_is_refused() -> 
     finally:
         consumer.close()
         new.stop()
+
+
+class _PreviousCacheLayout(KvLayout):
+    """What a peer of the previous release (layer-major cache) announces."""
+
+    def fingerprint(self) -> str:
+        return self.previous_layout_fingerprint()
+
+
+def test_a_peer_of_the_previous_cache_layout_is_refused_clearly(producer: PeerProcess
+                                                                 ) -> None:
+    """The cache layout changed (block-major): a peer of the previous release must never
+    be read or served. Its handle is refused before any connection, and a previous-layout
+    consumer's request is refused by the producer; both as "layout_mismatch" (a fallback
+    the engine counts and recomputes), saying that the peer runs the previous layout."""
+    kv = kv_pattern(LAYOUT, CONSUMER_BLOCKS, seed=9)
+    consumer = UcxKvConsumer(kv, LAYOUT, direct_min_message_bytes=0)
+    handle = producer.pin("old-layout", [1, 2])
+    stale = dataclasses.replace(handle, layout_fingerprint=LAYOUT.previous_layout_fingerprint())
+    try:
+        with pytest.raises(KvTransferError, match="producer runs the previous KV cache layout"
+                           ) as refused:
+            consumer.pull(stale, [1, 2], [1, 2], 10).result(20)
+        assert refused.value.reason == "layout_mismatch" and consumer.num_connections == 0
+    finally:
+        consumer.close()
+    old_layout = _PreviousCacheLayout(**dataclasses.asdict(LAYOUT))
+    old = UcxKvConsumer(kv, old_layout, direct_min_message_bytes=0,
+                        protocol_version=PREVIOUS_VERSION)  # its request names its layout
+    try:
+        with pytest.raises(KvTransferError, match="consumer runs the previous KV cache layout"
+                           ) as refused:
+            old.pull(stale, [1, 2], [1, 2], 10).result(20)
+        assert refused.value.reason == "layout_mismatch"
+        assert torch.equal(as_bits(kv), as_bits(kv_pattern(LAYOUT, CONSUMER_BLOCKS, seed=9)))
+    finally:
+        old.close()
+        producer.call("release", "old-layout")
 
 
 def test_lease_generations_name_one_pin_and_confirmation_checks_them() -> None:

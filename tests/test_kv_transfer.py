@@ -172,9 +172,9 @@ def pull_and_check(
     assert result.num_bytes == len(remote) * layout.bytes_per_block
     assert result.transport == "shm"  # producer and consumer share this host
     assert result.mode == mode
-    assert torch.equal(as_bits(kv[:, :, local]), as_bits(source[:, :, remote]))
-    untouched = [b for b in range(kv.shape[2]) if b not in set(local)]
-    assert torch.equal(as_bits(kv[:, :, untouched]), as_bits(before[:, :, untouched]))
+    assert torch.equal(as_bits(kv[local]), as_bits(source[remote]))
+    untouched = [b for b in range(kv.shape[0]) if b not in set(local)]
+    assert torch.equal(as_bits(kv[untouched]), as_bits(before[untouched]))
 
 
 # -- layout ------------------------------------------------------------------------------
@@ -193,6 +193,11 @@ def test_layout_fingerprint_is_stable_and_sensitive() -> None:
         {"block_size": 8},
     ):
         assert dataclasses.replace(layout, **change).fingerprint() != layout.fingerprint()
+    # The previous release's (layer-major) cache: refused, and the refusal says why.
+    old = layout.previous_layout_fingerprint()
+    assert old != layout.fingerprint()
+    assert "previous KV cache layout" in layout.mismatch(old, "producer")
+    assert "previous" not in layout.mismatch(make_layout("float32").fingerprint(), "producer")
     assert layout.bytes_per_block == 3 * 2 * 16 * 2 * 16 * 2
     assert make_layout("float32").bytes_per_block == 2 * layout.bytes_per_block
     cache = kv_pattern(layout, 5, seed=0)
@@ -214,14 +219,15 @@ def test_block_copier_gathers_and_scatters_layer_ranges(dtype: str) -> None:
     staging = StagingBuffer(source).blocks(len(remote))
     for start, stop in [(0, 1), (1, 3)]:  # two chunks covering the 3 layers
         BlockCopier(source, layout).gather(remote, staging, start, stop)
-    assert torch.equal(as_bits(staging), as_bits(source[:, :, remote]))
+    # staging is layer-major: [layers, 2, n, ...]
+    assert torch.equal(as_bits(staging), as_bits(source[remote].movedim(0, 2)))
     copier = BlockCopier(target, layout)
     copier.scatter(staging, local, 2, 3)
-    assert torch.equal(as_bits(target[:2]), as_bits(before[:2]))  # layers not yet copied
+    assert torch.equal(as_bits(target[:, :2]), as_bits(before[:, :2]))  # layers not copied yet
     copier.scatter(staging, local, 0, 2)
-    assert torch.equal(as_bits(target[:, :, local]), as_bits(source[:, :, remote]))
+    assert torch.equal(as_bits(target[local]), as_bits(source[remote]))
     others = [b for b in range(9) if b not in local]
-    assert torch.equal(as_bits(target[:, :, others]), as_bits(before[:, :, others]))
+    assert torch.equal(as_bits(target[others]), as_bits(before[others]))
 
 
 @pytest.mark.parametrize("mode", ["staged", "direct", "read"])
@@ -246,8 +252,9 @@ def test_pull_random_subset_into_shuffled_blocks_is_exact(
 @pytest.mark.parametrize("mode", ["staged", "direct", "read"])
 def test_pull_of_runs_consecutive_on_both_sides_is_exact(producer: ProducerProcess,
                                                          mode: str) -> None:
-    """Runs (a fresh prefill's blocks usually are one): direct pulls send each (layer, K/V,
-    run) in place, one message each; staged ones copy through the staging buffer."""
+    """Runs (a fresh prefill's blocks usually are one): direct pulls send each run, every
+    layer's K and V, in place, one message each; staged ones copy through the staging
+    buffer."""
     remote = [*range(4, 14), 30, 31, *range(20, 25)]
     local = [*range(20, 30), 2, 3, *range(33, 38)]
     handle = producer.pin("bfloat16", f"runs-{mode}", remote)
@@ -260,17 +267,20 @@ def test_pull_of_runs_consecutive_on_both_sides_is_exact(producer: ProducerProce
 
 
 def test_transfer_plan_goes_direct_only_for_long_runs() -> None:
-    layout = make_layout("bfloat16")  # 1 KiB per (layer, K/V) row of a block
+    layout = make_layout("bfloat16")  # 6 KiB a block (3 layers, K and V, 1 KiB each)
     assert joint_runs([5, 6, 7, 9, 10, 2], [0, 1, 2, 3, 4, 8]) == [
         Run(5, 0, 3), Run(9, 3, 2), Run(2, 8, 1)]
     assert joint_runs([3, 4], [7, 6]) == [Run(3, 7, 1), Run(4, 6, 1)]  # only one side runs
-    # 40 consecutive blocks: 6 messages of 40 KiB each
+    # 40 consecutive blocks: one message of 240 KiB, every layer's K and V (block-major)
     run = plan_transfer(layout, list(range(40)), list(range(8, 48)),
                         direct_min_message_bytes=32 * 1024)
-    assert run.mode == "direct" and run.num_messages(layout) == 6
-    assert [(m.group, m.run) for m in run.direct_messages(layout)][:2] == [
-        (0, Run(0, 8, 40)), (1, Run(0, 8, 40))]
-    # the same blocks shuffled: 1 KiB messages, so staged, two layers (2 * 80 KiB) a chunk
+    assert run.mode == "direct" and run.num_messages(layout) == 1
+    assert run.runs == (Run(0, 8, 40),)
+    # two runs: two messages of 120 KiB
+    two = plan_transfer(layout, list(range(40)), [*range(8, 28), *range(60, 80)],
+                        direct_min_message_bytes=32 * 1024)
+    assert two.runs == (Run(0, 8, 20), Run(20, 60, 20)) and two.num_messages(layout) == 2
+    # the same blocks shuffled: 6 KiB messages, so staged, two layers (2 * 80 KiB) a chunk
     shuffled = plan_transfer(layout, list(range(40)), list(range(47, 7, -1)),
                              chunk_bytes=160 * 1024, direct_min_message_bytes=32 * 1024)
     assert shuffled == TransferPlan("staged", layers_per_chunk=2)
@@ -520,7 +530,7 @@ def test_concurrent_pulls_from_two_consumers_are_all_exact(producer: ProducerPro
         assert not not_done
         for kv, remote, local, future in jobs:
             assert future.result().num_blocks == 6
-            assert torch.equal(as_bits(kv[:, :, local]), as_bits(source[:, :, remote]))
+            assert torch.equal(as_bits(kv[local]), as_bits(source[remote]))
     finally:
         for consumer, _ in consumers:
             consumer.close()

@@ -75,7 +75,7 @@ def _pulled(consumer: PeerProcess | None, kv: torch.Tensor | None, local: list[i
     if consumer is not None:
         return consumer.call("blocks", local)
     assert kv is not None
-    return kv[:, :, local]
+    return kv[local]
 
 
 def test_same_host_pulls_take_shared_memory_and_tcp_on_request() -> None:
@@ -107,7 +107,7 @@ def test_same_host_pulls_take_shared_memory_and_tcp_on_request() -> None:
                 local = rng.sample(range(40), 20)
                 result = consumer.pull(handle, remote, local, 20).result(30)
                 assert (result.transport, result.mode) == (carried, mode)
-                assert torch.equal(as_bits(kv[:, :, local]), as_bits(source[:, :, remote]))
+                assert torch.equal(as_bits(kv[local]), as_bits(source[remote]))
 
                 imposter = replace(handle, engine_id="another-engine")
                 with pytest.raises(KvTransferError, match="is KV engine 'p-lo'") as refused:
@@ -147,7 +147,7 @@ def test_a_peer_in_another_network_namespace_is_another_host_reached_over_tcp() 
                 assert isinstance(outcome, PullOutcome) and not outcome.reason, outcome
                 assert outcome.transport == transport
                 assert torch.equal(as_bits(_pulled(consumer, None, local)),
-                                   as_bits(source[:, :, remote]))
+                                   as_bits(source[remote]))
             assert consumer.call("connections") == 2
 
             handle = remote_producer.pin("ns-killed", list(range(10)))

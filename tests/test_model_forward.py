@@ -27,6 +27,7 @@ from engine_common.engine_core import context_length
 from engine_common.llm import LLM
 from engine_common.model.arch_config import ModelArchConfig
 from engine_common.model.attention.backend import AttentionMetadata
+from engine_common.model.attention.kv_cache_layout import kv_cache_shape, layer_cache
 from engine_common.model.attention.selector import get_attention_backend_cls
 from engine_common.model.attention.torch_backend import TorchAttentionBackend
 from engine_common.model.llama import LlamaForCausalLM
@@ -114,7 +115,8 @@ def _run_step(
 
 def _new_cache(model: LlamaForCausalLM) -> torch.Tensor:
     arch = model.arch
-    shape = (arch.num_layers, 2, NUM_BLOCKS, BLOCK_SIZE, arch.num_kv_heads, arch.head_size)
+    shape = kv_cache_shape(arch.num_layers, NUM_BLOCKS, BLOCK_SIZE, arch.num_kv_heads,
+                           arch.head_size)
     # Large finite garbage: attending to a slot the sequence did not write changes the result
     # visibly. (Not NaN: padding may be read, masked to zero weight, and the runner's cache
     # starts zeroed, see torch_backend's docstring.)
@@ -426,8 +428,9 @@ def test_torch_backend_matches_naive_attention(num_heads, num_kv_heads, dtype, u
     backend = TorchAttentionBackend(num_heads, num_kv_heads, head_size, head_size**-0.5,
                                     use_paged_kernel=use_paged_kernel)
     assert (backend.paged_kernel(dtype, torch.device("cpu")) is not None) == use_paged_kernel
-    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, generator=gen)
-    kv_cache = (kv_cache * 100).to(dtype)
+    # Layer 1 of a 2-layer cache: strided over blocks, as the engine's layers see it.
+    shape = kv_cache_shape(2, num_blocks, block_size, num_kv_heads, head_size)
+    kv_cache = layer_cache((torch.randn(shape, generator=gen) * 100).to(dtype), 1)
     # (cached tokens, new tokens) per sequence: prefill, decode, extend, decode, 1-token prompt
     shapes = [(0, 5), (7, 1), (12, 4), (3, 1), (0, 1)]
     block_order = torch.randperm(num_blocks, generator=gen).tolist()
@@ -441,9 +444,9 @@ def test_torch_backend_matches_naive_attention(num_heads, num_kv_heads, dtype, u
         v = torch.randn(total, num_kv_heads, head_size, generator=gen).to(dtype)
         q = torch.randn(new, num_heads, head_size, generator=gen).to(dtype)
         seq_slots = [table[p // block_size] * block_size + p % block_size for p in range(total)]
-        flat = kv_cache.view(2, -1, num_kv_heads, head_size)
-        flat[0, seq_slots[:cached]] = k[:cached]
-        flat[1, seq_slots[:cached]] = v[:cached]
+        at = torch.tensor(seq_slots[:cached], dtype=torch.long)
+        kv_cache[at // block_size, 0, :, at % block_size] = k[:cached]
+        kv_cache[at // block_size, 1, :, at % block_size] = v[:cached]
         queries.append(q)
         keys.append(k[cached:])
         values.append(v[cached:])
@@ -475,9 +478,9 @@ def test_torch_backend_matches_naive_attention(num_heads, num_kv_heads, dtype, u
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.double(), torch.stack(expected), atol=tolerance, rtol=0)
     # The step's new K/V landed in the cache at their slots.
-    flat = kv_cache.view(2, -1, num_kv_heads, head_size)
-    assert torch.equal(flat[0, torch.tensor(slots)], torch.cat(keys))
-    assert torch.equal(flat[1, torch.tensor(slots)], torch.cat(values))
+    at = torch.tensor(slots)
+    assert torch.equal(kv_cache[at // block_size, 0, :, at % block_size], torch.cat(keys))
+    assert torch.equal(kv_cache[at // block_size, 1, :, at % block_size], torch.cat(values))
     # A pure-decode step (the fast path) over the same cache agrees with the mixed one.
     decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
     starts = metadata.query_start_loc.tolist()
@@ -607,7 +610,8 @@ def test_default_model_conversion(smollm2_dir):
     )
     model = load_model(smollm2_dir, torch.bfloat16, "cpu", "torch")
     seq = Seq(list(prompt), block_table=list(range(40, 0, -1)))
-    arch_shape = (arch.num_layers, 2, 48, BLOCK_SIZE, arch.num_kv_heads, arch.head_size)
+    arch_shape = kv_cache_shape(arch.num_layers, 48, BLOCK_SIZE, arch.num_kv_heads,
+                                arch.head_size)
     kv_cache = torch.zeros(arch_shape, dtype=torch.bfloat16)
     _run_step(model, kv_cache, [seq], [len(prompt)])
     ours = seq.logits[len(prompt) - 1]

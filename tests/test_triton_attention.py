@@ -32,6 +32,10 @@ import pytest  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from engine_common.model.attention.backend import AttentionMetadata  # noqa: E402
+from engine_common.model.attention.kv_cache_layout import (  # noqa: E402
+    kv_cache_shape,
+    layer_cache,
+)
 from engine_common.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from engine_common.model.attention.triton_kernels.decode_attention import (  # noqa: E402
     MAX_NUM_SPLITS,
@@ -112,7 +116,9 @@ class Step:
     query: torch.Tensor  # [num_tokens, num_heads, head_size], a strided view
     key: torch.Tensor  # [num_tokens, num_kv_heads, head_size], this step's tokens
     value: torch.Tensor
-    kv_cache: torch.Tensor  # poisoned, with each cached prefix already written
+    # A layer's view [num_blocks, 2, kv_heads, block_size, head_size] of a cache of several
+    # layers (strided over blocks, as the engine's); poisoned, each cached prefix written.
+    kv_cache: torch.Tensor
     full_keys: list[torch.Tensor]  # per sequence [seq_len, num_kv_heads, head_size]
     full_values: list[torch.Tensor]
     queries: list[torch.Tensor]  # per sequence [query_len, num_heads, head_size]
@@ -134,7 +140,7 @@ def make_step(
     table_width = max(blocks_per_seq) + 1
     block_tables = torch.zeros(len(query_and_seq_lens), table_width, dtype=torch.int32)
 
-    kv_cache = torch.full((2, num_blocks, bs, kvh, hs), float("nan"), dtype=dtype)
+    kv_cache = poisoned_layer_cache(num_blocks, bs, kvh, hs, dtype, torch.device("cpu"))
     num_tokens = sum(q for q, _ in query_and_seq_lens)
     # One fused projection output, split into strided q/k/v views as a model would.
     qkv = torch.full((num_tokens, (nh + 2 * kvh) * hs), float("nan"), dtype=dtype)
@@ -147,13 +153,12 @@ def make_step(
         values = torch.randn(seq_len, kvh, hs, generator=gen).to(dtype)
         q = torch.randn(query_len, nh, hs, generator=gen).to(dtype)
         slots = [blocks[t // bs] * bs + t % bs for t in range(seq_len)]
-        flat = kv_cache.view(2, num_blocks * bs, kvh, hs)
         cached = seq_len - query_len
-        flat[0, slots[:cached]] = keys[:cached]
-        flat[1, slots[:cached]] = values[:cached]
+        slot = torch.tensor(slots[:cached], dtype=torch.long)
+        kv_cache[slot // bs, 0, :, slot % bs] = keys[:cached]
+        kv_cache[slot // bs, 1, :, slot % bs] = values[:cached]
         # Slots past the context in the last block hold huge values, not NaN.
-        tail = [blocks[-1] * bs + o for o in range(seq_len - (len(blocks) - 1) * bs, bs)]
-        flat[:, tail] = _LARGE[dtype]
+        kv_cache[blocks[-1], :, :, seq_len - (len(blocks) - 1) * bs :] = _LARGE[dtype]
         rows = slice(token, token + query_len)
         qkv[rows, : nh * hs] = q.flatten(1)
         qkv[rows, nh * hs : (nh + kvh) * hs] = keys[cached:].flatten(1)
@@ -184,7 +189,7 @@ def make_step(
         query=qkv[:, : nh * hs].view(num_tokens, nh, hs),
         key=qkv[:, nh * hs : (nh + kvh) * hs].view(num_tokens, kvh, hs),
         value=qkv[:, (nh + kvh) * hs :].view(num_tokens, kvh, hs),
-        kv_cache=kv_cache.to(device),
+        kv_cache=on_device(kv_cache, device),
         full_keys=full_keys,
         full_values=full_values,
         queries=queries,
@@ -208,13 +213,39 @@ def reference_attention(step: Step, scale: float) -> torch.Tensor:
     return torch.cat(outputs)
 
 
+def poisoned_layer_cache(num_blocks: int, block_size: int, kvh: int, hs: int,
+                         dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Layer 1 of a NaN-filled 3-layer engine cache."""
+    shape = kv_cache_shape(3, num_blocks, block_size, kvh, hs)
+    return layer_cache(torch.full(shape, float("nan"), dtype=dtype, device=device), 1)
+
+
+def on_device(layer_kv: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The same layer view of the whole cache moved to ``device`` (keeps its strides)."""
+    if layer_kv.device == device:
+        return layer_kv
+    whole = torch.empty(layer_kv.untyped_storage().nbytes() // layer_kv.element_size(),
+                        dtype=layer_kv.dtype)
+    whole.set_(layer_kv.untyped_storage(), 0, whole.shape)
+    moved = whole.to(device)
+    return moved.as_strided(layer_kv.shape, layer_kv.stride(), layer_kv.storage_offset())
+
+
+def token_major(layer_kv: torch.Tensor) -> torch.Tensor:
+    """A copy of a layer's cache as [2, num_blocks * block_size, kv_heads, head_size]:
+    flat slot by flat slot."""
+    num_blocks, _, kvh, block_size, hs = layer_kv.shape
+    return layer_kv.cpu().permute(1, 0, 3, 2, 4).reshape(2, num_blocks * block_size, kvh, hs)
+
+
 def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
     """A sequence's [seq_len, kv_heads, head_size] K and V, read back via its block table."""
-    num_blocks = math.ceil(seq_len / kv_cache.shape[2])
+    block_size = kv_cache.shape[3]
+    num_blocks = math.ceil(seq_len / block_size)
     blocks = block_table[:num_blocks].long().cpu()
-    k = kv_cache[0].cpu()[blocks].flatten(0, 1)[:seq_len]
-    v = kv_cache[1].cpu()[blocks].flatten(0, 1)[:seq_len]
-    return k, v
+    slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:seq_len]
+    flat = token_major(kv_cache)
+    return flat[0, slots], flat[1, slots]
 
 
 def assert_matches_reference(out: torch.Tensor, step: Step, scale: float) -> None:
@@ -240,17 +271,16 @@ def scale_for(layout: HeadLayout) -> float:
 def test_kv_write_writes_exactly_the_named_slots(dtype: torch.dtype, device: torch.device):
     gen = torch.Generator().manual_seed(1)
     num_blocks, block_size, kvh, hs = 5, 16, 3, 24
-    kv_cache = torch.full((2, num_blocks, block_size, kvh, hs), float("nan"), dtype=dtype)
+    kv_cache = poisoned_layer_cache(num_blocks, block_size, kvh, hs, dtype, device)
     slots = [17, 3, -1, 79, 48, -1, 64]  # -1: padding tokens, skipped
     # Strided views of one buffer, as the model's fused projection hands them over.
     kv = torch.randn(len(slots), 2, kvh, hs, generator=gen).to(dtype)
     key, value = kv[:, 0], kv[:, 1]
     slot_mapping = torch.tensor(slots, dtype=torch.int64)
 
-    kv_cache = kv_cache.to(device)
     kv_write(key.to(device), value.to(device), kv_cache, slot_mapping.to(device))
 
-    flat = kv_cache.cpu().view(2, num_blocks * block_size, kvh, hs)
+    flat = token_major(kv_cache)
     written = torch.tensor([s for s in slots if s >= 0])
     real = torch.tensor([i for i, s in enumerate(slots) if s >= 0])
     assert torch.equal(flat[0, written], key[real])
@@ -366,11 +396,8 @@ def test_agrees_with_torch_backend(query_and_seq_lens, dtype: torch.dtype, devic
 
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(triton_out.double(), torch_out.double(), atol=atol, rtol=rtol)
-    written = step.metadata.slot_mapping
-    flat_shape = (2, -1, layout.num_kv_heads, layout.head_size)
-    assert torch.equal(
-        step.kv_cache.view(flat_shape)[:, written], torch_cache.view(flat_shape)[:, written]
-    )
+    written = step.metadata.slot_mapping.cpu()
+    assert torch.equal(token_major(step.kv_cache)[:, written], token_major(torch_cache)[:, written])
 
 
 def test_num_splits_fill_the_gpu_only_when_needed():

@@ -30,6 +30,7 @@ from triton.runtime.jit import JITFunction
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine_common.model.attention.kv_cache_layout import kv_cache_shape, layer_cache  # noqa: E402
 from engine_common.model.attention.triton_kernels import (  # noqa: E402
     decode_attention,
     kv_write,
@@ -137,7 +138,9 @@ def launches_to_compile() -> list[Launch]:
               (fp32, 128, 32, 8), (bf16, 16, 4, 2), (fp32, 16, 4, 2), (fp32, 32, 4, 2)]
     for dtype, head_size, heads, kv_heads in shapes:
         name = f"{str(dtype).removeprefix('torch.')} head {head_size} gqa {heads}/{kv_heads}"
-        cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_size, dtype=dtype)
+        # A layer's view of the engine's block-major cache (strided over blocks)
+        cache = layer_cache(torch.zeros(kv_cache_shape(2, num_blocks, block_size, kv_heads,
+                                                       head_size), dtype=dtype), 1)
         tables = torch.zeros(2, 4, dtype=torch.int32)
         seq_lens = torch.tensor([40, 7], dtype=torch.int32)
         key = torch.zeros(5, kv_heads, head_size, dtype=dtype)

@@ -120,8 +120,8 @@ class KvTiers:
         if not todo:
             return
         ids = torch.tensor([b.block_id for b in todo], device=self._kv_cache.device)
-        # [L, 2, n, bs, H, D] -> [n, L, 2, bs, H, D]: one contiguous payload per block.
-        copied = self._kv_cache.index_select(2, ids).movedim(2, 0).contiguous().cpu()
+        # The cache is block-major: a block's payload (every layer's K and V) is one slice.
+        copied = self._kv_cache.index_select(0, ids).cpu()
         raw = copied.view(torch.uint8).reshape(len(todo), -1).numpy()
         for i, block in enumerate(todo):
             payload = raw[i].tobytes()
@@ -200,8 +200,8 @@ class KvTiers:
             if payload is None:
                 continue
             block = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            shape = (self._kv_cache.shape[0], 2, *self._kv_cache.shape[3:])
-            self._kv_cache[:, :, block_id].copy_(block.view(self._kv_cache.dtype).view(shape))
+            self._kv_cache[block_id].copy_(
+                block.view(self._kv_cache.dtype).view(self._kv_cache.shape[1:]))
             with self._lock:
                 stats = self.stats[tier.medium]
                 stats.hits += 1

@@ -101,7 +101,7 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [num_tokens] int64
         positions: torch.Tensor,  # [num_tokens] int64
-        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # kv_cache_layout's [blocks, layers, 2, kv_heads, block, head]
         metadata: AttentionMetadata,
         lora: LoraBatch | None = None,  # the step's adapter tokens; None: all base model
     ) -> torch.Tensor:  # [num_tokens, hidden_size]

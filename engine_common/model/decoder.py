@@ -16,6 +16,7 @@ from torch import nn
 from engine_common.lora.step_batch import LoraBatch
 from engine_common.model.arch_config import ModelArchConfig
 from engine_common.model.attention.backend import AttentionBackend, AttentionMetadata
+from engine_common.model.attention.kv_cache_layout import layer_cache
 from engine_common.model.layers.attention import Attention
 from engine_common.model.layers.linear import Embedding
 from engine_common.model.layers.norm import RMSNorm
@@ -94,5 +95,6 @@ class DecoderModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions)
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, self.rotary, cos_sin, kv_cache[i], metadata, lora)
+            hidden = layer(hidden, self.rotary, cos_sin, layer_cache(kv_cache, i), metadata,
+                           lora)
         return self.norm(hidden)

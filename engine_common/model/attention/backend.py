@@ -4,11 +4,10 @@ Owns the contract between the model (which computes q, k, v per layer) and the p
 cache. It does not own cache allocation (the model runner) or block bookkeeping (the
 KV cache manager).
 
-Paged KV cache layout, shared by every backend and by KV transfer:
-    one tensor per engine of shape
-        [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]
-    where index 0 of dim 1 is K and 1 is V. Layer ``i`` receives the view ``cache[i]``
-    of shape [2, num_blocks, block_size, num_kv_heads, head_size].
+Paged KV cache layout, shared by every backend and by KV transfer (``kv_cache_layout``):
+one tensor per engine of shape [num_blocks, num_layers, 2, num_kv_heads, block_size,
+head_size]; layer ``i`` receives the view ``cache[:, i]`` of shape [num_blocks, 2,
+num_kv_heads, block_size, head_size], strided over blocks.
 Token ``t`` of a request lives at slot ``block_table[t // block_size] * block_size +
 t % block_size``; ``slot_mapping`` holds that flat slot for every token of this step.
 
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_common.model.attention.kv_cache_layout import write_kv
 from engine_common.model.attention.sink_window import SinkWindowAttention
 
 
@@ -89,9 +89,7 @@ class AttentionBackend(ABC):
         if self._sink_window is None:
             self._sink_window = SinkWindowAttention(self.num_heads, self.num_kv_heads,
                                                     self.head_size, self.scale)
-        flat_shape = (-1, self.num_kv_heads, self.head_size)
-        kv_cache[0].view(flat_shape).index_copy_(0, metadata.slot_mapping, key)
-        kv_cache[1].view(flat_shape).index_copy_(0, metadata.slot_mapping, value)
+        write_kv(kv_cache, key, value, metadata.slot_mapping)
         return self._sink_window.forward(query, kv_cache, metadata, sinks, window)
 
     @abstractmethod
@@ -100,7 +98,7 @@ class AttentionBackend(ABC):
         query: torch.Tensor,  # [num_tokens, num_heads, head_size]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [num_blocks, 2, num_kv_heads, block_size, head_size]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
         ...

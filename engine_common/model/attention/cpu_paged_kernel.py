@@ -17,7 +17,7 @@ compiler, or if the build fails, ``load_paged_decode`` returns None (logged once
 backend keeps its PyTorch path.
 
 Owns the build, the load and the argument checks of one call; it does not own deciding
-which tokens are decodes (``torch_backend``) or the cache layout (``backend``).
+which tokens are decodes (``torch_backend``) or the cache layout (``kv_cache_layout``).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ _PROFILE_NAME = "tandem::paged_decode_attention"
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _I32 = ctypes.c_int
-_ARGTYPES: list[Any] = [_I32, _P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _P, _I32, _P, _I64, _I64,
-             _I32, _I32, _I32, _I32, ctypes.c_float]
+_ARGTYPES: list[Any] = [_I32, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _P,
+                       _I32, _P, _I64, _I64, _I32, _I32, _I32, _I32, ctypes.c_float]
 
 
 def kernel_cache_dir() -> Path:
@@ -101,8 +101,8 @@ class PagedDecodeKernel:
     def __call__(
         self,
         query: torch.Tensor,  # [tokens, num_heads, head_size], rows may be strided
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
-        v_cache: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size], strided
+        v_cache: torch.Tensor,  # like k_cache, with the same strides
         block_tables: torch.Tensor,  # [num_seqs, width] int32
         seq_lens: torch.Tensor,  # [num_seqs] int32
         query_start_loc: torch.Tensor | None,  # [num_seqs + 1] int32; None: row = sequence
@@ -114,14 +114,15 @@ class PagedDecodeKernel:
         """Writes the attention output of each attended sequence's query row into ``out``."""
         _check(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seqs, out)
         _, num_heads, head_size = query.shape
-        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
         # torch.profiler sees no foreign call: name it while a profile is recording.
         profiling = torch.autograd.profiler._is_profiler_enabled
         with (torch.profiler.record_function(_PROFILE_NAME) if profiling
               else contextlib.nullcontext()):
             code = self.function(
                 _DTYPES[query.dtype], query.data_ptr(), query.stride(0), query.stride(1),
-                k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+                k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+                k_cache.stride(2), block_tables.data_ptr(),
                 block_tables.stride(0), seq_lens.data_ptr(),
                 None if query_start_loc is None else query_start_loc.data_ptr(),
                 None if seqs is None else seqs.data_ptr(), num_items, out.data_ptr(),
@@ -141,9 +142,10 @@ def _check(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             raise ValueError(f"{name}: expected [tokens, heads, head_size] rows of the "
                              f"cache's dtype with unit stride, got {tuple(t.shape)} "
                              f"{t.dtype} strides {t.stride()}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()
-            and k_cache.shape == v_cache.shape and k_cache.dim() == 4):
-        raise ValueError("k_cache and v_cache must be contiguous and of one 4-D shape")
+    if not (k_cache.dim() == 4 and k_cache.shape == v_cache.shape
+            and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1):
+        raise ValueError("k_cache and v_cache must be of one 4-D shape and strides, with "
+                         "unit-stride rows")
     if k_cache.dtype not in _DTYPES or k_cache.device.type != "cpu":
         raise ValueError(f"the kernel runs float32 or bfloat16 on the CPU, not "
                          f"{k_cache.dtype} on {k_cache.device}")

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine_common.model.attention.kv_cache_layout import key_value
+
 if TYPE_CHECKING:
     from engine_common.model.attention.backend import AttentionMetadata
 
@@ -31,8 +33,10 @@ class _Rows:
     tokens: torch.Tensor
     num_seqs: int
     query_len: int
-    # [num_seqs, context] flat cache slots of the visible keys (padding: any valid slot).
-    slots: torch.Tensor
+    # [num_seqs, context] cache blocks and offsets in them of the visible keys (padding: any
+    # valid slot).
+    blocks: torch.Tensor
+    offsets: torch.Tensor
     # [num_seqs, query_len, context] 0 where visible, -inf elsewhere.
     bias: torch.Tensor
 
@@ -55,12 +59,11 @@ def _plan_rows(metadata: AttentionMetadata, seqs: list[int], query_len: int,
     positions = torch.minimum(positions, query_pos[:, -1:])  # padding reads a real slot
     tables = metadata.block_tables.index_select(0, rows.to(metadata.block_tables.device))
     blocks = tables.long().gather(1, positions // block_size)
-    slots = blocks * block_size + positions % block_size
     bias = torch.zeros(visible.shape, dtype=torch.float32, device=device)
     bias.masked_fill_(~visible, float("-inf"))
     starts = metadata.query_start_loc.index_select(0, rows.to(metadata.query_start_loc.device))
     tokens = (starts.long()[:, None] + torch.arange(query_len, device=device)[None, :]).flatten()
-    return _Rows(tokens, len(seqs), query_len, slots, bias)
+    return _Rows(tokens, len(seqs), query_len, blocks, positions % block_size, bias)
 
 
 class SinkWindowAttention:
@@ -91,17 +94,20 @@ class SinkWindowAttention:
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_size]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size], written
+        kv_cache: torch.Tensor,  # [num_blocks, 2, num_kv_heads, block_size, head_size], written
         metadata: AttentionMetadata,
         sinks: torch.Tensor | None,  # [num_heads]
         window: int | None,
     ) -> torch.Tensor:
-        block_size = kv_cache.shape[2]
-        flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_size)
+        block_size = kv_cache.shape[3]
+        k_cache, v_cache = key_value(kv_cache)
+        heads = torch.arange(self.num_kv_heads, device=query.device)[None, :, None]
         out = torch.empty_like(query)
         for rows in self._plan(metadata, window, block_size, query.device):
-            keys = flat[0][rows.slots]  # [S, C, kv_heads, head]
-            values = flat[1][rows.slots]
+            # The head-major cache gathers straight into [S, kv_heads, C, head].
+            blocks, offsets = rows.blocks[:, None, :], rows.offsets[:, None, :]
+            keys = k_cache[blocks, heads, offsets]
+            values = v_cache[blocks, heads, offsets]
             out[rows.tokens] = self._attend(query[rows.tokens], keys, values, rows, sinks)
         return out
 
@@ -113,9 +119,7 @@ class SinkWindowAttention:
         # [S, L, kv, g, d] -> [S, kv, g * L, d]: a KV head's query heads share its keys.
         q = query.view(seqs, length, kv_heads, group, head).permute(0, 2, 3, 1, 4)
         q = q.reshape(seqs, kv_heads, group * length, head)
-        k = keys.permute(0, 2, 3, 1)  # [S, kv, d, C]
-        v = values.transpose(1, 2)  # [S, kv, C, d]
-        scores = torch.matmul(q, k) * self.scale
+        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scale  # keys: [S, kv, C, d]
         context = scores.shape[-1]
         scores = scores.view(seqs, kv_heads, group, length, context)
         scores = scores + rows.bias[:, None, None].to(scores.dtype)
@@ -126,6 +130,6 @@ class SinkWindowAttention:
         probs = torch.softmax(scores, dim=-1, dtype=scores.dtype)
         if sinks is not None:
             probs = probs[..., :-1]
-        out = torch.matmul(probs.reshape(seqs, kv_heads, group * length, context), v)
+        out = torch.matmul(probs.reshape(seqs, kv_heads, group * length, context), values)
         out = out.view(seqs, kv_heads, group, length, head).permute(0, 3, 1, 2, 4)
         return out.reshape(seqs * length, self.num_heads, head)

@@ -38,16 +38,37 @@ from engine_common.model.attention.cpu_paged_kernel import (
     kernel_supports,
     load_paged_decode,
 )
+from engine_common.model.attention.kv_cache_layout import (
+    head_rows,
+    key_value,
+    row_ids,
+    rows_per_block,
+    write_kv,
+)
 
 # Up to this many KV heads, decode computes scores against all KV heads in one matmul.
 _MAX_KV_HEADS_FOR_DENSE_DECODE = 4
 
 
+@dataclass(frozen=True)
+class _Geometry:
+    """What a plan needs of the cache: its block size and how its rows are numbered."""
+
+    block_size: int
+    num_kv_heads: int
+    rows_per_block: int  # kv_cache_layout.rows_per_block of a layer's K (or V) cache
+
+    def rows(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """``head_rows`` rows of every KV head of ``block_ids`` ([..., n]): [..., heads, n]."""
+        return row_ids(block_ids, self.num_kv_heads, self.rows_per_block)
+
+
 @dataclass
 class _GatherPlan:
-    """What the PyTorch-ops decode path needs: which blocks to gather, and the mask."""
+    """What the PyTorch-ops decode path needs: which rows to gather, and the mask."""
 
-    # [num_decode * num_context_blocks] block ids, row by row.
+    # [num_decode * num_kv_heads * num_context_blocks] (block, KV head) rows
+    # (``kv_cache_layout.head_rows``), decode row by decode row, head-major in each.
     block_ids: torch.Tensor
     # Padded context length: num_context_blocks * block_size.
     context_len: int
@@ -72,7 +93,8 @@ class _PrefillSeq:
     query_start: int
     query_end: int
     seq_len: int
-    # [num_context_blocks] int64 block ids; None when the whole context is in this step.
+    # [num_kv_heads * num_context_blocks] int64 (block, KV head) rows, head-major; None when
+    # the whole context is in this step.
     block_ids: torch.Tensor | None
     # [query_len, seq_len] causal mask offset by the cached prefix; None when no prefix.
     mask: torch.Tensor | None
@@ -114,14 +136,12 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        flat_shape = (num_blocks * block_size, self.num_kv_heads, self.head_size)
-        k_cache.view(flat_shape).index_copy_(0, metadata.slot_mapping, key)
-        v_cache.view(flat_shape).index_copy_(0, metadata.slot_mapping, value)
+        write_kv(kv_cache, key, value, metadata.slot_mapping)
+        k_cache, v_cache = key_value(kv_cache)
+        geometry = _Geometry(kv_cache.shape[3], self.num_kv_heads, rows_per_block(k_cache))
 
         kernel = self.paged_kernel(kv_cache.dtype, kv_cache.device)
-        plan = self._plan_step(metadata, block_size, query.device, kernel is None)
+        plan = self._plan_step(metadata, geometry, query.device, kernel is None)
         decode = plan.decode
         if kernel is None and decode is not None and decode.token_indices is None:
             return self._decode(query, k_cache, v_cache, decode)  # every row decodes
@@ -144,7 +164,7 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode(
         self,
         query: torch.Tensor,  # [batch, num_heads, head_size]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+        k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
         v_cache: torch.Tensor,
         decode: _DecodePlan,
     ) -> torch.Tensor:
@@ -155,40 +175,41 @@ class TorchAttentionBackend(AttentionBackend):
         keys, values = self._gather(k_cache, v_cache, plan.block_ids)
         kv_heads, group, head_size = self.num_kv_heads, self.num_queries_per_kv, self.head_size
         if not self.dense_decode:
-            # [batch, context, kv_heads, head] viewed as [batch, kv_heads, context, head]; the
-            # query heads of one KV head (h = kv * group + g, HF's repeat_kv order) become
-            # SDPA's query length, so K/V are not repeated.
-            shape = (batch, context, kv_heads, head_size)
+            # Gathered head-major, [batch, kv_heads, context, head]; the query heads of one
+            # KV head (h = kv * group + g, HF's repeat_kv order) become SDPA's query length,
+            # so K/V are not repeated.
+            shape = (batch, kv_heads, context, head_size)
             out = F.scaled_dot_product_attention(
                 query.view(batch, kv_heads, group, head_size),
-                keys.view(shape).transpose(1, 2),
-                values.view(shape).transpose(1, 2),
+                keys.view(shape),
+                values.view(shape),
                 attn_mask=plan.mask,
                 scale=self.scale,
             )
             # NOTE: reshape, not view: on CUDA, SDPA's fused kernels may return a layout whose
             # (kv_heads, group) dimensions cannot be merged in place.
             return out.reshape(batch, self.num_heads, head_size)
-        keys = keys.view(batch, context * kv_heads, head_size)
-        values = values.view(batch, context * kv_heads, head_size)
-        # [batch, heads, context * kv_heads]: every query head against every KV head; keep
+        keys = keys.view(batch, kv_heads * context, head_size)
+        values = values.view(batch, kv_heads * context, head_size)
+        # [batch, heads, kv_heads * context]: every query head against every KV head; keep
         # the pairs where the query head's KV head is the key's KV head.
         all_pairs = torch.bmm(query, keys.transpose(1, 2))
-        all_pairs = all_pairs.view(batch, kv_heads, group, context, kv_heads)
-        scores = all_pairs.diagonal(dim1=1, dim2=4)  # [batch, group, context, kv_heads]
+        all_pairs = all_pairs.view(batch, kv_heads, group, kv_heads, context)
+        scores = all_pairs.diagonal(dim1=1, dim2=3)  # [batch, group, context, kv_heads]
         scores = scores.permute(0, 3, 1, 2)  # [batch, kv_heads, group, context]
         probs = torch.softmax(scores.float() * self.scale + plan.mask_bias, dim=-1)
         # Back to the all-pairs layout with zero weight on the other KV heads' values.
         weights = torch.zeros_like(all_pairs)
-        weights.diagonal(dim1=1, dim2=4).copy_(probs.permute(0, 2, 3, 1))
-        out = torch.bmm(weights.view(batch, self.num_heads, context * kv_heads), values)
+        weights.diagonal(dim1=1, dim2=3).copy_(probs.permute(0, 2, 3, 1))
+        out = torch.bmm(weights.view(batch, self.num_heads, kv_heads * context), values)
         return out
 
     def _gather(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the given blocks, [len(block_ids), block_size * kv_heads * head_size]."""
-        row = k_cache[0].numel()
+        """K and V of the given (block, KV head) rows (``row_ids``), [len(block_ids),
+        block_size * head_size]."""
+        row = k_cache.shape[2] * k_cache.shape[3]
         size = block_ids.numel() * row
         workspace = self._gather_workspace
         if (
@@ -201,8 +222,8 @@ class TorchAttentionBackend(AttentionBackend):
             self._gather_workspace = workspace
         keys = workspace[0, :size].view(-1, row)
         values = workspace[1, :size].view(-1, row)
-        torch.index_select(k_cache.view(-1, row), 0, block_ids, out=keys)
-        torch.index_select(v_cache.view(-1, row), 0, block_ids, out=values)
+        torch.index_select(head_rows(k_cache), 0, block_ids, out=keys)
+        torch.index_select(head_rows(v_cache), 0, block_ids, out=values)
         return keys, values
 
     def _prefill(
@@ -217,17 +238,20 @@ class TorchAttentionBackend(AttentionBackend):
         start, end = seq.query_start, seq.query_end
         if seq.block_ids is None:
             # The whole context is this step's tokens: use them directly.
-            keys, values = key[start:end], value[start:end]
+            keys = key[start:end].transpose(0, 1)
+            values = value[start:end].transpose(0, 1)
         else:
-            keys = k_cache[seq.block_ids].flatten(0, 1)[: seq.seq_len]
-            values = v_cache[seq.block_ids].flatten(0, 1)[: seq.seq_len]
-        # [tokens, heads, head_size] -> [1, heads, tokens, head_size]: SDPA's fused CPU
-        # kernel (the one HF's LlamaModel uses) needs 4-D inputs; 3-D falls back to the
-        # slower, differently rounded math path.
+            # One gather of (block, KV head) rows gives [kv_heads, tokens, head_size].
+            shape = (self.num_kv_heads, -1, self.head_size)
+            keys = head_rows(k_cache).index_select(0, seq.block_ids).view(shape)[:, : seq.seq_len]
+            values = head_rows(v_cache).index_select(0, seq.block_ids).view(shape)
+            values = values[:, : seq.seq_len]
+        # -> [1, heads, tokens, head_size]: SDPA's fused CPU kernel (the one HF's LlamaModel
+        # uses) needs 4-D inputs; 3-D falls back to the slower, differently rounded math path.
         out = F.scaled_dot_product_attention(
             query[None, start:end].transpose(1, 2),
-            keys[None].transpose(1, 2),
-            values[None].transpose(1, 2),
+            keys[None],
+            values[None],
             attn_mask=seq.mask,
             is_causal=seq.mask is None,
             scale=self.scale,
@@ -236,7 +260,8 @@ class TorchAttentionBackend(AttentionBackend):
         return out[0].transpose(0, 1)
 
     def _plan_step(
-        self, metadata: AttentionMetadata, block_size: int, device: torch.device, gather: bool
+        self, metadata: AttentionMetadata, geometry: _Geometry, device: torch.device,
+        gather: bool
     ) -> _StepPlan:
         if self._planned_for is metadata and self._plan is not None:
             return self._plan
@@ -245,13 +270,13 @@ class TorchAttentionBackend(AttentionBackend):
         decode_seqs = [i for i, n in enumerate(query_lens) if n == 1]
         decode = None
         if decode_seqs:
-            decode = self._plan_decode(metadata, decode_seqs, block_size, device, gather)
+            decode = self._plan_decode(metadata, decode_seqs, geometry, device, gather)
         prefills = []
         start = 0
         for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
             if query_len > 1:
                 prefills.append(
-                    self._plan_prefill(metadata, i, start, query_len, seq_len, block_size, device)
+                    self._plan_prefill(metadata, i, start, query_len, seq_len, geometry, device)
                 )
             start += query_len
         self._planned_for, self._plan = metadata, _StepPlan(decode, prefills)
@@ -261,7 +286,7 @@ class TorchAttentionBackend(AttentionBackend):
     def _plan_decode(
         metadata: AttentionMetadata,
         decode_seqs: list[int],
-        block_size: int,
+        geometry: _Geometry,
         device: torch.device,
         gather: bool,
     ) -> _DecodePlan:
@@ -269,7 +294,7 @@ class TorchAttentionBackend(AttentionBackend):
             plan = _DecodePlan(token_indices=None, seqs=None, gather=None)
             if gather:
                 plan.gather = _plan_gather(metadata.block_tables, metadata.seq_lens,
-                                           metadata.max_seq_len, block_size, device)
+                                           metadata.max_seq_len, geometry, device)
             return plan
         seqs = torch.tensor(decode_seqs, dtype=torch.int32, device=device)
         # A decode sequence's query token sits at its query start.
@@ -280,7 +305,7 @@ class TorchAttentionBackend(AttentionBackend):
             plan.gather = _plan_gather(
                 metadata.block_tables.index_select(0, rows),
                 metadata.seq_lens.index_select(0, rows),
-                max(metadata.seq_lens_cpu[i] for i in decode_seqs), block_size, device)
+                max(metadata.seq_lens_cpu[i] for i in decode_seqs), geometry, device)
         return plan
 
     @staticmethod
@@ -290,14 +315,14 @@ class TorchAttentionBackend(AttentionBackend):
         query_start: int,
         query_len: int,
         seq_len: int,
-        block_size: int,
+        geometry: _Geometry,
         device: torch.device,
     ) -> _PrefillSeq:
         cached = seq_len - query_len
         if cached == 0:
             return _PrefillSeq(query_start, query_start + query_len, seq_len, None, None)
-        num_context_blocks = -(-seq_len // block_size)
-        block_ids = metadata.block_tables[seq, :num_context_blocks].long()
+        num_context_blocks = -(-seq_len // geometry.block_size)
+        block_ids = geometry.rows(metadata.block_tables[seq, :num_context_blocks])
         # Query j sits at position cached + j and sees keys 0 .. cached + j.
         query_positions = torch.arange(cached, seq_len, device=device)
         mask = torch.arange(seq_len, device=device)[None, :] <= query_positions[:, None]
@@ -305,16 +330,16 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 def _plan_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, context: int,
-                 block_size: int, device: torch.device) -> _GatherPlan:
-    """The blocks to gather for decode rows with these block tables, and their mask."""
-    num_context_blocks = -(-context // block_size)
-    context_len = num_context_blocks * block_size
+                 geometry: _Geometry, device: torch.device) -> _GatherPlan:
+    """The rows to gather for decode rows with these block tables, and their mask."""
+    num_context_blocks = -(-context // geometry.block_size)
+    context_len = num_context_blocks * geometry.block_size
     in_context = torch.arange(context_len, device=device)[None, :] < seq_lens[:, None]
     mask = in_context[:, None, None, :]
     mask_bias = torch.zeros(mask.shape, dtype=torch.float32, device=device)
     mask_bias.masked_fill_(~mask, float("-inf"))
     return _GatherPlan(
-        block_ids=block_tables[:, :num_context_blocks].flatten().long(),
+        block_ids=geometry.rows(block_tables[:, :num_context_blocks]),
         context_len=context_len,
         mask=mask,
         mask_bias=mask_bias,

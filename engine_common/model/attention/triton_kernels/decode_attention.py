@@ -236,7 +236,7 @@ def _num_sms(device: torch.device) -> int:
 
 def decode_attention(
     query: torch.Tensor,  # [num_seqs, num_heads, head_size], one token per sequence
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, num_kv_heads, block_size, head_size]
     output: torch.Tensor,  # [num_seqs, num_heads, head_size], written here
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32, context length including this token (>= 1)
@@ -251,7 +251,7 @@ def decode_attention(
     check_dtype(query)
     check_launchable(_decode_split_kernel, query)
     num_heads, head_size = query.shape[1], query.shape[2]
-    _, _, block_size, num_kv_heads, cache_head_size = kv_cache.shape
+    _, _, num_kv_heads, block_size, cache_head_size = kv_cache.shape
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0:
         return
@@ -270,7 +270,7 @@ def decode_attention(
     head_pad = padded_dim(head_size)
     single_split = num_splits == 1
 
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    key_cache, value_cache = kv_cache[:, 0], kv_cache[:, 1]
     if single_split:
         # Not read: the single-split kernel writes the output directly.
         partial_out = partial_lse = output
@@ -302,9 +302,9 @@ def decode_attention(
         query.stride(1),
         output.stride(0),
         output.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
+        key_cache.stride(0),  # block
+        key_cache.stride(2),  # slot
+        key_cache.stride(1),  # head
         block_tables.stride(0),
         *part_strides,
         *lse_strides,

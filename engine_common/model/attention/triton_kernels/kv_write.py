@@ -72,14 +72,14 @@ def _kv_write_kernel(
 def kv_write(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, num_kv_heads, block_size, head_size]
     slot_mapping: torch.Tensor,  # [num_tokens] int64; < 0 skips the token
 ) -> None:
     """Stores each token's K and V at its slot of the paged cache, in place."""
     check_dtype(key)
     check_launchable(_kv_write_kernel, key)
     num_tokens, num_kv_heads, head_size = key.shape
-    _, _, block_size, cache_kv_heads, cache_head_size = kv_cache.shape
+    _, _, cache_kv_heads, block_size, cache_head_size = kv_cache.shape
     if num_tokens == 0:
         return
     assert (cache_kv_heads, cache_head_size) == (num_kv_heads, head_size)
@@ -88,7 +88,7 @@ def kv_write(
     assert key.stride(-1) == 1 and value.stride(-1) == 1 and kv_cache.stride(-1) == 1
     assert block_size & (block_size - 1) == 0, "block size must be a power of two"
 
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    key_cache, value_cache = kv_cache[:, 0], kv_cache[:, 1]
     _kv_write_kernel[(num_tokens,)](
         key,
         value,
@@ -99,9 +99,9 @@ def kv_write(
         key.stride(1),
         value.stride(0),
         value.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
+        key_cache.stride(0),  # block
+        key_cache.stride(2),  # slot
+        key_cache.stride(1),  # head
         NUM_KV_HEADS=num_kv_heads,
         HEAD_SIZE=head_size,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),

@@ -174,7 +174,7 @@ def _default_tiling(dtype: torch.dtype, head_size: int, short_queries: bool) -> 
 
 def prefill_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_size]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, num_kv_heads, block_size, head_size]
     output: torch.Tensor,  # [num_tokens, num_heads, head_size], written here
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32, context length after this step
@@ -189,7 +189,7 @@ def prefill_attention(
     check_dtype(query)
     check_launchable(_prefill_kernel, query)
     num_tokens, num_heads, head_size = query.shape
-    _, _, block_size, num_kv_heads, cache_head_size = kv_cache.shape
+    _, _, num_kv_heads, block_size, cache_head_size = kv_cache.shape
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or num_tokens == 0:
         return
@@ -206,7 +206,7 @@ def prefill_attention(
     block_q = block_m // queries_per_kv
     tile_n = tile_n or default_tile_n
 
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    key_cache, value_cache = kv_cache[:, 0], kv_cache[:, 1]
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         query,
@@ -222,9 +222,9 @@ def prefill_attention(
         query.stride(1),
         output.stride(0),
         output.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
+        key_cache.stride(0),  # block
+        key_cache.stride(2),  # slot
+        key_cache.stride(1),  # head
         block_tables.stride(0),
         QUERIES_PER_KV=queries_per_kv,
         BLOCK_Q=block_q,
