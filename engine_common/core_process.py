@@ -115,7 +115,8 @@ class KvCacheSnapshotReply:
 
 @dataclass
 class CoreFailed:
-    """Sent by the child instead of ``EngineInfo`` when start-up fails."""
+    """Sent by the child instead of ``EngineInfo`` when start-up fails, and as its last
+    message when it must stop serving (a tensor-parallel worker died)."""
 
     message: str
 
@@ -212,13 +213,26 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection,
         torch.set_num_threads(len(config.cpus))
     logging.info("on CPUs %s (%d torch threads)", sorted(os.sched_getaffinity(0)),
                  torch.get_num_threads())
+    writers: list[_OutboxWriter] = []  # the writer, once there is one
+
+    def on_worker_death(reason: str) -> None:
+        # From the workers' watcher thread: whatever the step loop is doing (a collective
+        # fails by itself, an idle loop would not notice), the replica's model is gone. The
+        # frontend hears why, then the process ends non-zero; the replica reports
+        # NOT_SERVING and its supervisor restarts it.
+        if writers:
+            writers[0].send(CoreFailed(reason))
+            writers[0].close()
+        os._exit(1)
+
     try:
-        core = EngineCore(config)
+        core = EngineCore(config, on_worker_death=on_worker_death)
     except Exception as exc:  # noqa: BLE001 - report any start-up failure to the parent
         outbox.send(CoreFailed(f"{type(exc).__name__}: {exc}"))
         return
     outbox.send(core.info)
     writer = _OutboxWriter(outbox)
+    writers.append(writer)
 
     def handle(message: CoreMessage) -> bool:
         if isinstance(message, AddRequest):
@@ -396,6 +410,10 @@ class EngineCoreClient:
                 elif isinstance(message, LoraAdapterReply):
                     if self._on_lora_reply is not None:
                         self._on_lora_reply(message)
+                elif isinstance(message, CoreFailed):
+                    self._closed = True  # what follows (the pipe closing) says nothing more
+                    self._on_dead(f"engine core stopped: {message.message}")
+                    return
                 else:
                     self._on_outputs(message)
         except (EOFError, OSError):

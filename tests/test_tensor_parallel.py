@@ -1,0 +1,170 @@
+"""Tensor parallelism (``engine_common.parallel``): greedy output at TP=2 equals TP=1 and
+Hugging Face float32 token for token, on a dense model (Llama: GQA, 4 query heads over 2 KV
+heads, biases on every projection, rank 0 holding the row-parallel ones) and a
+mixture-of-experts one (GPT-OSS: experts split within each expert, per-head sinks split,
+sliding-window layers), with chunked prefill, the prefix cache, prompt logprobs and seeded
+sampling equal to one rank's; and a Qwen2 with one KV head (multi-query attention, tied
+embeddings), which TP=2 replicates on both ranks. The row-parallel all-reduce adds
+the ranks' partial sums in another order than one matmul does; on these random float32
+models no greedy choice is close enough for that to matter (checked here, not assumed).
+
+One engine per model and size, reused by the module's tests (each starts worker processes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from engine_common.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine_common.core_process import EngineCoreClient
+from engine_common.generation_request import GenerationRequest
+from engine_common.llm import LLM
+from engine_common.model.arch_config import ModelArchConfig
+from engine_common.outputs import EngineCoreOutputs, EngineCoreRequest
+from engine_common.parallel.sharding import check_divisible, first_kv_head, rank_arch
+from engine_common.sampling_params import SamplingParams
+from tests.hf_reference import hf_greedy, random_prompts
+from tests.model_factory import build_tiny_model
+from tests.moe_factory import build_tiny_moe_model
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
+LENGTHS = [1, 3, 7, 16, 17, 33, 50, 5]
+
+
+def _engine(model_dir: Path, tp: int, budget: int = 512) -> LLM:
+    return LLM(EngineConfig(
+        model=str(model_dir), dtype="float32", tensor_parallel_size=tp,
+        cache=CacheConfig(block_size=4, num_gpu_blocks_override=256),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget)))
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_moe_model(tmp_path_factory.mktemp("tp-gpt-oss"), "gpt_oss")
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt_oss"])
+def model_dir(request: pytest.FixtureRequest) -> Path:
+    name = "tiny_llama_dir" if request.param == "llama" else "gpt_oss_dir"
+    return request.getfixturevalue(name)
+
+
+@pytest.fixture(scope="module")
+def tp2(model_dir: Path) -> Iterator[LLM]:
+    # A small budget: the long prompts are prefilled in chunks.
+    llm = _engine(model_dir, 2, budget=24)
+    yield llm
+    llm.close()
+
+
+def _prompts(model_dir: Path) -> list[list[int]]:
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    return random_prompts(vocab, LENGTHS, seed=1)
+
+
+def test_tp2_greedy_equals_hf(model_dir: Path, tp2: LLM):
+    prompts = _prompts(model_dir)
+    expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    assert [r.token_ids for r in tp2.generate(prompts, GREEDY)] == expected
+    # Again: every prompt is now a prefix-cache hit on all its full blocks.
+    again = tp2.generate(prompts, GREEDY)
+    assert [r.token_ids for r in again] == expected
+    assert sum(r.num_cached_tokens for r in again) > 0
+
+
+def test_tp2_logprobs_and_seeded_sampling_equal_tp1(model_dir: Path, tp2: LLM):
+    prompts = _prompts(model_dir)[:4]
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=MAX_TOKENS,
+                            logprobs=2, prompt_logprobs=1)
+    expected = _engine(model_dir, 1).generate(prompts, params)
+    got = tp2.generate(prompts, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+    for a, b in zip(got, expected, strict=True):
+        for x, y in zip(a.logprobs + (a.prompt_logprobs or []),
+                        b.logprobs + (b.prompt_logprobs or []), strict=True):
+            assert (x is None) == (y is None)
+            if x is not None and y is not None:
+                assert (x.token_id, x.rank) == (y.token_id, y.rank)
+                assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+                assert [t for t, _ in x.top] == [t for t, _ in y.top]
+
+
+def test_tp2_replicates_a_single_kv_head_and_equals_hf(tmp_path: Path):
+    model_dir = build_tiny_model(tmp_path / "mqa", "qwen2", num_kv_heads=1)
+    arch = ModelArchConfig.from_model_dir(model_dir)
+    assert rank_arch(arch, 2).num_kv_heads == 1
+    assert [first_kv_head(arch, r, 2) for r in range(2)] == [0, 0]
+    # With 2 KV heads over 4 ranks: ranks 0-1 read head 0, ranks 2-3 head 1 (their query
+    # heads' GQA groups).
+    gqa = replace(arch, num_kv_heads=2)
+    assert [first_kv_head(gqa, r, 4) for r in range(4)] == [0, 0, 1, 1]
+    prompts = _prompts(model_dir)[:4]
+    llm = _engine(model_dir, 2)
+    try:
+        got = [r.token_ids for r in llm.generate(prompts, GREEDY)]
+    finally:
+        llm.close()
+    assert got == hf_greedy(model_dir, prompts, MAX_TOKENS)
+
+
+def test_a_size_the_heads_do_not_divide_is_refused(tiny_llama_dir: Path):
+    arch = ModelArchConfig.from_model_dir(tiny_llama_dir)
+    with pytest.raises(ValueError, match="cannot be split over 3 tensor-parallel ranks: 4 "
+                                         "attention heads"):
+        check_divisible(arch, 3)
+
+
+def _worker_pids(core_pid: int) -> list[int]:
+    """The tensor-parallel workers the engine-core process ``core_pid`` started."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if ppid == core_pid and b"engine_common.parallel.worker" in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_worker_ends_the_core_with_the_reason(tiny_llama_dir: Path):
+    """SIGKILL a worker under a stream: the stream's engine reports why at once (no hang)
+    and the engine-core process exits non-zero (the replica then reports NOT_SERVING and its
+    supervisor restarts it, as for any dead core: ``test_replica_lifecycle``)."""
+    outputs: queue.Queue[EngineCoreOutputs] = queue.Queue()
+    dead: queue.Queue[str] = queue.Queue()
+    client = EngineCoreClient(EngineConfig(
+        model=str(tiny_llama_dir), dtype="float32", tensor_parallel_size=2,
+        cache=CacheConfig(block_size=4, num_gpu_blocks_override=256)))
+    try:
+        client.connect(on_outputs=outputs.put, on_dead=dead.put)
+        params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        client.add_request(EngineCoreRequest("doomed", GenerationRequest([5, 6, 7], params),
+                                             time.monotonic()))
+        while not any(o.request_id == "doomed" and o.new_token_ids
+                      for o in outputs.get(timeout=60).outputs):
+            pass
+        [worker] = _worker_pids(client.process.pid)
+        os.kill(worker, signal.SIGKILL)
+        killed_at = time.monotonic()
+        reason = dead.get(timeout=30)
+        assert time.monotonic() - killed_at < 15
+        assert "tensor-parallel worker rank 1" in reason and "code -9" in reason
+        client.process.join(timeout=15)
+        assert client.process.exitcode not in (None, 0)
+    finally:
+        client.shutdown()
