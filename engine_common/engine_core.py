@@ -84,7 +84,7 @@ class EngineCore:
         )
         # The model's directory name, not its path: P and D may keep it in different places.
         kv_layout = KvLayout.of_cache(os.path.basename(os.path.normpath(config.model)),
-                                      self.model_runner.kv_cache)
+                                      self.model_runner.kv_cache, config.tensor_parallel_size)
         self.kv_tiers = (KvTiers(config.kv_tiers, self.model_runner.kv_cache, kv_layout)
                          if config.kv_tiers.enabled and config.cache.enable_prefix_caching
                          else None)
@@ -111,6 +111,7 @@ class EngineCore:
             head_size=self.arch.head_size,
             kv_layout=kv_layout,
             kv_address=self.remote_kv.address if self.remote_kv else None,
+            tensor_parallel_size=config.tensor_parallel_size,
         )
         self.info.model_summary = tuple(startup_summary(
             self.model_runner.model, self.model_runner.num_blocks, config.cache.block_size,

@@ -24,12 +24,18 @@ from pathlib import Path
 
 import pytest
 
-from engine_common.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine_common.config import CacheConfig, EngineConfig, KvTransferConfig, SchedulerConfig
 from engine_common.core_process import EngineCoreClient
+from engine_common.engine_core import EngineCore
 from engine_common.generation_request import GenerationRequest
 from engine_common.llm import LLM
 from engine_common.model.arch_config import ModelArchConfig
-from engine_common.outputs import EngineCoreOutputs, EngineCoreRequest
+from engine_common.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    RemotePrefill,
+)
 from engine_common.parallel.sharding import check_divisible, first_kv_head, rank_arch
 from engine_common.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy, random_prompts
@@ -168,3 +174,56 @@ def test_a_killed_worker_ends_the_core_with_the_reason(tiny_llama_dir: Path):
         assert client.process.exitcode not in (None, 0)
     finally:
         client.shutdown()
+
+
+def _pd_core(model_dir: Path, role: str, tp: int) -> EngineCore:
+    return EngineCore(EngineConfig(
+        model=str(model_dir), dtype="float32", engine_id=f"{role}-tp{tp}",
+        tensor_parallel_size=tp, cache=CacheConfig(block_size=4, num_gpu_blocks_override=64),
+        kv_transfer=KvTransferConfig(role=role, pull_timeout_seconds=5.0)))
+
+
+def _run(core: EngineCore, request: EngineCoreRequest) -> list[EngineCoreOutput]:
+    core.add_request(request)
+    outputs: list[EngineCoreOutput] = []
+    deadline = time.monotonic() + 60
+    while not any(o.finished for o in outputs):
+        assert time.monotonic() < deadline, "the engine did not finish in time"
+        if not core.has_runnable_requests():
+            time.sleep(0.002)
+        outputs.extend(core.step().outputs)
+    return outputs
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_pd_across_parallel_sizes_is_refused_clearly_and_recomputed_exactly(
+        tiny_llama_dir: Path, prefill_tp: int, decode_tp: int):
+    """TP=2 prefill feeding TP=1 decode and the reverse: the handle carries the producer's
+    rank count, the consumer refuses the pairing with the reason ``tensor_parallel`` (no
+    byte moves: per-rank pulls are not built yet) and computes the prompt itself; the
+    output is Hugging Face's. (A TP decode replica's frontend does not even ask a prefill
+    replica: ``LocalEngine``; here the cores are driven directly.)"""
+    prompt = _prompts(tiny_llama_dir)[4]  # 17 tokens: 4 full blocks and a partial one
+    expected = hf_greedy(tiny_llama_dir, [prompt], MAX_TOKENS)[0]
+    p, d = _pd_core(tiny_llama_dir, "producer", prefill_tp), _pd_core(tiny_llama_dir, "consumer",
+                                                                    decode_tp)
+    try:
+        one = replace(GREEDY, max_tokens=1, min_tokens=1)
+        done = _run(p, EngineCoreRequest("r", GenerationRequest(prompt, one), time.monotonic(),
+                                         hold_kv=True))
+        final = next(o for o in done if o.finished)
+        handle, first = final.kv_handle, final.new_token_ids[0]
+        assert handle is not None and handle.tensor_parallel_size == prefill_tp
+        assert p.info.kv_layout.tensor_parallel_size == prefill_tp
+        outputs = _run(d, EngineCoreRequest("r", GenerationRequest(prompt, GREEDY),
+                                            time.monotonic(),
+                                            remote_prefill=RemotePrefill(handle, first)))
+        report = next(o.kv_transfer for o in outputs if o.kv_transfer is not None)
+        assert report.fallback_reason == "tensor_parallel" and report.blocks_pulled == 0
+        assert [first] + [t for o in outputs for t in o.new_token_ids] == expected
+        p.release_kv(["r"])
+    finally:
+        for core in (p, d):
+            assert core.remote_kv is not None
+            core.remote_kv.close()
+            core.close()
