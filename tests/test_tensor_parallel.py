@@ -36,7 +36,12 @@ from engine_common.outputs import (
     EngineCoreRequest,
     RemotePrefill,
 )
-from engine_common.parallel.sharding import check_divisible, first_kv_head, rank_arch
+from engine_common.parallel.sharding import (
+    check_divisible,
+    kv_head_range,
+    q_head_range,
+    rank_arch,
+)
 from engine_common.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy, random_prompts
 from tests.model_factory import build_tiny_model
@@ -105,28 +110,45 @@ def test_tp2_logprobs_and_seeded_sampling_equal_tp1(model_dir: Path, tp2: LLM):
                 assert [t for t, _ in x.top] == [t for t, _ in y.top]
 
 
-def test_tp2_replicates_a_single_kv_head_and_equals_hf(tmp_path: Path):
-    model_dir = build_tiny_model(tmp_path / "mqa", "qwen2", num_kv_heads=1)
+# Qwen2 shapes (tied embeddings, q/k/v biases) whose KV heads do not split evenly or at all.
+ODD_SHAPES = {
+    # 3 KV heads over 2 ranks, as SmolLM2-135M's: 2 and 1 (4 and 2 query heads).
+    "uneven": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3),
+    # 1 KV head: replicated on both ranks, each with half the query heads.
+    "replicated": dict(num_key_value_heads=1),
+}
+
+
+@pytest.mark.parametrize("kind", ODD_SHAPES)
+def test_tp2_splits_odd_kv_heads_and_equals_hf(tmp_path: Path, kind: str):
+    model_dir = build_tiny_model(tmp_path / kind, "qwen2", shape=ODD_SHAPES[kind])
     arch = ModelArchConfig.from_model_dir(model_dir)
-    assert rank_arch(arch, 2).num_kv_heads == 1
-    assert [first_kv_head(arch, r, 2) for r in range(2)] == [0, 0]
-    # With 2 KV heads over 4 ranks: ranks 0-1 read head 0, ranks 2-3 head 1 (their query
-    # heads' GQA groups).
-    gqa = replace(arch, num_kv_heads=2)
-    assert [first_kv_head(gqa, r, 4) for r in range(4)] == [0, 0, 1, 1]
+    heads = [(q_head_range(arch, r, 2), kv_head_range(arch, r, 2)) for r in range(2)]
+    assert heads == ([((0, 4), (0, 2)), ((4, 2), (2, 1))] if kind == "uneven"
+                     else [((0, 2), (0, 1)), ((2, 2), (0, 1))])
     prompts = _prompts(model_dir)[:4]
     llm = _engine(model_dir, 2)
     try:
+        assert llm.core.model_runner.model.arch.num_kv_heads == heads[0][1][1]  # rank 0's
         got = [r.token_ids for r in llm.generate(prompts, GREEDY)]
     finally:
         llm.close()
     assert got == hf_greedy(model_dir, prompts, MAX_TOKENS)
 
 
+def test_more_ranks_than_kv_heads_replicate_each_groups_head(tiny_llama_dir: Path):
+    # 4 query heads over 2 KV heads on 4 ranks: ranks 0-1 read KV head 0, ranks 2-3 head 1.
+    arch = ModelArchConfig.from_model_dir(tiny_llama_dir)
+    assert [kv_head_range(arch, r, 4) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    assert [q_head_range(arch, r, 4) for r in range(4)] == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    assert rank_arch(arch, 3, 4).num_heads == 1
+
+
 def test_a_size_the_heads_do_not_divide_is_refused(tiny_llama_dir: Path):
     arch = ModelArchConfig.from_model_dir(tiny_llama_dir)
+    # 2 KV heads over 3 ranks: a KV head cannot be shared by one and a half ranks.
     with pytest.raises(ValueError, match="cannot be split over 3 tensor-parallel ranks: 4 "
-                                         "attention heads"):
+                                         "attention heads over 2 KV heads"):
         check_divisible(arch, 3)
 
 

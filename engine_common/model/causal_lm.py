@@ -78,12 +78,12 @@ class CausalLM(nn.Module):
         parallel: TensorParallel = SINGLE,
     ):
         """``arch``: the whole model's; ``feed_forward`` builds at this rank's shapes
-        (``rank_arch(arch, parallel.size)``)."""
+        (``rank_arch(arch, parallel.rank, parallel.size)``)."""
         super().__init__()
         device = torch.device(device)
         self.parallel = parallel
         self.full_arch = arch
-        self.arch = arch = rank_arch(arch, parallel.size)
+        self.arch = arch = rank_arch(arch, parallel.rank, parallel.size)
         self.dtype = dtype
         self.device = device
         # One backend shared by every layer: the layers differ only in the cache view they

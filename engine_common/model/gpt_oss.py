@@ -60,7 +60,7 @@ class GptOssForCausalLM(CausalLM):
     ):
         device = torch.device(device)
         spec = MoeSpec(arch.num_experts, arch.num_experts_per_tok, arch.hidden_size,
-                       rank_arch(arch, parallel.size).moe_intermediate_size,
+                       rank_arch(arch, parallel.rank, parallel.size).moe_intermediate_size,
                        routing="topk_softmax", bias=True,
                        swiglu_alpha=arch.swiglu_alpha, swiglu_limit=arch.swiglu_limit)
 

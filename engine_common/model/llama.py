@@ -28,7 +28,7 @@ class LlamaForCausalLM(CausalLM):
         parallel: TensorParallel = SINGLE,
     ):
         device = torch.device(device)
-        local = rank_arch(arch, parallel.size)
+        local = rank_arch(arch, parallel.rank, parallel.size)
 
         def mlp(_: int) -> tuple[str, GatedMLP]:
             return "mlp", GatedMLP(local.hidden_size, local.intermediate_size, local.mlp_bias,

@@ -33,7 +33,7 @@ class Qwen3MoeForCausalLM(CausalLM):
         parallel: TensorParallel = SINGLE,
     ):
         device = torch.device(device)
-        local = rank_arch(arch, parallel.size)
+        local = rank_arch(arch, parallel.rank, parallel.size)
         spec = MoeSpec(arch.num_experts, arch.num_experts_per_tok, arch.hidden_size,
                        local.moe_intermediate_size, routing="softmax_topk",
                        normalize_topk=arch.norm_topk_prob, weights_in_model_dtype=True)

@@ -1,14 +1,17 @@
 """Which part of the model a tensor-parallel rank holds (Megatron-LM's layout, as vLLM's).
 
-* q/k/v and gate/up are column-parallel: rank r holds heads ``[r H/N, (r+1) H/N)`` of the
-  queries, its share of the intermediate columns, and computes them with no communication.
+* q/k/v and gate/up are column-parallel: rank r holds a contiguous run of whole GQA groups
+  (a KV head and the query heads that read it) and its share of the intermediate columns,
+  and computes them with no communication. KV heads that do not divide by N are split as
+  evenly as whole groups allow (SmolLM2-135M's 3 KV heads over 2 ranks: 2 and 1, so rank 0
+  does two thirds of the attention work).
 * o_proj and down_proj are row-parallel: rank r holds the input columns matching its heads
   (intermediate columns) and produces a partial sum; one all-reduce per projection adds
   them up. A row-parallel bias is held by rank 0 alone (zeros elsewhere), so the sum adds it
   once.
-* KV heads are split like the query heads; with more ranks than KV heads each KV head is
-  replicated on the ``N / KV`` ranks whose query heads read it (GQA groups never straddle
-  ranks), so every rank's cache holds ``kv_heads_per_rank`` heads.
+* With more ranks than KV heads each KV head is replicated on the ``N / KV`` ranks whose
+  query heads read it (its group's query heads split evenly among them), so every rank's
+  cache holds its ``kv_head_range`` heads.
 * The token embedding and the LM head are vocab-parallel: rank r holds ``ceil(V / N)``
   rows from ``r ceil(V / N)`` (the last rank's tail padded with zeros); a lookup is an
   all-reduce of each rank's rows (zeros for ids it does not hold), the head's logits are
@@ -43,11 +46,11 @@ def check_divisible(arch: ModelArchConfig, size: int) -> None:
     if size < 1:
         raise ValueError(f"tensor parallel size must be at least 1, got {size}")
     problems = []
-    if arch.num_heads % size:
-        problems.append(f"{arch.num_heads} attention heads")
     kv = arch.num_kv_heads
-    if (kv >= size and kv % size) or (kv < size and size % kv):
-        problems.append(f"{kv} KV heads (need a multiple or a divisor of the size)")
+    if kv < size and (size % kv or (arch.num_heads // kv) % (size // kv)):
+        problems.append(f"{arch.num_heads} attention heads over {kv} KV heads (with fewer KV "
+                        "heads than ranks, the ranks must be a multiple of the KV heads and "
+                        "split each one's query heads evenly)")
     if arch.intermediate_size % size:
         problems.append(f"intermediate size {arch.intermediate_size}")
     if arch.is_moe and arch.moe_intermediate_size % size:
@@ -57,29 +60,39 @@ def check_divisible(arch: ModelArchConfig, size: int) -> None:
                          f"ranks: {', '.join(problems)} do not divide evenly")
 
 
-def kv_heads_per_rank(arch: ModelArchConfig, size: int) -> int:
-    """KV heads in each rank's cache (1 where heads are replicated)."""
-    return max(1, arch.num_kv_heads // size)
+def kv_head_range(arch: ModelArchConfig, rank: int, size: int) -> tuple[int, int]:
+    """(first KV head, count) in rank ``rank``'s cache: whole groups, as even as they go
+    (the first ``KV % N`` ranks one more); one replicated head when ranks outnumber them."""
+    kv = arch.num_kv_heads
+    if kv < size:
+        return rank * kv // size, 1
+    per_rank, extra = divmod(kv, size)
+    return rank * per_rank + min(rank, extra), per_rank + (rank < extra)
 
 
-def first_kv_head(arch: ModelArchConfig, rank: int, size: int) -> int:
-    """The first KV head rank ``rank`` holds."""
-    if arch.num_kv_heads >= size:
-        return rank * (arch.num_kv_heads // size)
-    return rank * arch.num_kv_heads // size
+def q_head_range(arch: ModelArchConfig, rank: int, size: int) -> tuple[int, int]:
+    """(first query head, count) of rank ``rank``: its KV heads' groups (a share of one
+    group's when the group's KV head is replicated)."""
+    group = arch.num_heads // arch.num_kv_heads
+    if arch.num_kv_heads < size:
+        per_rank = arch.num_heads // size
+        return rank * per_rank, per_rank
+    first, count = kv_head_range(arch, rank, size)
+    return first * group, count * group
 
 
 def vocab_per_rank(vocab_size: int, size: int) -> int:
     return -(-vocab_size // size)
 
 
-def rank_arch(arch: ModelArchConfig, size: int) -> ModelArchConfig:
-    """The shapes one rank's layers are built with (its heads, columns and vocab rows)."""
+def rank_arch(arch: ModelArchConfig, rank: int, size: int) -> ModelArchConfig:
+    """The shapes rank ``rank``'s layers are built with (its heads, columns, vocab rows)."""
     if size == 1:
         return arch
     check_divisible(arch, size)
     return replace(
-        arch, num_heads=arch.num_heads // size, num_kv_heads=kv_heads_per_rank(arch, size),
+        arch, num_heads=q_head_range(arch, rank, size)[1],
+        num_kv_heads=kv_head_range(arch, rank, size)[1],
         intermediate_size=arch.intermediate_size // size,
         moe_intermediate_size=arch.moe_intermediate_size // size,
         vocab_size=vocab_per_rank(arch.vocab_size, size))
@@ -93,8 +106,15 @@ def shard_tensor(name: str, tensor: torch.Tensor, arch: ModelArchConfig, rank: i
     if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
         return _vocab_rows(tensor, rank, size)
     if ".k_proj." in name or ".v_proj." in name:
-        per_rank = kv_heads_per_rank(arch, size) * arch.head_size
-        return tensor.narrow(0, first_kv_head(arch, rank, size) * arch.head_size, per_rank)
+        return _heads(tensor, 0, kv_head_range(arch, rank, size), arch.head_size)
+    if ".q_proj." in name:
+        return _heads(tensor, 0, q_head_range(arch, rank, size), arch.head_size)
+    if name.endswith(".sinks"):
+        return _heads(tensor, 0, q_head_range(arch, rank, size), 1)
+    if ".o_proj." in name:
+        if not name.endswith("weight"):
+            return _on_rank0(tensor, rank)
+        return _heads(tensor, -1, q_head_range(arch, rank, size), arch.head_size)
     if name.endswith("experts.gate_up_proj") or name.endswith("experts.gate_up_proj_bias"):
         # GPT-OSS, de-interleaved already: gate rows then up rows on dim 1; each half split.
         gate, up = tensor.chunk(2, dim=1)
@@ -103,12 +123,17 @@ def shard_tensor(name: str, tensor: torch.Tensor, arch: ModelArchConfig, rank: i
         return _part(tensor, -1, rank, size)
     if name.endswith("experts.down_proj_bias"):
         return _on_rank0(tensor, rank)
-    if any(f".{p}." in name for p in ("q_proj", "gate_proj", "up_proj", "w1", "w3")) \
-            or name.endswith(".sinks"):
+    if any(f".{p}." in name for p in ("gate_proj", "up_proj", "w1", "w3")):
         return _part(tensor, 0, rank, size)
-    if any(f".{p}." in name for p in ("o_proj", "down_proj", "w2")):
+    if any(f".{p}." in name for p in ("down_proj", "w2")):
         return _part(tensor, -1, rank, size) if name.endswith("weight") else _on_rank0(tensor, rank)
     return tensor
+
+
+def _heads(tensor: torch.Tensor, dim: int, heads: tuple[int, int], head_size: int
+           ) -> torch.Tensor:
+    first, count = heads
+    return tensor.narrow(dim, first * head_size, count * head_size)
 
 
 def _part(tensor: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
