@@ -214,12 +214,14 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection,
     logging.info("on CPUs %s (%d torch threads)", sorted(os.sched_getaffinity(0)),
                  torch.get_num_threads())
     writers: list[_OutboxWriter] = []  # the writer, once there is one
+    dying = threading.Lock()
 
     def on_worker_death(reason: str) -> None:
-        # From the workers' watcher thread: whatever the step loop is doing (a collective
-        # fails by itself, an idle loop would not notice), the replica's model is gone. The
-        # frontend hears why, then the process ends non-zero; the replica reports
+        # From the workers' watcher thread, or the step loop after a failed collective
+        # (whichever is first; the other waits here for the exit): the replica's model is
+        # gone. The frontend hears why, then the process ends non-zero; the replica reports
         # NOT_SERVING and its supervisor restarts it.
+        dying.acquire()
         if writers:
             writers[0].send(CoreFailed(reason))
             writers[0].close()
@@ -284,7 +286,15 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection,
                 # housekeeping. Only a pull's end comes without a message: 2 ms then.
                 if inbox.poll(0.002 if core.has_pulls_running() else 0.05):
                     continue
-            writer.send(core.step())
+            try:
+                outputs = core.step()
+            except Exception:
+                # A tensor-parallel worker's death fails the step's collective: say why.
+                reason = core.model_runner.worker_death(timeout=5.0)
+                if reason is not None:
+                    on_worker_death(reason)
+                raise
+            writer.send(outputs)
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         return  # the parent is gone
     finally:

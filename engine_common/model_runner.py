@@ -160,6 +160,11 @@ class ModelRunner:
         logger.info("tensor parallel: rank 0 of %d, workers %s", size, self.workers.pids)
         return join_as_master(store, size, torch.device(config.device))
 
+    def worker_death(self, timeout: float) -> str | None:
+        """Why a tensor-parallel worker died (after a failed step: waits up to ``timeout``
+        for the exit to be seen); None when none did, or there are none."""
+        return self.workers.wait_death(timeout) if self.workers is not None else None
+
     def close(self) -> None:
         """Stop the workers (rank 0 of several; nothing otherwise)."""
         if self.workers is not None:

@@ -45,6 +45,7 @@ class TensorParallelWorkers:
         self._closing = False
         self.dead_reason: str | None = None
         self._lock = threading.Lock()
+        self._died = threading.Event()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.processes: list[subprocess.Popen[bytes]] = []
         for setup in setups:
@@ -84,9 +85,17 @@ class TensorParallelWorkers:
                 return
             self.dead_reason = (f"tensor-parallel worker rank {rank} (pid {process.pid}) "
                                 f"exited with code {code}: the replica's model cannot run")
+            self._died.set()
         logger.error("%s", self.dead_reason)
         if self._on_death is not None:
             self._on_death(self.dead_reason)
+
+    def wait_death(self, timeout: float) -> str | None:
+        """Why a worker died, waiting up to ``timeout`` for its exit to be seen (a step that
+        failed in a collective may fail before the watcher sees the process end); None if
+        every worker still runs."""
+        self._died.wait(timeout)
+        return self.dead_reason
 
     def close(self, timeout: float = 10.0) -> None:
         """Ask every worker to stop, then wait; a worker still running after ``timeout`` is
