@@ -6,12 +6,14 @@ Two models: the default (SmolLM2-135M, bf16) and a synthetic Llama of about 1.1B
 49,152-token vocabulary; random bf16 weights written once under ``--model-root``). For each
 model and size: ``--batch`` prompts of ``--prompt-len`` random tokens, ``--output-len``
 greedy tokens each, EOS ignored, through the offline engine in its own process on the
-same CPUs (``--cpus``: TP=1 runs two torch threads on both, TP=2 one rank per CPU). The
+same CPUs (``--cpus``: TP=1 runs two torch threads on both, TP=2 one rank per CPU; and,
+to tell TP's gain from two threads' cost on a busy machine, TP=1 on the first CPU alone
+with one thread, ``tp1_one_cpu``). The
 prompts are prefilled in the first step; every later step is a pure decode step of the
 whole batch, and those are measured: wall time per step, the CPU seconds every rank used
 (from /proc), and on rank 0 the wall time inside the all-reduces (which includes waiting
 for the other rank: the collective's real cost to the step). Sizes alternate within a round
-(TP=1 first in even rounds, TP=2 first in odd ones).
+(in reverse order in odd rounds).
 
 The machine is shared with other agents: the load average around each run is recorded, and
 the CPU seconds per step are the steadier figure under load.
@@ -161,9 +163,9 @@ def worker(cfg: dict[str, Any]) -> None:
         "load": os.getloadavg()[0]}), flush=True)
 
 
-def run(model: Path, tp: int, args: argparse.Namespace, batch: int, output_len: int
-        ) -> dict[str, Any]:
-    config = {"model": str(model), "tp": tp, "cpus": args.cpus, "batch": batch,
+def run(model: Path, tp: int, cpus: list[int], args: argparse.Namespace, batch: int,
+        output_len: int) -> dict[str, Any]:
+    config = {"model": str(model), "tp": tp, "cpus": cpus, "batch": batch,
               "prompt_len": args.prompt_len, "output_len": output_len}
     done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(config)],
                           capture_output=True, text=True, timeout=3600, check=False)
@@ -176,19 +178,21 @@ def run(model: Path, tp: int, args: argparse.Namespace, batch: int, output_len: 
 
 def measure(model: Path, args: argparse.Namespace, batch: int, output_len: int,
             rounds: int) -> dict[str, Any]:
-    runs: dict[int, list[dict[str, Any]]] = {1: [], 2: []}
+    configs = {"tp1": (1, args.cpus), "tp1_one_cpu": (1, args.cpus[:1]), "tp2": (2, args.cpus)}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
     for r in range(rounds):
-        for tp in ((1, 2) if r % 2 == 0 else (2, 1)):
-            result = run(model, tp, args, batch, output_len)
-            runs[tp].append(result)
-            print(f"{model.name} TP={tp} round {r}: median step "
+        for name in (list(configs) if r % 2 == 0 else list(reversed(configs))):
+            tp, cpus = configs[name]
+            result = run(model, tp, cpus, args, batch, output_len)
+            runs[name].append(result)
+            print(f"{model.name} {name} round {r}: median step "
                   f"{statistics.median(result['step_s']) * 1000:.1f} ms, load "
                   f"{result['load']:.1f}", flush=True)
     summary: dict[str, Any] = {"batch": batch, "decode_steps": output_len - 1}
-    for tp, results in runs.items():
+    for name, results in runs.items():
         steps = [s for r in results for s in r["step_s"]]
         wall = sum(steps)
-        summary[f"tp{tp}"] = {
+        summary[name] = {
             "median_step_ms": statistics.median(steps) * 1000,
             "decode_tokens_per_s": batch * len(steps) / wall,
             "cpu_s_per_step": sum(r["cpu_s"] for r in results) / len(steps),
@@ -198,8 +202,9 @@ def measure(model: Path, args: argparse.Namespace, batch: int, output_len: int,
             "median_step_ms_per_round": [statistics.median(r["step_s"]) * 1000
                                          for r in results],
         }
-    summary["tp2_over_tp1_throughput"] = (summary["tp2"]["decode_tokens_per_s"]
-                                          / summary["tp1"]["decode_tokens_per_s"])
+    for base in ("tp1", "tp1_one_cpu"):
+        summary[f"tp2_over_{base}_throughput"] = (summary["tp2"]["decode_tokens_per_s"]
+                                                  / summary[base]["decode_tokens_per_s"])
     return summary
 
 

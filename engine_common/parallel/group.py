@@ -10,9 +10,8 @@ which weights a rank holds (``sharding``) or the processes (``workers``, ``worke
 Collectives are sums and gathers of whole tensors: a rank's share of a row-parallel
 projection (o_proj, down_proj, the experts' down projection) is added up with one
 all-reduce, and the LM head's vocabulary slices are gathered (exact: no arithmetic).
-A rank that dies fails the others' collective at once (gloo: "Connection closed by peer",
-about a second after the kill on this machine); one that hangs fails it after
-``COLLECTIVE_TIMEOUT``.
+A rank that dies fails the others' collective at once (gloo: "Connection closed by peer"
+as its sockets close); one that hangs fails it after ``COLLECTIVE_TIMEOUT``.
 """
 
 from __future__ import annotations
