@@ -34,7 +34,12 @@ from engine_common.model.attention.backend import AttentionMetadata
 from engine_common.model.cpu_allocator import keep_large_temporaries_in_heap
 from engine_common.model.loader import load_model, resolve_dtype
 from engine_common.outputs import ModelRunnerOutput
-from engine_common.parallel.group import TensorParallel, join_as_master, master_store
+from engine_common.parallel.group import (
+    TensorParallel,
+    join_as_master,
+    master_store,
+    wait_for_workers,
+)
 from engine_common.parallel.sharding import check_divisible
 from engine_common.parallel.step_message import WorkerSetup, step_message
 from engine_common.parallel.workers import TensorParallelWorkers
@@ -158,6 +163,13 @@ class ModelRunner:
             os.sched_setaffinity(0, own)
             torch.set_num_threads(len(own))
         logger.info("tensor parallel: rank 0 of %d, workers %s", size, self.workers.pids)
+        workers = self.workers
+        try:
+            wait_for_workers(store, size, lambda: workers.dead_reason)
+        except RuntimeError:
+            workers.close(timeout=2.0)  # the others wait for a group that will not form
+            self.workers = None
+            raise
         return join_as_master(store, size, torch.device(config.device))
 
     def worker_death(self, timeout: float) -> str | None:

@@ -17,6 +17,8 @@ as its sockets close); one that hangs fails it after ``COLLECTIVE_TIMEOUT``.
 from __future__ import annotations
 
 import datetime
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,7 +87,27 @@ def join_group(rank: int, size: int, store_port: int, device: torch.device) -> T
     ``127.0.0.1:store_port``; blocks until every rank has."""
     store = dist.TCPStore("127.0.0.1", store_port, size, is_master=False,
                           timeout=COLLECTIVE_TIMEOUT)
+    store.set(_arrived(rank), b"1")
     return _join(store, rank, size, device)
+
+
+def wait_for_workers(store: dist.TCPStore, size: int, gone: Callable[[], str | None]) -> None:
+    """Rank 0, before it joins: wait until every worker has reached the store, or raise
+    RuntimeError as soon as ``gone`` says why one cannot (it exited while starting: a group
+    it never joins would hold rank 0 for ``COLLECTIVE_TIMEOUT``)."""
+    keys = [_arrived(rank) for rank in range(1, size)]
+    deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+    while not store.check(keys):
+        if (reason := gone()) is not None:
+            raise RuntimeError(f"tensor-parallel start-up failed: {reason}")
+        if time.monotonic() > deadline:
+            raise RuntimeError("tensor-parallel workers did not start within "
+                               f"{COLLECTIVE_TIMEOUT.total_seconds():g} s")
+        time.sleep(0.05)
+
+
+def _arrived(rank: int) -> str:
+    return f"tandem/arrived/{rank}"
 
 
 def _join(store: dist.TCPStore, rank: int, size: int, device: torch.device) -> TensorParallel:
