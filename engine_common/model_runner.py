@@ -201,7 +201,7 @@ class ModelRunner:
                     request, n, list(range(next_block, next_block + num_blocks))))
                 next_block += num_blocks
             # Every rank warms up by itself: not sent to the workers.
-            self._run(SchedulerOutput(scheduled=scheduled))
+            self.execute(SchedulerOutput(scheduled=scheduled), to_workers=False)
         self.kv_cache.zero_()
 
     def static_decode_runner(self, max_model_len: int, capture: bool) -> DecodeGraphRunner:
@@ -266,12 +266,14 @@ class ModelRunner:
         for _ in range(num_tokens):
             skipped.exponential_(generator=generator)
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput,
+                to_workers: bool = True) -> ModelRunnerOutput:
         """Run one step; return the sampled token (and logprobs) of every request whose
         scheduled tokens reach its last known token, and the prompt logprobs of the
         positions computed for requests that asked for them. Rank 0 hands the step to its
-        workers first (WorkerDiedError when one is gone)."""
-        if self.workers is not None:
+        workers first (WorkerDiedError when one is gone), unless ``to_workers`` is False (a
+        step every rank runs by itself: the warm-up)."""
+        if self.workers is not None and to_workers:
             self.workers.send(step_message(scheduler_output, self._released))
             self._released = []
         return self._run(scheduler_output)
