@@ -34,6 +34,7 @@ Gateway itself (a cluster's own, named by ``gateway_name``).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,12 @@ class K8sOptions:
     # them for its frontend (``--engine-cpus auto``).
     exclusive_cpus: bool = False
     gpus: int = 0  # per replica; 0 runs on CPU
+    # Tensor-parallel ranks per replica (``tandem serve --tensor-parallel-size``); prefill
+    # replicas may differ from decode ones (P/D across parallel sizes). A TP replica gets
+    # ``nvidia.com/gpu: N``, or N times ``replica_cpu`` and ``replica_memory`` (each rank is
+    # an engine process with its own KV budget), and a /dev/shm of a GiB per rank.
+    tensor_parallel_size: int = 1
+    prefill_tensor_parallel_size: int | None = None  # None: ``tensor_parallel_size``
     kv_cache_memory: str = "2GiB"  # CPU KV cache; on GPU the engine sizes its own
     envoy_image: str = "envoyproxy/envoy:v1.40.0"
     envoy_replicas: int = 1
@@ -158,6 +165,12 @@ class K8sOptions:
         if self.exclusive_cpus and not (self.replica_cpu.isdigit() and int(self.replica_cpu) > 0):
             raise ValueError(f"exclusive CPUs need a whole number of CPUs per replica, got "
                              f"--replica-cpu {self.replica_cpu!r}")
+        if min(self.tensor_parallel_size, self.prefill_tensor_parallel_size or 1) < 1:
+            raise ValueError("tensor parallel sizes must be at least 1")
+        if self.gpus > 1 and self.gpus != max(self.tensor_parallel_size,
+                                              self.prefill_tensor_parallel_size or 1):
+            raise ValueError(f"--gpus {self.gpus}: a replica uses one GPU per tensor-parallel "
+                             "rank; give --gpus 1 and --tensor-parallel-size N")
         self._check_served_model_names()
         if self.lora_syncer and not self.model_settings.allow_runtime_lora_updating:
             raise ValueError("the LoRA syncer loads adapters while the replicas serve: add "
@@ -205,6 +218,23 @@ def _metadata(options: K8sOptions, name: str, labels: dict[str, str]) -> dict[st
     return metadata
 
 
+def tensor_parallel_size(options: K8sOptions, role: str) -> int:
+    """The ranks of one ``role`` replica."""
+    if role == "prefill" and options.prefill_tensor_parallel_size is not None:
+        return options.prefill_tensor_parallel_size
+    return options.tensor_parallel_size
+
+
+def _scaled(quantity: str, factor: int) -> str:
+    """A Kubernetes quantity (``4``, ``500m``, ``16Gi``, ``1.5``) times ``factor``."""
+    match = re.fullmatch(r"([0-9.]+)([a-zA-Z]*)", quantity)
+    if factor == 1 or match is None:
+        return quantity
+    number, unit = match.groups()
+    value = float(number) * factor
+    return f"{int(value) if value.is_integer() else value}{unit}"
+
+
 def _model_args(options: K8sOptions) -> list[str]:
     """The model and its settings: the replicas and the picker (which renders chats and
     hashes an adapter's prompts as they do, to route them) must agree on them."""
@@ -212,13 +242,15 @@ def _model_args(options: K8sOptions) -> list[str]:
             *model_settings_args(options.model_settings)]
 
 
-def _model_volumes(options: K8sOptions) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _model_volumes(options: K8sOptions,
+                   ranks: int = 1) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Volumes and their mounts: the model (a PVC, read-only), the writable cache, /tmp and
-    /dev/shm (memory: the engine core's tensors)."""
+    /dev/shm (memory: the engine core's tensors; with ``ranks`` tensor-parallel ranks, a GiB
+    each: NCCL's shared-memory transport between the ranks' GPUs lives there)."""
     volumes: list[dict[str, Any]] = [
         policy.scratch_volume("cache", "2Gi"),
         policy.tmp_volume(),
-        policy.scratch_volume("dshm", "1Gi", medium="Memory"),
+        policy.scratch_volume("dshm", f"{ranks}Gi", medium="Memory"),
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "cache", "mountPath": CACHE_DIR},
@@ -291,6 +323,8 @@ def _replica_args(options: K8sOptions, role: str) -> list[str]:
         args += [*_suite_tls_args(options), "--health-port", str(REPLICA_HEALTH_PORT)]
     if options.served_model_names:
         args += ["--served-model-name", *options.served_model_names]
+    if tensor_parallel_size(options, role) > 1:
+        args += ["--tensor-parallel-size", str(tensor_parallel_size(options, role))]
     if options.gpus:
         args += ["--device", "cuda"]
     else:
@@ -299,15 +333,21 @@ def _replica_args(options: K8sOptions, role: str) -> list[str]:
                                         options.kv_offload_memory)
 
 
-def _replica_resources(options: K8sOptions) -> dict[str, Any]:
+def _replica_resources(options: K8sOptions, role: str) -> dict[str, Any]:
+    """One replica's share of its node: on the CPU ``replica_cpu`` and ``replica_memory``
+    per tensor-parallel rank (each rank an engine process on its own CPUs, with its own KV
+    budget); on GPUs one per rank."""
+    ranks = tensor_parallel_size(options, role)
+    cpu = _scaled(options.replica_cpu, ranks) if not options.gpus else options.replica_cpu
+    memory = _scaled(options.replica_memory, ranks)
     resources: dict[str, Any] = {
-        "requests": {"cpu": options.replica_cpu, "memory": options.replica_memory},
-        "limits": {"memory": options.replica_memory},
+        "requests": {"cpu": cpu, "memory": memory},
+        "limits": {"memory": memory},
     }
     if options.exclusive_cpus:
-        resources["limits"]["cpu"] = options.replica_cpu
+        resources["limits"]["cpu"] = cpu
     if options.gpus:
-        resources["limits"]["nvidia.com/gpu"] = str(options.gpus)
+        resources["limits"]["nvidia.com/gpu"] = str(max(options.gpus, ranks))
     return resources
 
 
@@ -346,7 +386,7 @@ def _replica_container(options: K8sOptions, role: str,
         # SIGTERM (after the preStop sleep) drains: NOT_SERVING, new requests refused,
         # in-flight streams finish within --shutdown-grace.
         "lifecycle": policy.pre_stop_sleep(PRE_STOP_S),
-        "resources": _replica_resources(options),
+        "resources": _replica_resources(options, role),
         "volumeMounts": mounts,
     }
 
@@ -355,7 +395,7 @@ def replica_deployment(options: K8sOptions, role: str, replicas: int) -> dict[st
     labels = {**_labels(options, "replica"), ROLE_LABEL: role}
     if role in DECODE_CAPABLE:
         labels[POOL_LABEL] = options.name
-    volumes, mounts = _model_volumes(options)
+    volumes, mounts = _model_volumes(options, tensor_parallel_size(options, role))
     tls_volumes, tls_mounts = _suite_tls(options)
     volumes, mounts = volumes + tls_volumes, mounts + tls_mounts
     pod: dict[str, Any] = {"containers": [_replica_container(options, role, mounts)],

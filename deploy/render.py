@@ -29,6 +29,7 @@ from deploy.yaml_text import dump_yaml
 from gateway.tier_weights import TIER_WEIGHTS_HELP, tier_weights_argument
 from services.help_format import DefaultsHelpFormatter
 from services.model_settings import add_model_settings_args, model_settings_from_args
+from services.replica.engine_flags import positive_int
 
 
 def _add_envoy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -78,6 +79,13 @@ def _add_k8s(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="aggregated replicas (default: %(default)s)")
     p.add_argument("--gpus", type=int, default=defaults.gpus,
                    help="GPUs per replica, 0 for CPU (default: %(default)s)")
+    p.add_argument("--tensor-parallel-size", type=positive_int,
+                   default=defaults.tensor_parallel_size, metavar="N",
+                   help="tensor-parallel ranks per replica: N GPUs, or N times "
+                        "--replica-cpu/--replica-memory (default: %(default)s)")
+    p.add_argument("--prefill-tensor-parallel-size", type=positive_int, default=None,
+                   metavar="N", help="prefill replicas' ranks, when they differ "
+                                     "(default: --tensor-parallel-size)")
     p.add_argument("--replica-cpu", default=defaults.replica_cpu,
                    help="CPUs each replica requests (default: %(default)s)")
     p.add_argument("--exclusive-cpus", action="store_true",
@@ -183,6 +191,8 @@ def _render_k8s(args: argparse.Namespace) -> int:
             model_settings=model_settings_from_args(args),
             replica_cpu=args.replica_cpu, exclusive_cpus=args.exclusive_cpus,
             replica_memory=args.replica_memory, gpus=args.gpus,
+            tensor_parallel_size=args.tensor_parallel_size,
+            prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
             kv_cache_memory=args.kv_cache_memory, envoy_image=args.envoy_image,
             envoy_replicas=args.envoy_replicas, picker_replicas=args.picker_replicas,
             drain_seconds=args.drain_seconds,

@@ -161,6 +161,9 @@ class EngineConfig:
     # CPUs the engine core process runs on, one torch thread each (None: its parent's CPUs
     # and threads). Keeping the frontend off them stops it from stalling the model's threads.
     cpus: list[int] | None = None
+    # Tensor-parallel ranks of this replica's model (engine_common.parallel): one process
+    # each, on its own share of ``cpus`` (the CPU) or its own device (cuda:0 to N-1).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.scheduler.prefill_caps_scale_with_queue is None:

@@ -115,7 +115,8 @@ class KvCacheSnapshotReply:
 
 @dataclass
 class CoreFailed:
-    """Sent by the child instead of ``EngineInfo`` when start-up fails."""
+    """Sent by the child instead of ``EngineInfo`` when start-up fails, and as its last
+    message when it must stop serving (a tensor-parallel worker died)."""
 
     message: str
 
@@ -212,13 +213,28 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection,
         torch.set_num_threads(len(config.cpus))
     logging.info("on CPUs %s (%d torch threads)", sorted(os.sched_getaffinity(0)),
                  torch.get_num_threads())
+    writers: list[_OutboxWriter] = []  # the writer, once there is one
+    dying = threading.Lock()
+
+    def on_worker_death(reason: str) -> None:
+        # From the workers' watcher thread, or the step loop after a failed collective
+        # (whichever is first; the other waits here for the exit): the replica's model is
+        # gone. The frontend hears why, then the process ends non-zero; the replica reports
+        # NOT_SERVING and its supervisor restarts it.
+        dying.acquire()
+        if writers:
+            writers[0].send(CoreFailed(reason))
+            writers[0].close()
+        os._exit(1)
+
     try:
-        core = EngineCore(config)
+        core = EngineCore(config, on_worker_death=on_worker_death)
     except Exception as exc:  # noqa: BLE001 - report any start-up failure to the parent
         outbox.send(CoreFailed(f"{type(exc).__name__}: {exc}"))
         return
     outbox.send(core.info)
     writer = _OutboxWriter(outbox)
+    writers.append(writer)
 
     def handle(message: CoreMessage) -> bool:
         if isinstance(message, AddRequest):
@@ -270,7 +286,15 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection,
                 # housekeeping. Only a pull's end comes without a message: 2 ms then.
                 if inbox.poll(0.002 if core.has_pulls_running() else 0.05):
                     continue
-            writer.send(core.step())
+            try:
+                outputs = core.step()
+            except Exception:
+                # A tensor-parallel worker's death fails the step's collective: say why.
+                reason = core.model_runner.worker_death(timeout=5.0)
+                if reason is not None:
+                    on_worker_death(reason)
+                raise
+            writer.send(outputs)
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         return  # the parent is gone
     finally:
@@ -396,6 +420,10 @@ class EngineCoreClient:
                 elif isinstance(message, LoraAdapterReply):
                     if self._on_lora_reply is not None:
                         self._on_lora_reply(message)
+                elif isinstance(message, CoreFailed):
+                    self._closed = True  # what follows (the pipe closing) says nothing more
+                    self._on_dead(f"engine core stopped: {message.message}")
+                    return
                 else:
                     self._on_outputs(message)
         except (EOFError, OSError):

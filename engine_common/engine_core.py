@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 
 from engine_common.block_hash import BlockHash
 from engine_common.config import EngineConfig
@@ -60,7 +61,13 @@ def context_length(requested: int | None, arch: ModelArchConfig) -> int:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig,
+                 on_worker_death: Callable[[str], object] | None = None):
+        """``on_worker_death``: called with the reason when a tensor-parallel worker of
+        this replica exits (from a watcher thread; see ``engine_common.parallel.workers``)."""
+        if config.tensor_parallel_size > 1 and config.kv_tiers.enabled:
+            raise ValueError("KV tiers are not supported with tensor parallelism yet "
+                             "(--tensor-parallel-size > 1 with a KV tier)")
         self.config = config
         self.arch = ModelArchConfig.from_model_dir(config.model)
         self.max_model_len = context_length(config.max_model_len, self.arch)
@@ -68,7 +75,8 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids(config.model, tokenizer)
         # Structured outputs; xgrammar's tables are built by the first constrained request.
         self.grammars = GrammarCompiler(tokenizer, self.arch.vocab_size, self.eos_token_ids)
-        self.model_runner = ModelRunner(config, self.arch, self.eos_token_ids, self.max_model_len)
+        self.model_runner = ModelRunner(config, self.arch, self.eos_token_ids, self.max_model_len,
+                                        on_worker_death=on_worker_death)
         self.kv_cache_manager = KVCacheManager(
             num_blocks=self.model_runner.num_blocks,
             block_size=config.cache.block_size,
@@ -78,7 +86,7 @@ class EngineCore:
         )
         # The model's directory name, not its path: P and D may keep it in different places.
         kv_layout = KvLayout.of_cache(os.path.basename(os.path.normpath(config.model)),
-                                      self.model_runner.kv_cache)
+                                      self.model_runner.kv_cache, config.tensor_parallel_size)
         self.kv_tiers = (KvTiers(config.kv_tiers, self.model_runner.kv_cache, kv_layout)
                          if config.kv_tiers.enabled and config.cache.enable_prefix_caching
                          else None)
@@ -105,6 +113,7 @@ class EngineCore:
             head_size=self.arch.head_size,
             kv_layout=kv_layout,
             kv_address=self.remote_kv.address if self.remote_kv else None,
+            tensor_parallel_size=config.tensor_parallel_size,
         )
         self.info.model_summary = tuple(startup_summary(
             self.model_runner.model, self.model_runner.num_blocks, config.cache.block_size,
@@ -347,9 +356,11 @@ class EngineCore:
             self.kv_tiers.store(blocks)
 
     def close(self) -> None:
-        """Stop the tiers' worker (queued stores are written first) and close the tiers."""
+        """Stop the tiers' worker (queued stores are written first) and close the tiers;
+        stop the tensor-parallel workers."""
         if self.kv_tiers is not None:
             self.kv_tiers.close()
+        self.model_runner.close()
 
     def snapshot_kv_cache(self) -> tuple[list[KVEvent], list[BlockHash]]:
         """Every block hash in the prefix cache, with the KV events recorded but not emitted

@@ -55,6 +55,10 @@ class LLM:
         self.outputs = OutputProcessor(self.tokenizer, self.metrics)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop what the engine started (tensor-parallel workers, KV tiers' writer)."""
+        self.core.close()
+
     def add_request(self, prompt: Prompt, params: SamplingParams, *, priority: int = 0,
                     cache_salt: str | None = None, request_id: str | None = None,
                     lora_name: str | None = None) -> tuple[str, list[int]]:

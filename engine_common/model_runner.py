@@ -8,7 +8,10 @@ positions for requests that ask for prompt logprobs, and checks speculative draf
 the tokens the model samples after them. It loads the LoRA adapters the engine serves at
 start (the engine core adds and removes others between steps) and tells the model each step
 which tokens run which adapter (a ``LoraBatch``); a step with adapter tokens runs eagerly,
-as the CUDA graphs were captured without LoRA. It does not decide what runs
+as the CUDA graphs were captured without LoRA. Under tensor parallelism this is rank 0's
+runner: it starts the other ranks (``engine_common.parallel``), holds its own part of the
+model and of the cache (``kv_heads_per_rank`` heads), and hands each step to the workers
+before running it; a worker runs the same ``execute`` on its part. It does not decide what runs
 (``Scheduler``) or which blocks a request holds (``KVCacheManager``): it receives block ids;
 nor does it advance grammars (the scheduler accepts the sampled tokens).
 """
@@ -17,6 +20,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -30,6 +35,15 @@ from engine_common.model.attention.kv_cache_layout import kv_cache_shape
 from engine_common.model.cpu_allocator import keep_large_temporaries_in_heap
 from engine_common.model.loader import load_model, resolve_dtype
 from engine_common.outputs import ModelRunnerOutput
+from engine_common.parallel.group import (
+    TensorParallel,
+    join_as_master,
+    master_store,
+    wait_for_workers,
+)
+from engine_common.parallel.sharding import check_divisible
+from engine_common.parallel.step_message import WorkerSetup, step_message
+from engine_common.parallel.workers import TensorParallelWorkers
 from engine_common.request import Request
 from engine_common.sampler import (
     Sampler,
@@ -51,16 +65,38 @@ _PROMPT_LOGPROB_ROWS = 256
 
 
 def kv_cache_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Of one rank's cache: ``arch`` is the rank's (its KV heads)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_size * itemsize
 
 
+def rank_cpus(cpus: list[int], rank: int, size: int) -> list[int] | None:
+    """Rank ``rank``'s contiguous share of ``cpus`` (None: fewer CPUs than ranks)."""
+    if len(cpus) < size:
+        return None
+    per_rank, extra = divmod(len(cpus), size)
+    first = rank * per_rank + min(rank, extra)
+    return cpus[first:first + per_rank + (rank < extra)]
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, arch: ModelArchConfig, eos_token_ids: frozenset[int],
-                 max_model_len: int):
+                 max_model_len: int, parallel: TensorParallel | None = None,
+                 on_worker_death: Callable[[str], object] | None = None):
+        """``parallel``: a worker's place in its group; None for rank 0 (or the only rank),
+        which starts the workers ``config.tensor_parallel_size`` asks for and calls
+        ``on_worker_death`` with the reason if one exits."""
         self.config = config
         self.arch = arch
+        self.workers: TensorParallelWorkers | None = None
+        self._released: list[str] = []  # finished since the last step: the workers' news
         self.device = torch.device(config.device)
+        if parallel is None:
+            parallel = self._start_workers(config, arch, eos_token_ids, max_model_len,
+                                           on_worker_death)
+        self.parallel = parallel
+        if parallel.is_parallel and self.device.type == "cuda":
+            self.device = torch.device("cuda", parallel.rank)
         self.dtype = resolve_dtype(config.dtype, arch, self.device)
         self.block_size = config.cache.block_size
         self.eos_token_ids = eos_token_ids
@@ -72,14 +108,16 @@ class ModelRunner:
         stands_in_for_bf16 = (config.dtype == "auto" and arch.dtype == "bfloat16"
                               and self.dtype == torch.float32)
         self.model = load_model(config.model, self.dtype, self.device, config.attention_backend,
-                                pack_float32=stands_in_for_bf16)
+                                pack_float32=stands_in_for_bf16, parallel=parallel)
         # Before the KV cache is sized: on a GPU the adapters take memory the cache would.
         settings = config.model_settings
         self.lora_adapters = LoadedLoraAdapters.load(settings.lora_modules, self.model,
                                                      settings.max_lora_rank)
-        self.num_blocks = self._num_kv_blocks()
+        # Every rank's pool has the same block ids: the smallest count any rank can hold.
+        self.num_blocks = parallel.min_int(self._num_kv_blocks(), self.device)
+        self.kv_heads_per_rank = self.model.arch.num_kv_heads
         shape = kv_cache_shape(arch.num_layers, self.num_blocks, self.block_size,
-                               arch.num_kv_heads, arch.head_size)
+                               self.kv_heads_per_rank, arch.head_size)
         # NOTE: not on transparent huge pages: 8-13% faster decode attention (a layer's
         # blocks lie a block apart, a TLB miss each on 4 KiB pages), but faulting in a GiB
         # of them took 2.6-3.3 s against 1.0-1.2 on a loaded host (direct compaction), at
@@ -91,7 +129,8 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphRunner | None = None
         if self.device.type == "cuda":
             self.warm_up()
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # NOTE: no CUDA graphs across ranks yet: capturing the NCCL all-reduces is unverified.
+        if self.device.type == "cuda" and not config.enforce_eager and not parallel.is_parallel:
             if self.model.supports_cuda_graphs:
                 try:
                     self.decode_graphs = self.static_decode_runner(max_model_len, capture=True)
@@ -103,6 +142,48 @@ class ModelRunner:
                 logger.info("CUDA graphs off: the %s attention backend or this model's "
                             "layers (MoE, sinks, sliding windows) cannot be captured",
                             self.model.attention_backend.name)
+
+    def _start_workers(self, config: EngineConfig, arch: ModelArchConfig,
+                       eos_token_ids: frozenset[int], max_model_len: int,
+                       on_death: Callable[[str], object] | None) -> TensorParallel:
+        """Rank 0: start ranks 1 to N-1 and join their group (SINGLE when N is 1). On the
+        CPU each rank gets its share of ``config.cpus`` (rank 0 pins itself only when the
+        replica gave it CPUs), else of this process's CPUs."""
+        size = config.tensor_parallel_size
+        if size == 1:
+            return TensorParallel()
+        check_divisible(arch, size)
+        cpus = config.cpus or sorted(os.sched_getaffinity(0))
+        store, port = master_store(size)
+        self._store = store  # serves the workers' rendezvous; kept for the group's life
+        self.workers = TensorParallelWorkers(
+            [WorkerSetup(config, eos_token_ids, max_model_len, rank, port,
+                         rank_cpus(cpus, rank, size) if self.device.type == "cpu" else None)
+             for rank in range(1, size)], on_death)
+        own = rank_cpus(cpus, 0, size)
+        if config.cpus is not None and own is not None and self.device.type == "cpu":
+            os.sched_setaffinity(0, own)
+            torch.set_num_threads(len(own))
+        logger.info("tensor parallel: rank 0 of %d, workers %s", size, self.workers.pids)
+        workers = self.workers
+        try:
+            wait_for_workers(store, size, lambda: workers.dead_reason)
+        except RuntimeError:
+            workers.close(timeout=2.0)  # the others wait for a group that will not form
+            self.workers = None
+            raise
+        return join_as_master(store, size, torch.device(config.device))
+
+    def worker_death(self, timeout: float) -> str | None:
+        """Why a tensor-parallel worker died (after a failed step: waits up to ``timeout``
+        for the exit to be seen); None when none did, or there are none."""
+        return self.workers.wait_death(timeout) if self.workers is not None else None
+
+    def close(self) -> None:
+        """Stop the workers (rank 0 of several; nothing otherwise)."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
 
     def warm_up(self) -> None:
         """Runs the steps whose kernels a first request would otherwise wait for (Triton
@@ -121,7 +202,8 @@ class ModelRunner:
                 scheduled.append(ScheduledRequest(
                     request, n, list(range(next_block, next_block + num_blocks))))
                 next_block += num_blocks
-            self.execute(SchedulerOutput(scheduled=scheduled))
+            # Every rank warms up by itself: not sent to the workers.
+            self.execute(SchedulerOutput(scheduled=scheduled), to_workers=False)
         self.kv_cache.zero_()
 
     def static_decode_runner(self, max_model_len: int, capture: bool) -> DecodeGraphRunner:
@@ -135,7 +217,7 @@ class ModelRunner:
         cache = self.config.cache
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
-        per_block = kv_cache_bytes_per_block(self.arch, self.block_size, self.dtype)
+        per_block = kv_cache_bytes_per_block(self.model.arch, self.block_size, self.dtype)
         if self.device.type == "cuda":
             # Memory the caching allocator holds but no tensor uses (loading's temporaries)
             # is free for the cache too.
@@ -158,6 +240,8 @@ class ModelRunner:
     def release(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._generators.pop(request_id, None)
+        if self.workers is not None:
+            self._released.extend(request_ids)
 
     def _generator_for(self, request: Request) -> torch.Generator | None:
         """The request's seeded generator, created on its first sample.
@@ -184,11 +268,20 @@ class ModelRunner:
         for _ in range(num_tokens):
             skipped.exponential_(generator=generator)
 
-    @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput,
+                to_workers: bool = True) -> ModelRunnerOutput:
         """Run one step; return the sampled token (and logprobs) of every request whose
         scheduled tokens reach its last known token, and the prompt logprobs of the
-        positions computed for requests that asked for them."""
+        positions computed for requests that asked for them. Rank 0 hands the step to its
+        workers first (WorkerDiedError when one is gone), unless ``to_workers`` is False (a
+        step every rank runs by itself: the warm-up)."""
+        if self.workers is not None and to_workers:
+            self.workers.send(step_message(scheduler_output, self._released))
+            self._released = []
+        return self._run(scheduler_output)
+
+    @torch.inference_mode()
+    def _run(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         scheduled = scheduler_output.scheduled
         bs = self.block_size
         query_lens = [s.num_new_tokens for s in scheduled]

@@ -210,3 +210,6 @@ class EngineInfo:
     # The startup log's lines about the model (architecture and layer types, weight memory
     # by kind, KV blocks and concurrency, attention backend): GetInfo reports them.
     model_summary: tuple[str, ...] = ()
+    # Tensor-parallel ranks the model is split over (``num_kv_heads`` is the model's, the
+    # layout's ``num_kv_heads`` each rank's).
+    tensor_parallel_size: int = 1

@@ -59,6 +59,9 @@ class Replica:
     model: str = ""
     block_size: int = 0
     max_model_len: int = 0
+    # Tensor-parallel ranks (GetInfo): one replica for routing whatever its ranks, its load
+    # and KV figures the replica's own.
+    tensor_parallel_size: int = 1
     lora_adapters: frozenset[str] = frozenset()
     healthy: bool = False
     # Counts the times the replica dropped out of rotation. Whatever watched it across such a
@@ -274,6 +277,7 @@ class ReplicaRegistry:
         replica.model = info.model
         replica.block_size = info.block_size
         replica.max_model_len = info.max_model_len
+        replica.tensor_parallel_size = info.tensor_parallel_size or 1
         replica.lora_adapters = frozenset(info.lora_adapters)
 
     async def _monitor(self, replica: Replica) -> None:

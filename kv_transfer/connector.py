@@ -26,6 +26,7 @@ TransferFailure = Literal[
     "unreachable",  # no connection to the producer, or it dropped mid-transfer
     "timeout",  # the pull did not finish within its timeout
     "layout_mismatch",  # the two sides' KvLayout fingerprints differ
+    "tensor_parallel",  # a side has several ranks: per-rank pulls are not built yet
     "unknown_request",  # the producer holds no lease for the request (never pinned, or released)
     "lease_expired",  # the lease ran out before the pull
     "protocol",  # a malformed or unexpected message
@@ -59,6 +60,8 @@ class KvHandle:
     num_tokens: int
     lease_deadline: float  # unix seconds
     layout_fingerprint: str
+    # The producer replica's tensor-parallel ranks (its layout's; the handshake carries it).
+    tensor_parallel_size: int = 1
 
     @property
     def lease_generation(self) -> int:

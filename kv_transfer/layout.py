@@ -10,7 +10,10 @@ The cache this describes is the engine's one tensor
 ``engine_common/model/attention/kv_cache_layout.py``): a block's bytes, every layer's K and
 V, are one contiguous stretch of ``bytes_per_block``, and so are a run of consecutive
 blocks'. ``num_blocks`` is deliberately left out: replicas with different cache sizes can
-exchange blocks.
+exchange blocks. Under tensor parallelism the cache is one rank's (``num_kv_heads`` is the
+heads per rank) and ``tensor_parallel_size`` says how many ranks the replica has: the
+handshake carries both, and a connector that moves blocks between single-rank replicas only
+refuses any other pairing (``check_pairing``).
 
 Fingerprint versions: 1 was the layer-major cache ``[num_layers, 2, num_blocks,
 block_size, num_kv_heads, head_size]``; 2 is the block-major, head-major one. Both sides
@@ -49,18 +52,22 @@ class KvLayout:
     num_kv_heads: int
     head_size: int
     block_size: int
+    # The replica's tensor-parallel ranks; ``num_kv_heads`` is each rank's.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in ITEM_SIZES:
             raise ValueError(f"unsupported KV-cache dtype {self.dtype!r} (one of "
                              f"{', '.join(ITEM_SIZES)})")
-        for name in ("num_layers", "num_kv_heads", "head_size", "block_size"):
+        for name in ("num_layers", "num_kv_heads", "head_size", "block_size",
+                     "tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
     @classmethod
-    def of_cache(cls, model: str, kv_cache: torch.Tensor) -> KvLayout:
-        """The layout of an existing cache tensor."""
+    def of_cache(cls, model: str, kv_cache: torch.Tensor,
+                 tensor_parallel_size: int = 1) -> KvLayout:
+        """The layout of an existing cache tensor (one rank's, of ``tensor_parallel_size``)."""
         if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
             raise ValueError(
                 "expected a cache of shape [num_blocks, num_layers, 2, num_kv_heads, "
@@ -74,6 +81,7 @@ class KvLayout:
             num_kv_heads=num_kv_heads,
             head_size=head_size,
             block_size=block_size,
+            tensor_parallel_size=tensor_parallel_size,
         )
 
     @property
@@ -106,15 +114,33 @@ class KvLayout:
         return f"{side} layout {theirs}, ours {self.fingerprint()}"
 
     def _fingerprint(self, version: int) -> str:
+        fields = asdict(self)
+        if self.tensor_parallel_size == 1:
+            # Left out: a single-rank layout keeps the fingerprint it had before the field.
+            del fields["tensor_parallel_size"]
         canonical = json.dumps(
-            {"v": version, **asdict(self)}, sort_keys=True, separators=(",", ":")
+            {"v": version, **fields}, sort_keys=True, separators=(",", ":")
         )
         return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
     def check_cache(self, kv_cache: torch.Tensor) -> None:
         """Raise ValueError unless ``kv_cache`` is a contiguous cache of this layout."""
-        expected = type(self).of_cache(self.model, kv_cache)
+        expected = type(self).of_cache(self.model, kv_cache, self.tensor_parallel_size)
         if expected != self:
             raise ValueError(f"cache of layout {expected} does not match {self}")
         if not kv_cache.is_contiguous():
             raise ValueError("the KV cache tensor must be contiguous")
+
+
+def check_pairing(producer_ranks: int, consumer: KvLayout) -> str | None:
+    """Why a consumer of layout ``consumer`` cannot pull from a producer replica of
+    ``producer_ranks`` ranks (None: it can). The connector moves a block as one rank's
+    bytes: a tensor-parallel replica's KV heads are spread over its ranks' caches, and
+    per-rank pulls (each decode rank pulling the heads it owns from the prefill ranks that
+    hold them) are not built yet, so any pairing with more than one rank on a side is
+    refused; the consumer recomputes the prompt (fallback reason ``tensor_parallel``)."""
+    if producer_ranks == 1 and consumer.tensor_parallel_size == 1:
+        return None
+    return (f"the prefill replica has {producer_ranks} tensor-parallel rank(s), this one "
+            f"{consumer.tensor_parallel_size} ({consumer.num_kv_heads} KV heads each): KV moves "
+            "only between single-rank replicas yet")

@@ -25,7 +25,7 @@ import torch
 
 from kv_transfer.block_copy import BlockCopier, StagingBuffer
 from kv_transfer.connector import KvConsumer, KvHandle, KvTransferError, TransferResult
-from kv_transfer.layout import KvLayout
+from kv_transfer.layout import KvLayout, check_pairing
 from kv_transfer.local_addresses import check_bind_address, is_local_address, is_loopback
 from kv_transfer.transfer_plan import (
     DEFAULT_CHUNK_BYTES,
@@ -192,6 +192,11 @@ class UcxKvConsumer(KvConsumer):
         num_blocks = self._kv_cache.shape[0]
         if any(not 0 <= b < num_blocks for b in local) or len(set(local)) != len(local):
             raise ValueError(f"local block ids must be distinct and in [0, {num_blocks})")
+        refusal = check_pairing(handle.tensor_parallel_size, self._layout)
+        if refusal is not None:
+            refused: Future[TransferResult] = Future()
+            refused.set_exception(KvTransferError("tensor_parallel", refusal))
+            return refused
         if handle.layout_fingerprint != self._fingerprint:
             failed: Future[TransferResult] = Future()
             failed.set_exception(

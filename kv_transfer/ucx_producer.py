@@ -143,6 +143,7 @@ class UcxKvProducer(KvProducer):
             num_tokens=num_tokens,
             lease_deadline=lease.deadline,
             layout_fingerprint=self._fingerprint,
+            tensor_parallel_size=self._layout.tensor_parallel_size,
         )
 
     def release(self, request_id: str) -> list[int]:

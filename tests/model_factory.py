@@ -103,9 +103,11 @@ def build_tiny_model(
     architecture: str = "llama",
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    shape: dict[str, int] | None = None,
 ) -> Path:
     """Writes a tiny random ``architecture`` ("llama", "qwen2", "qwen3", "mistral") model to
-    ``out_dir``.
+    ``out_dir`` (``shape``: qwen2 only, config fields other than the shared ones, such as
+    ``num_key_value_heads``).
 
     llama: untied head, llama3 rope scaling (original context 64, so positions past 64
     exercise the scaled frequencies), biases on every projection (attention_bias, mlp_bias).
@@ -137,7 +139,7 @@ def build_tiny_model(
         )
         model = LlamaForCausalLM(config)
     elif architecture == "qwen2":
-        config = Qwen2Config(**_COMMON, **ids, tie_word_embeddings=True)
+        config = Qwen2Config(**{**_COMMON, **(shape or {})}, **ids, tie_word_embeddings=True)
         model = Qwen2ForCausalLM(config)
     elif architecture == "qwen3":
         config = Qwen3Config(**_COMMON, **ids, head_dim=32, tie_word_embeddings=True)
@@ -153,6 +155,8 @@ def build_tiny_model(
         model = MistralForCausalLM(config)
     else:
         raise ValueError(f"unknown tiny architecture {architecture!r}")
+    if shape and architecture != "qwen2":
+        raise ValueError("shape is implemented for the tiny qwen2 only")
     # HF initialises biases to zero; make them matter.
     with torch.no_grad():
         for module in model.modules():

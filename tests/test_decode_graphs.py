@@ -130,7 +130,8 @@ def test_warm_up_runs_both_prefill_tilings_and_leaves_the_cache_zeroed(tiny_llam
     runner = llm.core.model_runner
     steps = []
     execute = runner.execute
-    runner.execute = lambda out: steps.append([s.num_new_tokens for s in out.scheduled]) or execute(out)
+    runner.execute = lambda out, **kw: steps.append(
+        [s.num_new_tokens for s in out.scheduled]) or execute(out, **kw)
     runner.kv_cache.normal_()
     runner.warm_up()
     assert steps == [[64, 1], [2, 1]]

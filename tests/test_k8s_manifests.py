@@ -292,6 +292,33 @@ def test_exclusive_cpus_make_replica_pods_guaranteed() -> None:
             assert resources["requests"]["cpu"] == "3"
 
 
+def test_a_tensor_parallel_replica_gets_its_devices_cpus_and_shared_memory() -> None:
+    """TP=2 decode, TP=1 prefill: on the CPU the decode pod asks for twice the CPUs and
+    memory (one engine process per rank), on GPUs for two GPUs; its /dev/shm is a
+    memory-backed emptyDir of a GiB per rank; its replica parses the flag."""
+    def replica(options: K8sOptions, role: str) -> dict[str, Any]:
+        return by_kind(render_k8s_manifests(options), "Deployment")[f"tandem-{role}"][
+            "spec"]["template"]["spec"]
+
+    cpu = K8sOptions(replica_cpu="3", replica_memory="8Gi", exclusive_cpus=True,
+                     tensor_parallel_size=2, prefill_tensor_parallel_size=1)
+    decode, prefill = replica(cpu, "decode"), replica(cpu, "prefill")
+    resources = decode["containers"][0]["resources"]
+    assert resources["requests"] == resources["limits"] == {"cpu": "6", "memory": "16Gi"}
+    assert prefill["containers"][0]["resources"]["requests"] == {"cpu": "3", "memory": "8Gi"}
+    shm = {v["name"]: v for v in decode["volumes"]}["dshm"]
+    assert shm["emptyDir"] == {"sizeLimit": "2Gi", "medium": "Memory"}
+    args = decode["containers"][0]["args"][1:]
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"
+    assert "--tensor-parallel-size" not in prefill["containers"][0]["args"]
+    parsed = replica_parser().parse_args(args)
+    assert parsed.tensor_parallel_size == 2
+    gpu = replica(K8sOptions(gpus=1, tensor_parallel_size=4), "decode")
+    assert gpu["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    with pytest.raises(ValueError, match="one GPU per tensor-parallel rank"):
+        K8sOptions(gpus=2, tensor_parallel_size=4)
+
+
 def test_replicas_and_picker_parse_their_args_and_agree_on_the_template() -> None:
     """The rendered args are what ``tandem serve`` and ``tandem picker`` accept: the model
     settings reach both (the picker renders chats and hashes an adapter's prompts as the
@@ -461,7 +488,11 @@ def _variants() -> list[list[dict[str, Any]]]:
                       namespace="llm", tls_secret="tandem-tls", api_key_secret="tandem-keys",
                       exclusive_cpus=True, lora_syncer=True, envoy_replicas=2,
                       model_settings=ModelSettings(allow_runtime_lora_updating=True))
-    return [render_k8s_manifests(K8sOptions()), render_k8s_manifests(full)]
+    # Tensor parallelism on the CPU, prefill and decode at different sizes.
+    parallel = K8sOptions(tensor_parallel_size=2, prefill_tensor_parallel_size=1,
+                          exclusive_cpus=True)
+    return [render_k8s_manifests(K8sOptions()), render_k8s_manifests(full),
+            render_k8s_manifests(parallel)]
 
 
 def test_every_object_validates_against_its_real_schema_strictly() -> None:

@@ -1,7 +1,9 @@
 """A replica's behaviour at its limits and at its end, on real processes: a full waiting
 queue answers RESOURCE_EXHAUSTED; SIGTERM drains an in-flight stream to completion while
 refusing new work, then closes the watchers' streams with UNAVAILABLE; SIGKILL ends a client's stream with UNAVAILABLE promptly; a dead engine
-core turns health NOT_SERVING and requests UNAVAILABLE. The three replicas start together.
+core turns health NOT_SERVING and requests UNAVAILABLE, and so does a dead tensor-parallel
+worker of a TP=2 replica (whose GetInfo and load reports say it has 2 ranks). The four
+replicas start together.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def replicas(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
                         "--shutdown-grace", "300"],
         "to-kill": COMMON,
         "core-dies": COMMON,
+        "tp-worker-dies": [*COMMON, "--tensor-parallel-size", "2"],
     })
     yield started
     for replica in started.values():
@@ -139,3 +142,48 @@ def test_dead_engine_core_marks_the_replica_unavailable(replicas: dict[str, Repl
             client.complete("anyone there?", max_tokens=2)
         _poll(lambda: replica.health() == NOT_SERVING, 10, "health NOT_SERVING")
         assert replica.health("tandem.v1.Generation") == NOT_SERVING
+
+
+def _tp_worker_pid(core_pid: int) -> int:
+    """The one tensor-parallel worker the engine core ``core_pid`` started (its child)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if ppid == core_pid and b"engine_common.parallel.worker" in cmdline:
+            found.append(int(entry.name))
+    [pid] = found
+    return pid
+
+
+def test_a_dead_tensor_parallel_worker_takes_the_replica_down_clearly(
+        replicas: dict[str, ReplicaProcess]):
+    """SIGKILL a TP=2 replica's worker under a stream: the stream ends UNAVAILABLE naming the
+    worker, promptly (no hang in a collective), the engine core exits, and the replica
+    reports NOT_SERVING (its supervisor restarts it: ``deploy.supervisor``)."""
+    replica = replicas["tp-worker-dies"]
+    with grpc.insecure_channel(replica.target) as channel:
+        engine = epb_grpc.EngineStub(channel)
+        info = engine.GetInfo(epb.GetInfoRequest(), timeout=10)
+        assert info.tensor_parallel_size == 2 and info.kv_layout.tensor_parallel_size == 2
+        # The tiny model's 2 KV heads: one per rank; the KV figures are the replica's.
+        assert info.kv_layout.num_kv_heads == 1
+        load = engine.GetLoad(epb.GetLoadRequest(), timeout=10)
+        assert load.tensor_parallel_size == 2 and load.num_total_blocks > 0
+    with Client(replica.target, timeout=60) as client:
+        stream = client.complete_stream("split in two", **LONG)
+        next(stream)
+        core_pid = replica.engine_core_pid()
+        os.kill(_tp_worker_pid(core_pid), signal.SIGKILL)
+        killed_at = time.monotonic()
+        with pytest.raises(UnavailableError, match="tensor-parallel worker rank 1"):
+            for _ in stream:
+                pass
+        assert time.monotonic() - killed_at < 15
+        _poll(lambda: not _alive(core_pid), 15, "the engine core to exit")
+        _poll(lambda: replica.health() == NOT_SERVING, 10, "health NOT_SERVING")

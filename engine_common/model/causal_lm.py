@@ -30,6 +30,8 @@ from engine_common.model.layers.moe import SparseMoeBlock
 from engine_common.model.logit_ties import resolve_near_ties
 from engine_common.model.packed_linear import can_pack, pack, packed_linear
 from engine_common.model.weight_memory import WeightMemory
+from engine_common.parallel.group import SINGLE, TensorParallel
+from engine_common.parallel.sharding import rank_arch, shard_tensor
 
 # Checkpoint tensors that are slices of one fused parameter: (fused name, HF name, shard).
 STACKED_PARAMS = (
@@ -59,7 +61,13 @@ class Placement:
 
 
 class CausalLM(nn.Module):
-    """The decoder plus LM head; forward returns final hidden states, not logits."""
+    """The decoder plus LM head; forward returns final hidden states, not logits.
+
+    Under tensor parallelism (``parallel``) this is one rank's part: ``arch`` is this rank's
+    shapes (``sharding.rank_arch``: its heads, columns, vocabulary rows) and ``full_arch``
+    the model's; checkpoint tensors are cut to the rank's part as they load, and
+    ``compute_logits`` gathers every rank's vocabulary slice (every rank must call it).
+    """
 
     def __init__(
         self,
@@ -68,10 +76,15 @@ class CausalLM(nn.Module):
         feed_forward: FeedForwardFactory,
         dtype: torch.dtype,
         device: torch.device | str,
+        parallel: TensorParallel = SINGLE,
     ):
+        """``arch``: the whole model's; ``feed_forward`` builds at this rank's shapes
+        (``rank_arch(arch, parallel.rank, parallel.size)``)."""
         super().__init__()
         device = torch.device(device)
-        self.arch = arch
+        self.parallel = parallel
+        self.full_arch = arch
+        self.arch = arch = rank_arch(arch, parallel.rank, parallel.size)
         self.dtype = dtype
         self.device = device
         # One backend shared by every layer: the layers differ only in the cache view they
@@ -79,7 +92,8 @@ class CausalLM(nn.Module):
         self.attention_backend = attention_backend_cls(
             arch.num_heads, arch.num_kv_heads, arch.head_size, arch.head_size**-0.5
         )
-        self.model = DecoderModel(arch, self.attention_backend, feed_forward, dtype, device)
+        self.model = DecoderModel(arch, self.attention_backend, feed_forward, dtype, device,
+                                  parallel)
         self.lm_head = (
             self.model.embed_tokens
             if arch.tie_word_embeddings
@@ -116,8 +130,12 @@ class CausalLM(nn.Module):
         else:
             logits = F.linear(hidden, self.lm_head.weight).float()
         if hidden.device.type == "cpu":
+            # On a rank's slice, against the slice's own maximum: a superset of the
+            # candidates the full row's maximum would pick, so no true tie is missed.
             resolve_near_ties(logits, hidden, self.lm_head.weight)
-        return logits
+        if not self.parallel.is_parallel:
+            return logits
+        return self.parallel.all_gather_last_dim(logits)[:, :self.full_arch.vocab_size]
 
     def pack_linear_weights(self, float32: bool = False) -> bool:
         """On the CPU in bf16 (or in float32 standing in for bf16: ``float32``), put every
@@ -178,13 +196,19 @@ class CausalLM(nn.Module):
                 param = params.get(place.param)
                 if param is None:
                     raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
-                covered[place.param] += _copy_placed(name, tensor, param, place)
+                covered[place.param] += _copy_placed(name, tensor, param, place,
+                                                     self._rank_part)
                 placed[place.param].add(place.rows)
         missing = sorted(missing_name for n, p in params.items() if covered[n] != p.numel()
                          for missing_name in self._missing_names(n, placed[n]))
         if missing:
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} weight(s): {shown}")
+
+    def _rank_part(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of checkpoint tensor ``name`` (the tensor itself when alone)."""
+        return shard_tensor(name, tensor, self.full_arch, self.parallel.rank,
+                            self.parallel.size)
 
     def _missing_names(self, param: str, rows_placed: set[tuple[int, int] | None]) -> list[str]:
         """The checkpoint names of what parameter ``param`` still lacks: the unfilled shards
@@ -220,6 +244,8 @@ class CausalLM(nn.Module):
     def lora_projection_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of each projection a LoRA adapter may target, by its
         Hugging Face name (every layer has the same)."""
+        if self.parallel.is_parallel:
+            raise ValueError("LoRA adapters are not supported with tensor parallelism yet")
         if not all(isinstance(getattr(layer, "mlp", None), GatedMLP)
                    for layer in self.model.layers):
             raise ValueError(f"LoRA adapters are not supported for {self.arch.architecture} "
@@ -258,8 +284,10 @@ class CausalLM(nn.Module):
 
 
 def _copy_placed(name: str, tensor: torch.Tensor, param: nn.Parameter,
-                 place: Placement) -> int:
-    """Copies ``tensor`` where ``place`` says; returns how many elements it filled."""
+                 place: Placement,
+                 rank_part: Callable[[str, torch.Tensor], torch.Tensor]) -> int:
+    """Copies ``tensor`` where ``place`` says (this rank's part of it, after the
+    placement's transform); returns how many elements it filled."""
     dest = param.data
     if place.expert is not None:
         dest = dest[place.expert]
@@ -267,6 +295,7 @@ def _copy_placed(name: str, tensor: torch.Tensor, param: nn.Parameter,
         dest = dest.narrow(0, *place.rows)
     if place.transform is not None:
         tensor = place.transform(tensor)
+    tensor = rank_part(name, tensor)
     if dest.shape != tensor.shape:
         raise ValueError(
             f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "

@@ -21,6 +21,8 @@ from engine_common.model.layers.attention import Attention
 from engine_common.model.layers.linear import Embedding
 from engine_common.model.layers.norm import RMSNorm
 from engine_common.model.layers.rotary import RotaryEmbedding
+from engine_common.parallel.group import SINGLE, TensorParallel
+from engine_common.parallel.vocab_embedding import VocabParallelEmbedding
 
 # (layer index) -> (attribute name, module): the layer's MLP or MoE block.
 FeedForwardFactory = Callable[[int], tuple[str, nn.Module]]
@@ -36,10 +38,11 @@ class DecoderLayer(nn.Module):
         layer_idx: int,
         dtype: torch.dtype,
         device: torch.device,
+        parallel: TensorParallel = SINGLE,
     ):
         super().__init__()
         norm_in_float32 = arch.norm_weight_in_float32
-        self.self_attn = Attention(arch, backend, dtype, device, layer_idx)
+        self.self_attn = Attention(arch, backend, dtype, device, layer_idx, parallel)
         self.ffn_name, ffn = feed_forward
         self.add_module(self.ffn_name, ffn)
         # NOTE: a plain reference besides the registered one, so forward needs no name
@@ -73,11 +76,15 @@ class DecoderModel(nn.Module):
         feed_forward: FeedForwardFactory,
         dtype: torch.dtype,
         device: torch.device,
+        parallel: TensorParallel = SINGLE,
     ):
+        """``arch``: this rank's shapes (``sharding.rank_arch``; the model's when alone)."""
         super().__init__()
-        self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size, dtype, device)
+        self.embed_tokens = (
+            VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, dtype, device, parallel)
+            if parallel.is_parallel else Embedding(arch.vocab_size, arch.hidden_size, dtype, device))
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, backend, feed_forward(i), i, dtype, device)
+            DecoderLayer(arch, backend, feed_forward(i), i, dtype, device, parallel)
             for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device,

@@ -18,6 +18,8 @@ from engine_common.model.arch_config import ModelArchConfig
 from engine_common.model.attention.backend import AttentionBackend
 from engine_common.model.causal_lm import CausalLM, Placement
 from engine_common.model.layers.moe import MoeSpec, SparseMoeBlock
+from engine_common.parallel.group import SINGLE, TensorParallel
+from engine_common.parallel.sharding import rank_arch
 
 _EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp)\.(experts\.\w+|router\.weight|router\.bias)$")
 
@@ -54,16 +56,18 @@ class GptOssForCausalLM(CausalLM):
         attention_backend_cls: type[AttentionBackend],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        parallel: TensorParallel = SINGLE,
     ):
         device = torch.device(device)
         spec = MoeSpec(arch.num_experts, arch.num_experts_per_tok, arch.hidden_size,
-                       arch.moe_intermediate_size, routing="topk_softmax", bias=True,
+                       rank_arch(arch, parallel.rank, parallel.size).moe_intermediate_size,
+                       routing="topk_softmax", bias=True,
                        swiglu_alpha=arch.swiglu_alpha, swiglu_limit=arch.swiglu_limit)
 
         def moe(_: int) -> tuple[str, SparseMoeBlock]:
-            return "mlp", SparseMoeBlock(spec, dtype, device)
+            return "mlp", SparseMoeBlock(spec, dtype, device, parallel)
 
-        super().__init__(arch, attention_backend_cls, moe, dtype, device)
+        super().__init__(arch, attention_backend_cls, moe, dtype, device, parallel)
 
     def placements(self, name: str) -> list[Placement]:
         match = _EXPERTS.match(name)

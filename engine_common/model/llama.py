@@ -14,6 +14,8 @@ from engine_common.model.arch_config import ModelArchConfig
 from engine_common.model.attention.backend import AttentionBackend
 from engine_common.model.causal_lm import CausalLM
 from engine_common.model.layers.mlp import GatedMLP
+from engine_common.parallel.group import SINGLE, TensorParallel
+from engine_common.parallel.sharding import rank_arch
 
 
 class LlamaForCausalLM(CausalLM):
@@ -23,11 +25,13 @@ class LlamaForCausalLM(CausalLM):
         attention_backend_cls: type[AttentionBackend],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        parallel: TensorParallel = SINGLE,
     ):
         device = torch.device(device)
+        local = rank_arch(arch, parallel.rank, parallel.size)
 
         def mlp(_: int) -> tuple[str, GatedMLP]:
-            return "mlp", GatedMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias,
-                                   dtype, device)
+            return "mlp", GatedMLP(local.hidden_size, local.intermediate_size, local.mlp_bias,
+                                   dtype, device, parallel)
 
-        super().__init__(arch, attention_backend_cls, mlp, dtype, device)
+        super().__init__(arch, attention_backend_cls, mlp, dtype, device, parallel)

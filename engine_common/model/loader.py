@@ -24,6 +24,7 @@ from engine_common.model.layers.mxfp4 import Mxfp4Stats, dequantize_pairs
 from engine_common.model.packed_linear import bf16_packing_supported
 from engine_common.model.registry import network_class
 from engine_common.model.weight_memory import WeightMemory
+from engine_common.parallel.group import SINGLE, TensorParallel
 
 _DTYPE_NAMES = {
     "float32": torch.float32,
@@ -94,17 +95,19 @@ def load_model(
     attention_backend: str,
     pack_weights: bool = True,
     pack_float32: bool = False,
+    parallel: TensorParallel = SINGLE,
 ) -> CausalLM:
     """The model in ``dtype`` on ``device``, its weights read from ``model_dir``; on the CPU in
     bf16 its projections are packed for oneDNN unless ``pack_weights`` is False (see
     ``packed_linear``: the outputs are the same, bitwise), and in float32 too with
     ``pack_float32`` (float32 standing in for a bf16 checkpoint). ``model.weight_memory``
-    says what the weights take."""
+    says what the weights take. Under tensor parallelism (``parallel``) the model is this
+    rank's part of it (``engine_common.parallel.sharding``)."""
     arch = ModelArchConfig.from_model_dir(model_dir)
     device = torch.device(device)
     files = safetensors_files(model_dir)
     backend_cls = get_attention_backend_cls(attention_backend, device)
-    model = network_class(arch.architecture)(arch, backend_cls, dtype, device)
+    model = network_class(arch.architecture)(arch, backend_cls, dtype, device, parallel)
     stats = Mxfp4Stats()
     model.load_weights(dequantize_pairs(iterate_checkpoint(files), stats))
     if stats.tensors and arch.quantization != "mxfp4":

@@ -13,6 +13,8 @@ from engine_common.model.arch_config import ModelArchConfig
 from engine_common.model.attention.backend import AttentionBackend
 from engine_common.model.causal_lm import CausalLM, Placement
 from engine_common.model.layers.moe import MoeSpec, SparseMoeBlock
+from engine_common.parallel.group import SINGLE, TensorParallel
+from engine_common.parallel.sharding import rank_arch
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe)\.experts\.(\d+)\.(w[123])\.weight$")
 
@@ -24,15 +26,17 @@ class MixtralForCausalLM(CausalLM):
         attention_backend_cls: type[AttentionBackend],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        parallel: TensorParallel = SINGLE,
     ):
         device = torch.device(device)
+        local = rank_arch(arch, parallel.rank, parallel.size)
         spec = MoeSpec(arch.num_experts, arch.num_experts_per_tok, arch.hidden_size,
-                       arch.moe_intermediate_size, routing="softmax_topk")
+                       local.moe_intermediate_size, routing="softmax_topk")
 
         def moe(_: int) -> tuple[str, SparseMoeBlock]:
-            return "block_sparse_moe", SparseMoeBlock(spec, dtype, device)
+            return "block_sparse_moe", SparseMoeBlock(spec, dtype, device, parallel)
 
-        super().__init__(arch, attention_backend_cls, moe, dtype, device)
+        super().__init__(arch, attention_backend_cls, moe, dtype, device, parallel)
 
     def placements(self, name: str) -> list[Placement]:
         match = _EXPERT.match(name)

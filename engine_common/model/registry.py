@@ -16,10 +16,12 @@ import torch
 from engine_common.model.arch_config import SUPPORTED_ARCHITECTURES, ModelArchConfig
 from engine_common.model.attention.backend import AttentionBackend
 from engine_common.model.causal_lm import CausalLM
+from engine_common.parallel.group import TensorParallel
 
-# What every network class is called with: (arch, attention backend class, dtype, device).
-NetworkClass = Callable[[ModelArchConfig, type[AttentionBackend], torch.dtype, torch.device],
-                        CausalLM]
+# What every network class is called with: (arch, attention backend class, dtype, device,
+# the rank's tensor-parallel place).
+NetworkClass = Callable[[ModelArchConfig, type[AttentionBackend], torch.dtype, torch.device,
+                         TensorParallel], CausalLM]
 
 # Architecture -> (module under engine_common.model, class name).
 _NETWORKS = {

@@ -196,7 +196,8 @@ def kv_handle_to_pb(handle: KvHandle, layout: KvLayout, num_cached_tokens: int,
         layout=epb.KvLayout(
             model=layout.model, dtype=layout.dtype, num_layers=layout.num_layers,
             num_kv_heads=layout.num_kv_heads, head_size=layout.head_size,
-            block_size=layout.block_size, fingerprint=handle.layout_fingerprint),
+            block_size=layout.block_size, fingerprint=handle.layout_fingerprint,
+            tensor_parallel_size=layout.tensor_parallel_size),
         num_cached_tokens=num_cached_tokens)
 
 
@@ -206,7 +207,8 @@ def kv_handle_from_pb(message: epb.KvHandle, request_id: str) -> KvHandle:
         engine_id=message.engine_id, host=message.ucx_address, port=message.ucx_port,
         request_id=message.lease_id or request_id, block_ids=tuple(message.block_ids), num_tokens=message.num_tokens,
         lease_deadline=message.lease_deadline_unix_ms / 1000,
-        layout_fingerprint=message.layout.fingerprint)
+        layout_fingerprint=message.layout.fingerprint,
+        tensor_parallel_size=message.layout.tensor_parallel_size or 1)
 
 
 def token_logprobs_from_pb(message: epb.PositionLogprobs) -> TokenLogprobs:

@@ -67,6 +67,16 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text[:40]!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def ngram_range(text: str) -> tuple[int, int]:
     low, _, high = text.partition(":")
     try:
@@ -110,6 +120,10 @@ def _add_model_run_args(p: argparse._ArgumentGroup) -> None:
                    help="largest decode batch captured in a CUDA graph")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's)")
+    p.add_argument("--tensor-parallel-size", type=positive_int,
+                   default=engine.tensor_parallel_size, metavar="N",
+                   help="split the model over N processes (tensor parallelism: one per GPU, "
+                        "cuda:0 to N-1; on the CPU each on its share of the engine's CPUs)")
     p.add_argument("--seed", type=int, default=engine.seed,
                    help="the random seed the engine starts with (a request may set its own)")
 
@@ -276,6 +290,7 @@ def engine_config(args: argparse.Namespace, device: str, engine_id: str,
         seed=args.seed, attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         cuda_graph_max_batch_size=args.cuda_graph_max_batch_size, engine_id=engine_id,
+        tensor_parallel_size=args.tensor_parallel_size,
         cpus=cpus, model_settings=model_settings_from_args(args),
         cache=replace(
             CacheConfig(), block_size=args.block_size,

@@ -257,6 +257,7 @@ class EngineServicer(epb_grpc.EngineServicer):
             prefix_cache_hits=self.llm.prefix_cache_hits,
             num_preemptions=self.llm.num_preemptions,
             block_size=info.block_size,
+            tensor_parallel_size=info.tensor_parallel_size,
             kv_events_last_seq=self.llm.kv_events.last_seq,
             timestamp=time.time(),
             lora_adapters=sorted(self.model.lora_names),
@@ -297,9 +298,11 @@ class EngineServicer(epb_grpc.EngineServicer):
             kv_layout=epb.KvLayout(
                 model=layout.model, dtype=layout.dtype, num_layers=layout.num_layers,
                 num_kv_heads=layout.num_kv_heads, head_size=layout.head_size,
-                block_size=layout.block_size, fingerprint=layout.fingerprint()),
+                block_size=layout.block_size, fingerprint=layout.fingerprint(),
+                tensor_parallel_size=layout.tensor_parallel_size),
             lora_adapters=sorted(self.model.lora_names),
             model_summary=list(info.model_summary),
+            tensor_parallel_size=info.tensor_parallel_size,
         )
 
     @rpc_handler

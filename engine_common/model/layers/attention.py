@@ -17,6 +17,7 @@ from engine_common.model.attention.backend import AttentionBackend, AttentionMet
 from engine_common.model.layers.linear import Linear, empty_param
 from engine_common.model.layers.norm import RMSNorm
 from engine_common.model.layers.rotary import RotaryEmbedding
+from engine_common.parallel.group import SINGLE, TensorParallel
 
 
 class Attention(nn.Module):
@@ -27,8 +28,11 @@ class Attention(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         layer_idx: int = 0,
+        parallel: TensorParallel = SINGLE,
     ):
+        """``arch``: this rank's shapes (its heads, ``sharding.rank_arch``)."""
         super().__init__()
+        self.parallel = parallel
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
         self.head_size = arch.head_size
@@ -75,4 +79,5 @@ class Attention(nn.Module):
         else:
             out = self.backend.forward_sinks_window(query, key, value, kv_cache, metadata,
                                                     self.sinks, self.window)
-        return self.o_proj(out.reshape(num_tokens, self.q_size), lora)
+        # Row-parallel: each rank's heads give a partial sum of the projection.
+        return self.parallel.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size), lora))

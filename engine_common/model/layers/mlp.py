@@ -8,12 +8,15 @@ from torch import nn
 
 from engine_common.lora.step_batch import LoraBatch
 from engine_common.model.layers.linear import Linear
+from engine_common.parallel.group import SINGLE, TensorParallel
 
 
 class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, parallel: TensorParallel = SINGLE):
+        """``intermediate_size``: this rank's columns (gate/up column-, down row-parallel)."""
         super().__init__()
+        self.parallel = parallel
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype, device)
         self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype, device)
@@ -22,4 +25,4 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj(x, lora)
         gate = gate_up[:, : self.intermediate_size]
         up = gate_up[:, self.intermediate_size :]
-        return self.down_proj(F.silu(gate) * up, lora)
+        return self.parallel.all_reduce(self.down_proj(F.silu(gate) * up, lora))

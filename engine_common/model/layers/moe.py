@@ -24,6 +24,7 @@ from engine_common.model.layers.fused_moe import (
 )
 from engine_common.model.layers.linear import Linear, empty_param
 from engine_common.model.packed_linear import can_pack, pack
+from engine_common.parallel.group import SINGLE, TensorParallel
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,12 @@ def route(logits: torch.Tensor, spec: MoeSpec) -> tuple[torch.Tensor, torch.Tens
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, spec: MoeSpec, dtype: torch.dtype, device: torch.device):
+    def __init__(self, spec: MoeSpec, dtype: torch.dtype, device: torch.device,
+                 parallel: TensorParallel = SINGLE):
+        """``spec.intermediate_size``: this rank's columns of every expert (tensor-parallel
+        within each expert: see ``engine_common.parallel.sharding``)."""
         super().__init__()
+        self.parallel = parallel
         self.spec = spec
         e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
         self.gate = Linear(h, e, spec.bias, dtype, device)
@@ -90,5 +95,6 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         # LoRA on MoE models is refused when an adapter is loaded (``CausalLM``).
         ids, weights = route(self.gate(x), self.spec)
-        return fused_experts(x, self.w13, self.w2, ids, weights, self.activation,
-                             self.b13, self.b2, self.packed)
+        return self.parallel.all_reduce(fused_experts(
+            x, self.w13, self.w2, ids, weights, self.activation, self.b13, self.b2,
+            self.packed))

@@ -194,7 +194,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ..., announce_kv: _Optional[bool] = ..., keepalive_s: _Optional[float] = ...) -> None: ...
 
 class KvLayout(_message.Message):
-    __slots__ = ("model", "dtype", "num_layers", "num_kv_heads", "head_size", "block_size", "fingerprint")
+    __slots__ = ("model", "dtype", "num_layers", "num_kv_heads", "head_size", "block_size", "fingerprint", "tensor_parallel_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +202,7 @@ class KvLayout(_message.Message):
     HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     num_layers: int
@@ -209,7 +210,8 @@ class KvLayout(_message.Message):
     head_size: int
     block_size: int
     fingerprint: str
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., block_size: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., block_size: _Optional[int] = ..., fingerprint: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class KvHandle(_message.Message):
     __slots__ = ("engine_id", "ucx_address", "ucx_port", "block_ids", "num_tokens", "lease_deadline_unix_ms", "layout", "num_cached_tokens", "lease_id")
@@ -290,7 +292,7 @@ class WatchLoadRequest(_message.Message):
     def __init__(self, min_interval_s: _Optional[float] = ..., heartbeat_s: _Optional[float] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("engine_id", "role", "model", "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_free_blocks", "num_total_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "block_size", "kv_events_last_seq", "timestamp", "lora_adapters", "num_prefill_tokens_queued", "prefill_tokens_per_s", "prefill_share")
+    __slots__ = ("engine_id", "role", "model", "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_free_blocks", "num_total_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "block_size", "kv_events_last_seq", "timestamp", "lora_adapters", "num_prefill_tokens_queued", "prefill_tokens_per_s", "prefill_share", "tensor_parallel_size")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +311,7 @@ class LoadReport(_message.Message):
     NUM_PREFILL_TOKENS_QUEUED_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SHARE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: str
     model: str
@@ -327,7 +330,8 @@ class LoadReport(_message.Message):
     num_prefill_tokens_queued: int
     prefill_tokens_per_s: float
     prefill_share: float
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_cache_usage_perc: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_events_last_seq: _Optional[int] = ..., timestamp: _Optional[float] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., num_prefill_tokens_queued: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_share: _Optional[float] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_cache_usage_perc: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_events_last_seq: _Optional[int] = ..., timestamp: _Optional[float] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., num_prefill_tokens_queued: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_share: _Optional[float] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class WatchKvEventsRequest(_message.Message):
     __slots__ = ("since_seq", "incarnation")
@@ -404,7 +408,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("engine_id", "role", "model", "max_model_len", "block_size", "kv_layout", "lora_adapters", "model_summary")
+    __slots__ = ("engine_id", "role", "model", "max_model_len", "block_size", "kv_layout", "lora_adapters", "model_summary", "tensor_parallel_size")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -413,6 +417,7 @@ class EngineInfo(_message.Message):
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MODEL_SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: str
     model: str
@@ -421,7 +426,8 @@ class EngineInfo(_message.Message):
     kv_layout: KvLayout
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
     model_summary: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., model_summary: _Optional[_Iterable[str]] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., model_summary: _Optional[_Iterable[str]] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class LoadLoraRequest(_message.Message):
     __slots__ = ("lora_name", "lora_path")
