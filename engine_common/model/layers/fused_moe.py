@@ -78,13 +78,18 @@ def fused_experts(
     rows = x.index_select(0, token_of_row)
     num_experts = w13.shape[0] if packed is None else len(packed.w13)
     if packed is not None:
-        out_rows = _packed_expert_loop(rows, flat_ids, packed, activation, b13, b2)
+        matrices = (packed.w13, packed.w2)
+        out_rows = _expert_loop(
+            rows, flat_ids, num_experts,
+            lambda h, e, which: packed_linear(h, matrices[which][e], None), activation, b13, b2)
     elif _grouped_mm is not None and x.device.type == "cpu" and _aligned(w13, w2):
         out_rows = _grouped_experts(rows, sorted_ids, num_experts, w13, w2, activation, b13, b2)
     elif x.device.type == "cuda":
         out_rows = triton_experts(rows, flat_ids, num_experts, w13, w2, activation, b13, b2)
     else:
-        out_rows = _expert_loop(rows, flat_ids, num_experts, w13, w2, activation, b13, b2)
+        out_rows = _expert_loop(rows, flat_ids, num_experts,
+                                lambda h, e, which: F.linear(h, (w13, w2)[which][e]),
+                                activation, b13, b2)
     weights = topk_weights.reshape(-1).index_select(0, order)
     weighted = (out_rows * weights[:, None]).to(x.dtype)
     out = torch.zeros_like(x)
@@ -138,35 +143,14 @@ def triton_experts(rows: torch.Tensor, flat_ids: torch.Tensor, num_experts: int,
     return h
 
 
-def _packed_expert_loop(rows: torch.Tensor, flat_ids: torch.Tensor, packed: PackedExperts,
-                        activation: Activation, b13: torch.Tensor | None,
-                        b2: torch.Tensor | None) -> torch.Tensor:
-    """One packed oneDNN matmul pair per active expert over its rows (``rows`` sorted by
-    expert); bitwise the grouped GEMM's and the plain loop's result in bf16 (tested)."""
-    # NOTE: one host sync per layer to size the per-expert slices.
-    counts = torch.bincount(flat_ids, minlength=len(packed.w13)).tolist()
-    out_rows = torch.empty_like(rows)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        end = start + count
-        # Biases added after, as the other paths do (a fused bias rounds once, not twice).
-        h = packed_linear(rows[start:end], packed.w13[expert], None)
-        if b13 is not None:
-            h = h + b13[expert]
-        h = packed_linear(activation(h), packed.w2[expert], None)
-        if b2 is not None:
-            h = h + b2[expert]
-        out_rows[start:end] = h
-        start = end
-    return out_rows
-
-
 def _expert_loop(rows: torch.Tensor, flat_ids: torch.Tensor, num_experts: int,
-                 w13: torch.Tensor, w2: torch.Tensor, activation: Activation,
-                 b13: torch.Tensor | None, b2: torch.Tensor | None) -> torch.Tensor:
-    """One ``F.linear`` pair per active expert over its rows (``rows`` sorted by expert)."""
+                 project: Callable[[torch.Tensor, int, int], torch.Tensor],
+                 activation: Activation, b13: torch.Tensor | None,
+                 b2: torch.Tensor | None) -> torch.Tensor:
+    """One matmul pair per active expert over its rows (``rows`` sorted by expert):
+    ``project(x, expert, 0)`` is its gate/up projection, ``project(x, expert, 1)`` its down
+    projection (``F.linear``, or oneDNN's packed matmul: bitwise the grouped GEMM's result in
+    bf16, tested)."""
     # NOTE: one host sync per layer to size the per-expert slices.
     counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
     out_rows = torch.empty_like(rows)
@@ -175,10 +159,11 @@ def _expert_loop(rows: torch.Tensor, flat_ids: torch.Tensor, num_experts: int,
         if count == 0:
             continue
         end = start + count
-        h = F.linear(rows[start:end], w13[expert])
+        # Biases added after, as the other paths do (a fused bias rounds once, not twice).
+        h = project(rows[start:end], expert, 0)
         if b13 is not None:
             h = h + b13[expert]
-        h = F.linear(activation(h), w2[expert])
+        h = project(activation(h), expert, 1)
         if b2 is not None:
             h = h + b2[expert]
         out_rows[start:end] = h
