@@ -81,7 +81,9 @@ def decode(core: EngineCore, request_id: str, prompt: list[int], first: int, han
 @pytest.fixture(scope="module")
 def cores(tiny_llama_dir):
     p = make_core(tiny_llama_dir, "prefill-0", "producer", lease_seconds=2.0)
-    d = make_core(tiny_llama_dir, "decode-0", "consumer", pull_timeout_seconds=3.0)
+    # NOTE: a generous pull timeout: these tests check what moves, not how fast, and a 3 s
+    # one ran out once under a load average of 16 (the pull then fell back).
+    d = make_core(tiny_llama_dir, "decode-0", "consumer", pull_timeout_seconds=30.0)
     both = make_core(tiny_llama_dir, "both-0", None)
     yield p, d, both
     p.remote_kv.close()
@@ -158,7 +160,7 @@ def test_a_speculating_decode_replica_keeps_the_seeded_stream(cores, tiny_llama_
     p, _, both = cores
     d = make_core(tiny_llama_dir, "decode-spec", "consumer",
                   SpeculativeConfig(num_tokens=4, ngram_min=1, ngram_max=3),
-                  pull_timeout_seconds=3.0)
+                  pull_timeout_seconds=30.0)
     try:
         prompt = [random.Random(6).randrange(3, 300) for _ in range(8)] * 3
         params = replace(SEEDED, max_tokens=24, temperature=0.3)
