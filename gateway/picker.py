@@ -309,7 +309,13 @@ def _place_prompt(
     even = [s for s in scored if (estimates[s.address] or 0.0) - lowest <= config.estimate_tie_s]
     best = _best(even, tie_break)
     via_hop = (estimates[best.address] or 0.0) + config.prefill_hop_s
-    itself = ttft_estimate(own, num_prompt_tokens, block_size, fallback)
+    # NOTE: only a prefill replica with prompts queued is passed over. An idle one's
+    # estimate rests on its rate alone, and a rate measured over its first, cold steps (new
+    # kernels' first calls, a model's first prompt) can be 100x low for minutes; an idle
+    # prefill replica finishes a prompt soonest whatever its rate says (Dynamo's
+    # conditional disaggregation likewise prefills locally only past a prefill queue size).
+    queued = next(r.load.prefill_tokens_queued for r in prefill_pool if r.address == best.address)
+    itself = ttft_estimate(own, num_prompt_tokens, block_size, fallback) if queued > 0 else None
     if itself is not None and itself + config.self_prefill_min_gain_s <= via_hop:
         return replace(decode, ttft_estimate_s=itself), None
     return decode, replace(best, ttft_estimate_s=via_hop)

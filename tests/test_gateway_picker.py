@@ -230,6 +230,12 @@ def test_the_decode_replica_computes_the_prompt_when_that_is_estimated_sooner() 
     # A busy decode replica (its own prompts queued) keeps the hop even then.
     busy = measured("d", "decode", queued=20000, share=0.5, running=4)
     assert pick([busy, behind], 20 * BS, BS).pd_reason == "prefill_hop"
+    # An idle prefill replica keeps the prompt however slow its measured rate: a rate taken
+    # over cold first steps was 100x low and sent a healthy suite's prompts to the decode
+    # replica (tests/test_moe_serving.py, a fresh make test).
+    cold = measured("p", "prefill", rate=20.0)
+    fast_decode = measured("d", "decode", rate=5000.0, running=4)
+    assert pick([fast_decode, cold], 20 * BS, BS).pd_reason == "prefill_hop"
     with pytest.raises(ValueError, match="self_prefill_min_gain_s must be 0 or more"):
         PickerConfig(self_prefill_min_gain_s=-1.0)
 

@@ -181,7 +181,8 @@ def test_grouped_and_looped_experts_equal_a_per_token_reference():
     rows_order = torch.sort(ids.reshape(-1), stable=True)
     rows = x.index_select(0, rows_order.indices // 2)
     grouped = fused_moe._grouped_experts(rows, rows_order.values, 4, w13, w2, act, b13, b2)
-    looped = fused_moe._expert_loop(rows, ids.reshape(-1), 4, w13, w2, act, b13, b2)
+    looped = fused_moe._expert_loop(rows, ids.reshape(-1), 4,
+                                     fused_moe.plain_projection(w13, w2), act, b13, b2)
     assert torch.equal(grouped, looped)
     got = fused_moe.fused_experts(x, w13, w2, ids, weights, act, b13, b2)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -87,8 +87,7 @@ def fused_experts(
     elif x.device.type == "cuda":
         out_rows = triton_experts(rows, flat_ids, num_experts, w13, w2, activation, b13, b2)
     else:
-        out_rows = _expert_loop(rows, flat_ids, num_experts,
-                                lambda h, e, which: F.linear(h, (w13, w2)[which][e]),
+        out_rows = _expert_loop(rows, flat_ids, num_experts, plain_projection(w13, w2),
                                 activation, b13, b2)
     weights = topk_weights.reshape(-1).index_select(0, order)
     weighted = (out_rows * weights[:, None]).to(x.dtype)
@@ -143,8 +142,17 @@ def triton_experts(rows: torch.Tensor, flat_ids: torch.Tensor, num_experts: int,
     return h
 
 
+# ``project(x, expert, 0)``: the expert's gate/up projection of x; ``(x, expert, 1)``: down.
+Projection = Callable[[torch.Tensor, int, int], torch.Tensor]
+
+
+def plain_projection(w13: torch.Tensor, w2: torch.Tensor) -> Projection:
+    """The experts' projections as ``F.linear`` on the stacked weights."""
+    return lambda h, expert, which: F.linear(h, (w13, w2)[which][expert])
+
+
 def _expert_loop(rows: torch.Tensor, flat_ids: torch.Tensor, num_experts: int,
-                 project: Callable[[torch.Tensor, int, int], torch.Tensor],
+                 project: Projection,
                  activation: Activation, b13: torch.Tensor | None,
                  b2: torch.Tensor | None) -> torch.Tensor:
     """One matmul pair per active expert over its rows (``rows`` sorted by expert):
