@@ -258,14 +258,23 @@ def test_a_killed_decode_replica_resumes_its_streams_restarts_and_rejoins(
     victims: list[str] = []
 
     def kill_the_busier_decode_replica() -> None:
-        # Once every stream is under way: those on it are resumed on the other one.
-        busier = max(("decode-2", "decode-3"), key=lambda name: suite.metric(
-            name, "vllm:num_requests_running"))
+        # NOTE: at the first stream's first text, not once every stream has its own: a tiny
+        # model streams 450 tokens in well under a second, and a fresh make test once saw
+        # one replica's three streams finish while the other's were still starting; its
+        # running gauge, last set while they ran, made it the victim of a kill that then
+        # had nothing to resume. At the first text, the replica serving that stream has 449
+        # tokens of it to go.
+        running: dict[str, float] = {}
+        deadline = time.monotonic() + 10
+        while not any(running.values()) and time.monotonic() < deadline:
+            # The gauge follows the step that sent the first token: read until it shows.
+            running = {name: suite.metric(name, "vllm:num_requests_running")
+                       for name in ("decode-2", "decode-3")}
+        busier = max(running, key=running.__getitem__)
         victims.append(busier)
         os.kill(suite.pid(busier), signal.SIGKILL)
 
-    got = stream_all(suite.gateway, prompts, 450, kill_the_busier_decode_replica,
-                     once=len(prompts))
+    got = stream_all(suite.gateway, prompts, 450, kill_the_busier_decode_replica, once=1)
     assert got == want
     assert suite.metric("gateway", "tandem:gateway_resumptions_total",
                         outcome="resumed") > resumed
