@@ -18,7 +18,7 @@ from gateway.picker import PickerConfig
 from gateway.proxy import RetryPolicy
 from gateway.registry import DnsTarget
 from gateway.server import GatewayOptions, serve
-from gateway.tier_weights import TIER_WEIGHTS_HELP, tier_weights_argument
+from gateway.tier_weights import add_placement_args
 from services.entrypoint import run_service
 from services.frontend.responses.store import STORE_HELP
 from services.help_format import DefaultsHelpFormatter
@@ -70,13 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-min-uncached-tokens", type=int,
                    default=picker.prefill_min_uncached_tokens,
                    help="skip the prefill hop for fewer uncached tokens (default: %(default)s)")
-    p.add_argument("--prefill-placement", choices=("estimate", "score"), default="estimate",
-                   help="where a prompt is computed: estimate: where its first token is "
-                        "estimated soonest from the replicas' queued prompt tokens and measured "
-                        "rates (a prefill replica, or the decode replica itself); score: the "
-                        "best-scoring prefill replica, always (default: %(default)s)")
-    p.add_argument("--kv-tier-weights", type=tier_weights_argument, default=None,
-                   metavar="TIER=W,...", help=TIER_WEIGHTS_HELP)
+    add_placement_args(p)
     p.add_argument("--max-attempts", type=int, default=retry.max_attempts,
                    help="replicas tried before the first token (default: %(default)s)")
     p.add_argument("--max-resumptions", type=int, default=retry.max_resumptions,

@@ -40,7 +40,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.picker import PickerConfig
 from gateway.registry import DnsTarget
 from gateway.server import load_inputs
-from gateway.tier_weights import TIER_WEIGHTS_HELP, tier_weights_argument
+from gateway.tier_weights import add_placement_args
 from protos.third_party.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from services.entrypoint import run_service, wait_for_stop_signal
 from services.frontend.grpc_server import new_server
@@ -187,13 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-weight", type=float, default=picker.prefix_weight)
     p.add_argument("--kv-usage-weight", type=float, default=picker.kv_usage_weight)
     p.add_argument("--queue-weight", type=float, default=picker.queue_weight)
-    p.add_argument("--prefill-placement", choices=("estimate", "score"), default="estimate",
-                   help="where a prompt is computed: estimate: where its first token is "
-                        "estimated soonest from the replicas' queued prompt tokens and measured "
-                        "rates (a prefill replica, or the decode replica itself); score: the "
-                        "best-scoring prefill replica, always (default: %(default)s)")
-    p.add_argument("--kv-tier-weights", type=tier_weights_argument, default=None,
-                   metavar="TIER=W,...", help=TIER_WEIGHTS_HELP)
+    add_placement_args(p)
     p.add_argument("--shed-queue-depth", type=int, default=shedding.queue_depth_threshold,
                    help="waiting requests at which a replica counts as saturated "
                         "(default: %(default)s)")

@@ -60,3 +60,15 @@ def tier_weights_argument(text: str) -> dict[str, float]:
 def format_tier_weights(weights: Mapping[str, float]) -> str:
     """The flag's text for ``weights`` (as ``parse_tier_weights`` reads it)."""
     return ",".join(f"{name}={weight:g}" for name, weight in weights.items())
+
+
+def add_placement_args(p: argparse.ArgumentParser) -> None:
+    """``--prefill-placement`` and ``--kv-tier-weights``: the gateway's and the endpoint
+    picker's, defined once."""
+    p.add_argument("--prefill-placement", choices=("estimate", "score"), default="estimate",
+                   help="where a prompt is computed: estimate: where its first token is "
+                        "estimated soonest from the replicas' queued prompt tokens and measured "
+                        "rates (a prefill replica, or the decode replica itself); score: the "
+                        "best-scoring prefill replica, always (default: %(default)s)")
+    p.add_argument("--kv-tier-weights", type=tier_weights_argument, default=None,
+                   metavar="TIER=W,...", help=TIER_WEIGHTS_HELP)
