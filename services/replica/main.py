@@ -93,7 +93,7 @@ def resolve_engine_cpus(args: argparse.Namespace) -> list[int] | None:
         return list(args.engine_cpus)
     return default_engine_cpus(args.role, _resolve_device(args.device),
                                sorted(os.sched_getaffinity(0)), omp_num_threads_from_env(),
-                               cgroup_cpu_limit())
+                               cgroup_cpu_limit(), args.tensor_parallel_size)
 
 
 def _resolve_device(device: str) -> str:
