@@ -15,8 +15,10 @@ one contiguous stretch per (block, layer, K/V) on both sides: ``2 x layers`` rea
 strided by each side's own head count. Where both sides hold the same heads (the same
 split, or one rank each) those stretches join into one read per run of blocks
 (``ucx_rma.coalesce_reads``), the single-rank pull's count. UCX's RMA takes one contiguous
-stretch per GET (no strided or iov datatype in 1.21), so fewer reads would need a gather
-on the producer, which is what per-rank pulls avoid.
+stretch per GET (no strided or iov datatype in 1.21), and a stretch is a few KiB, so
+otherwise a reader reads the producer rank's whole blocks (one GET per run, ``block_reads``)
+and copies its heads into place itself (``rank_reader``): more bytes, far fewer
+operations, and still no gather on the producer.
 """
 
 from __future__ import annotations
@@ -139,3 +141,16 @@ def head_reads(layout: KvLayout, local_base: int, local_first_head: int, source:
         reads.extend((local_block + g * local_group, nbytes, remote_block + g * remote_group)
                      for g in range(groups))
     return coalesce_reads(reads)
+
+
+def block_reads(layout: KvLayout, staging_base: int, source: RankCache, remote: list[int]
+                ) -> list[tuple[int, int, int]]:
+    """The GETs of whole blocks ``remote`` of ``source`` (``layout``: the reader's, of the
+    same model) into consecutive blocks of a staging buffer at ``staging_base``: one GET
+    per run of consecutive remote blocks."""
+    if remote and max(remote) >= source.num_blocks:
+        raise KvTransferError("protocol", f"block {max(remote)} is beyond prefill rank "
+                              f"{source.rank}'s {source.num_blocks}")
+    block = replace(layout, num_kv_heads=source.num_heads).bytes_per_block
+    return coalesce_reads([(staging_base + i * block, block, source.base + theirs * block)
+                           for i, theirs in enumerate(remote)])

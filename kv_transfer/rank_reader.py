@@ -20,24 +20,26 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from kv_transfer.connector import KvHandle, KvTransferError
-from kv_transfer.layout import KvLayout
+from kv_transfer.layout import ITEM_SIZES, KvLayout
 from kv_transfer.rank_layout import (
     HeadRead,
     RankCache,
+    block_reads,
     head_reads,
     kv_head_range,
     plan_heads,
     producer_layout,
 )
+from kv_transfer.transfer_plan import DIRECT_MIN_MESSAGE_BYTES
 from kv_transfer.ucx_io import abort_endpoint, open_endpoint
-from kv_transfer.ucx_rma import Reader, RemoteKey
+from kv_transfer.ucx_rma import ReadBurst, Reader, RemoteKey
 from kv_transfer.ucx_runtime import UcxRuntime
 
 logger = logging.getLogger(__name__)
@@ -90,31 +92,61 @@ class RankReader:
 
     async def read(self, producers: Sequence[RankCache], reads: Sequence[HeadRead],
                    remote: Sequence[int], local: Sequence[int]) -> int:
-        """GET every read into this rank's cache; returns the bytes read. On a failure the
-        endpoint read is dropped (its reads end with it) and KvTransferError raised."""
+        """Every read into this rank's cache; returns the bytes of the heads read. Each
+        read's GETs go straight into the cache when they are whole blocks or large
+        stretches, else whole producer blocks into a staging buffer, the heads then copied
+        into place (``_whole_blocks``). Every burst is waited for before any failure is
+        raised (no GET may outlive the pull); a failed producer rank's endpoint is dropped."""
         by_rank = {p.rank: p for p in producers}
-        bursts, total = [], 0
+        remote, local = list(remote), list(local)
+        posted: list[tuple[RankCache, ReadBurst, Callable[[], None] | None]] = []
+        total, failures = 0, []
         try:
             for read in reads:
                 source = by_rank[read.producer_rank]
                 endpoint, rkey = await self._endpoint(source)
-                gets = head_reads(self._layout, self._kv_cache.data_ptr(), self._first_head,
-                                  source, read, list(remote), list(local))
-                total += sum(n for _, n, _ in gets)
-                bursts.append((source, self._reader.get(endpoint.ucp_endpoint, rkey, gets)))
-            for source, burst in bursts:
-                over = await self._runtime.run_copy(functools.partial(
-                    burst.wait, _worker_handle(), READ_SETTLE_TIMEOUT_S))
-                if not over or burst.error:
-                    self._drop(source.address)
-                    raise KvTransferError("unreachable", f"reads from prefill rank "
-                                          f"{source.rank} {'failed' if over else 'did not end'}")
+                place: Callable[[], None] | None
+                if _whole_blocks(self._layout, self._first_head, source, read):
+                    gets = head_reads(self._layout, self._kv_cache.data_ptr(),
+                                      self._first_head, source, read, remote, local)
+                    place = None
+                else:
+                    staging = torch.empty((len(remote), *self._kv_cache.shape[1:3],
+                                           source.num_heads, *self._kv_cache.shape[4:]),
+                                          dtype=self._kv_cache.dtype)
+                    gets = block_reads(self._layout, staging.data_ptr(), source, remote)
+                    place = functools.partial(self._place, staging, source, read, local)
+                total += read.num_heads * len(local) * self._head_block_bytes()
+                posted.append((source, self._reader.get(endpoint.ucp_endpoint, rkey, gets),
+                               place))
         except OSError as exc:
-            raise KvTransferError("unreachable", f"per-rank read failed: {exc!r}") from None
-        finally:
-            for _, burst in bursts:
-                self._reader.forget(burst)
+            failures.append(f"per-rank read failed: {exc!r}")
+        for source, burst, place in posted:
+            over = await self._runtime.run_copy(functools.partial(
+                burst.wait, _worker_handle(), READ_SETTLE_TIMEOUT_S))
+            self._reader.forget(burst)
+            if not over or burst.error:
+                self._drop(source.address)
+                failures.append(f"reads from prefill rank {source.rank} "
+                                f"{'failed' if over else 'did not end'}")
+            elif place is not None and not failures:
+                await self._runtime.run_copy(place)
+        if failures:
+            raise KvTransferError("unreachable", "; ".join(failures))
         return total
+
+    def _head_block_bytes(self) -> int:
+        """Bytes of one head's K and V of one block, every layer."""
+        return self._kv_cache[0, :, :, 0].numel() * self._kv_cache.element_size()
+
+    def _place(self, staging: torch.Tensor, source: RankCache, read: HeadRead,
+               local: list[int]) -> None:
+        """Copy a read's heads from whole staged producer blocks into the local blocks."""
+        theirs = read.first_head - source.first_head
+        ours = read.first_head - self._first_head
+        index = torch.tensor(local, dtype=torch.long)
+        self._kv_cache[index, :, :, ours:ours + read.num_heads] = \
+            staging[:, :, :, theirs:theirs + read.num_heads]
 
     async def _endpoint(self, source: RankCache) -> tuple[Any, RemoteKey]:
         known = self._endpoints.get(source.address)
@@ -192,6 +224,21 @@ class RankedPulls:
                 assert self._others is not None
                 await run_blocking(functools.partial(self._others.wait, pull_id, others,
                                                      RANK_REPORT_TIMEOUT_S))
+
+
+def _whole_blocks(layout: KvLayout, first_head: int, source: RankCache, read: HeadRead
+                  ) -> bool:
+    """Whether a read's GETs go straight into the cache: both sides hold exactly its heads
+    (one GET per run of blocks), or its stretches per (block, layer, K/V) are large enough
+    that a GET each costs less than staging (``DIRECT_MIN_MESSAGE_BYTES``, the crossover
+    ``transfer_plan`` measured). Otherwise whole producer blocks are read into a staging
+    buffer, the heads copied into place here: a GET costs ~tens of microseconds (more on a
+    loaded host), and a model's heads are a few KiB a block (SmolLM2's: 2 KiB), so 60
+    stretches a block lose to reading its other heads too (bench/tp_kv_pull.py)."""
+    same = (read.num_heads == source.num_heads == layout.num_kv_heads
+            and read.first_head == source.first_head == first_head)
+    stretch = read.num_heads * layout.block_size * layout.head_size * ITEM_SIZES[layout.dtype]
+    return same or stretch >= DIRECT_MIN_MESSAGE_BYTES
 
 
 def refusal(handle: KvHandle, ranked: RankedPulls | None, transport: str, cuda: bool

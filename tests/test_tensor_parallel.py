@@ -217,32 +217,38 @@ def _pd_request(tiny_llama_dir: Path, p: EngineCore, d: EngineCore, request_id: 
 
 
 def test_pd_across_parallel_sizes_pulls_per_rank_and_equals_hf(tiny_llama_dir: Path):
-    """TP=2 prefill feeding TP=1 decode, and TP=1 prefill feeding TP=2 decode: each decode
-    rank reads the KV heads it owns from the prefill rank(s) holding them (the report says
+    """TP=2 prefill feeding TP=1 decode, TP=1 prefill feeding TP=2 decode, and TP=2 to
+    TP=2: each decode rank reads the KV heads it owns from the prefill rank(s) holding them (the report says
     every block was pulled, by ranks, none recomputed), and the output is Hugging Face's.
     The tiny Llama's 2 KV heads: one per rank at TP=2, both in the single rank's cache. A
     decode core kept on TCP cannot read per rank: refused (``tensor_parallel``, counted by
     the engine's metrics), recomputed, still exact."""
-    prompt = _prompts(tiny_llama_dir)[1]  # 17 tokens: 4 full blocks and a partial one
-    expected = hf_greedy(tiny_llama_dir, [prompt], MAX_TOKENS)[0]
+    # 17 tokens (4 full blocks and a partial one); 33 for the TP=2 decode core's second
+    # pull (another prompt: no prefix hits there).
+    short, long = _prompts(tiny_llama_dir)[1:3]
+    expected = dict(zip(("short", "long"), hf_greedy(tiny_llama_dir, [short, long], MAX_TOKENS),
+                        strict=True))
     cores = {(role, tp, transport): _pd_core(tiny_llama_dir, role, tp, transport)
              for role, tp, transport in (("producer", 2, "auto"), ("consumer", 1, "auto"),
                                          ("producer", 1, "auto"), ("consumer", 2, "auto"),
                                          ("consumer", 1, "tcp"))}
     try:
-        for prefill_tp, decode_tp in ((2, 1), (1, 2)):
+        # (2, 2): both sides hold the same heads, read straight into the caches.
+        for prefill_tp, decode_tp, name in ((2, 1, "short"), (1, 2, "short"), (2, 2, "long")):
             p, d = cores["producer", prefill_tp, "auto"], cores["consumer", decode_tp, "auto"]
+            prompt = short if name == "short" else long
             tokens, report = _pd_request(tiny_llama_dir, p, d, f"r{prefill_tp}{decode_tp}",
                                          prompt)
+            blocks = -(-len(prompt) // 4)
             assert report.fallback_reason is None, (prefill_tp, decode_tp, report)
-            assert report.blocks_pulled == 5 and report.transport == "shm", report
+            assert report.blocks_pulled == blocks and report.transport == "shm", report
             # Bytes of the decode side's cache: the whole prompt's KV arrived.
-            assert report.num_bytes == 5 * d.info.kv_layout.bytes_per_block * decode_tp
-            assert tokens == expected, (prefill_tp, decode_tp)
+            assert report.num_bytes == blocks * d.info.kv_layout.bytes_per_block * decode_tp
+            assert tokens == expected[name], (prefill_tp, decode_tp)
         tokens, report = _pd_request(tiny_llama_dir, cores["producer", 2, "auto"],
-                                     cores["consumer", 1, "tcp"], "tcp", prompt)
+                                     cores["consumer", 1, "tcp"], "tcp", short)
         assert report.fallback_reason == "tensor_parallel" and report.blocks_pulled == 0
-        assert tokens == expected
+        assert tokens == expected["short"]
         metrics = EngineMetrics("tiny", "d")
         metrics.record_kv_transfer(report)
         assert metrics.registry.get_sample_value("tandem:kv_transfer_failures_total", {
