@@ -117,15 +117,6 @@ def test_tensor_parallel_ranks_get_a_cpu_each_where_the_host_has_them():
                                      ["--cpus", "0,1,2,3,7", "--engine-cpus", "7"]]
 
 
-def test_up_gives_prefill_replicas_their_own_parallel_size():
-    suite = plan_suite(SuiteConfig(num_prefill=1, num_decode=1, tensor_parallel_size=2,
-                                   prefill_tensor_parallel_size=1, cpu_layout="shared"))
-    argv = {spec.name: spec.argv for spec in suite.specs}
-    assert "--tensor-parallel-size" not in argv["prefill-0"]
-    decode = argv["decode-1"]
-    assert decode[decode.index("--tensor-parallel-size") + 1] == "2"
-
-
 def test_auto_pins_nothing_it_cannot_own_or_split():
     # A CPU quota or OMP_NUM_THREADS below the visible CPUs; too few CPUs; only prefill.
     assert plan_cpus("auto", ["prefill", "decode"], [0, 1], owned=False).layout == "shared"
