@@ -266,6 +266,8 @@ def test_a_pairing_per_rank_pulls_cannot_serve_is_refused_with_its_reason() -> N
     layout = KvLayout("m", "float32", num_layers=2, num_kv_heads=1, head_size=16, block_size=4)
     handle = KvHandle("p", "127.0.0.1", 1, "r", (0,), 4, time.time() + 30,
                       replace(layout, tensor_parallel_size=2).fingerprint(), 2)
+    # One rank keeps the fingerprint it had; ranks are part of it otherwise.
+    assert layout.fingerprint() != replace(layout, tensor_parallel_size=2).fingerprint()
     cache = torch.zeros(8, 2, 2, 2, 4, 16)
     two = replace(layout, num_kv_heads=2)
     ranked = RankedPulls(two, 2, RankReader(cache, two, 0, "127.0.0.1"), None)
