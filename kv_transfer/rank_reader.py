@@ -17,12 +17,13 @@ processes (cma reads the producer rank's memory); a pairing without them is refu
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -43,6 +44,7 @@ from kv_transfer.ucx_rma import ReadBurst, Reader, RemoteKey
 from kv_transfer.ucx_runtime import UcxRuntime
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Bounds a burst of reads (a dead producer rank fails them at once); the pull's timeout
 # bounds the whole.
@@ -121,16 +123,20 @@ class RankReader:
                                place))
         except OSError as exc:
             failures.append(f"per-rank read failed: {exc!r}")
+        cancelled = False
         for source, burst, place in posted:
-            over = await self._runtime.run_copy(functools.partial(
-                burst.wait, _worker_handle(), READ_SETTLE_TIMEOUT_S))
+            over, interrupted = await _through_cancel(self._runtime.run_copy(functools.partial(
+                burst.wait, _worker_handle(), READ_SETTLE_TIMEOUT_S)))
+            cancelled |= interrupted
             self._reader.forget(burst)
             if not over or burst.error:
                 self._drop(source.address)
                 failures.append(f"reads from prefill rank {source.rank} "
                                 f"{'failed' if over else 'did not end'}")
-            elif place is not None and not failures:
+            elif place is not None and not failures and not cancelled:
                 await self._runtime.run_copy(place)
+        if cancelled:
+            raise asyncio.CancelledError
         if failures:
             raise KvTransferError("unreachable", "; ".join(failures))
         return total
@@ -202,11 +208,12 @@ class RankedPulls:
         heads = sum(kv_head_range(self.total_heads, rank, size)[1] for rank in range(size))
         return num_blocks * self.layout.bytes_per_block // self.layout.num_kv_heads * heads
 
-    async def pull(self, producers: Sequence[RankCache], remote: list[int], local: list[int],
-                   run_blocking: Any) -> None:
+    async def pull(self, producers: Sequence[RankCache], remote: list[int], local: list[int]
+                   ) -> None:
         """Every rank's reads: the other ranks' handed to them first, rank 0's own read
-        meanwhile, then the others' reports awaited (``run_blocking`` runs the wait off the
-        loop). Returns only once every rank's reads are over, or raises."""
+        meanwhile, then the others' reports awaited (on a thread of its own: the copy
+        threads are the reads'). Returns only once every rank's reads are over, also when
+        cancelled (the engine may reuse the blocks after a failure), or raises."""
         size = self.layout.tensor_parallel_size
         plans = {rank: plan_heads(list(producers), kv_head_range(self.total_heads, rank, size))
                  for rank in range(size)}
@@ -222,8 +229,28 @@ class RankedPulls:
         finally:
             if others:  # waited for even when rank 0 failed: no read may outlive the pull
                 assert self._others is not None
-                await run_blocking(functools.partial(self._others.wait, pull_id, others,
-                                                     RANK_REPORT_TIMEOUT_S))
+                _, cancelled = await _through_cancel(asyncio.to_thread(
+                    self._others.wait, pull_id, others, RANK_REPORT_TIMEOUT_S))
+                if cancelled:
+                    raise asyncio.CancelledError
+
+
+async def _through_cancel(work: Awaitable[T]) -> tuple[T | None, bool]:
+    """``work``'s result, awaited to its end even if this task is cancelled meanwhile
+    (blocking work on a thread goes on anyway: what it writes must not outlive the pull);
+    and whether it was. Cancelled, a failed ``work``'s result is None, its error dropped."""
+    future = asyncio.ensure_future(work)
+    cancelled = False
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError:
+            cancelled = True
+        except Exception:  # noqa: BLE001 - raised below, from the future
+            break
+    if cancelled and (future.cancelled() or future.exception() is not None):
+        return None, True  # its error retrieved: no "never retrieved" noise
+    return future.result(), cancelled
 
 
 def _whole_blocks(layout: KvLayout, first_head: int, source: RankCache, read: HeadRead

@@ -483,7 +483,7 @@ class UcxKvConsumer(KvConsumer):
         if len(connection.ranks) != handle.tensor_parallel_size:
             raise KvTransferError("protocol", f"the producer describes {len(connection.ranks)} "
                                   f"ranks; its handle says {handle.tensor_parallel_size}")
-        await self._ranked.pull(connection.ranks, remote, local, self._runtime.run_copy)
+        await self._ranked.pull(connection.ranks, remote, local)
         try:
             connection.writer.write(ReadConfirm(seq, handle.request_id, remote,
                                                 handle.lease_generation).encode())
