@@ -475,7 +475,7 @@ class UcxKvConsumer(KvConsumer):
         every rank of this replica reads its heads from the producer ranks holding them,
         then the lease is confirmed here, once (one block pool, one lease, every rank)."""
         assert self._ranked is not None
-        if connection.version < 4 or connection.ranks is None or connection.transport != "shm":
+        if connection.ranks is None:  # listed only in version 4, to readers on shm
             raise KvTransferError(
                 "tensor_parallel", f"{handle.host}:{handle.port} offers no per-rank reads "
                 f"(protocol version {connection.version}, transport {connection.transport}): "
