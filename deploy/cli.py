@@ -32,7 +32,7 @@ from services.observability.settings import (
     add_observability_args,
     observability_args,
 )
-from services.replica.engine_flags import add_engine_args, engine_argv
+from services.replica.engine_flags import add_engine_args, engine_argv, positive_int
 from services.suite_tls import SuiteTls
 from tandem.channel_security import TlsConfig
 
@@ -73,6 +73,9 @@ def add_suite_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-tier-weights", type=tier_weights_argument, default=None,
                         metavar="TIER=W,...", help="the gateway's: " + TIER_WEIGHTS_HELP)
     add_engine_args(parser)
+    parser.add_argument("--prefill-tensor-parallel-size", type=positive_int, default=None,
+                        metavar="N", help="the prefill replicas' tensor-parallel ranks, when "
+                        "they differ from --tensor-parallel-size (the KV moves per rank)")
     parser.set_defaults(kv_cache_memory="512MiB")  # per replica: a suite runs several
     add_observability_args(parser)
 
@@ -94,7 +97,9 @@ def suite_config(args: argparse.Namespace) -> SuiteConfig:
         envoy_api_key_file=args.api_key_file,
         cpu_layout=args.cpu_layout, model_settings=model_settings_from_args(args),
         tls_dir=None if args.no_suite_tls else args.tls_dir,
-        engine_args=engine_argv(args, omit={"kv_cache_memory"}),
+        engine_args=engine_argv(args, omit={"kv_cache_memory", "tensor_parallel_size"}),
+        tensor_parallel_size=args.tensor_parallel_size,
+        prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
         process_args=observability_args(ObservabilitySettings.from_args("", args)),
         extra_gateway_args=[] if args.kv_tier_weights is None
         else ["--kv-tier-weights", format_tier_weights(args.kv_tier_weights)],

@@ -80,8 +80,11 @@ class SuiteConfig:
     envoy_admin_port: int | None = None
     # Envoy requires one of the API keys in this file (one per line) on every request.
     envoy_api_key_file: Path | None = None
-    # The engine flags every replica gets (``services.replica.engine_flags.engine_argv``).
+    # The engine flags every replica gets (``services.replica.engine_flags.engine_argv``,
+    # less --tensor-parallel-size, which is per role: the two fields below).
     engine_args: list[str] = field(default_factory=list)
+    tensor_parallel_size: int = 1  # ranks per replica
+    prefill_tensor_parallel_size: int | None = None  # prefill replicas'; None: the above
     # Flags every replica and the gateway get: logging and traces (--log-level, ...).
     process_args: list[str] = field(default_factory=list)
     extra_replica_args: list[str] = field(default_factory=list)  # after engine_args
@@ -115,7 +118,8 @@ def plan_suite(cfg: SuiteConfig) -> Suite:
     omp_threads, cpu_limit = omp_num_threads_from_env(), cgroup_cpu_limit()
     owned = ((omp_threads is None or omp_threads >= len(cpus))
              and (cpu_limit is None or cpu_limit >= len(cpus)))
-    cpu_plan = plan_cpus(cfg.cpu_layout, roles, cpus, owned)
+    cpu_plan = plan_cpus(cfg.cpu_layout, roles, cpus, owned,
+                         [replica_ranks(cfg, role) for role in roles])
     suite = Suite([], {}, cpu_plan.layout)
     replica_targets = _plan_replicas(cfg, roles, model_args, cpu_plan.replica_args, suite)
     if cfg.gateway:
@@ -127,6 +131,14 @@ def plan_suite(cfg: SuiteConfig) -> Suite:
         for spec in suite.specs[len(roles):]:
             spec.cpus = cpu_plan.service_cpus
     return suite
+
+
+def replica_ranks(cfg: SuiteConfig, role: str) -> int:
+    """A replica's tensor-parallel ranks: prefill replicas may differ from the others (P/D
+    across parallel sizes moves the KV per rank, ``kv_transfer.rank_reader``)."""
+    if role == "prefill" and cfg.prefill_tensor_parallel_size is not None:
+        return cfg.prefill_tensor_parallel_size
+    return cfg.tensor_parallel_size
 
 
 def _tls_args(cfg: SuiteConfig) -> list[str]:
@@ -142,12 +154,15 @@ def _plan_replicas(cfg: SuiteConfig, roles: list[str], model_args: list[str],
         name = f"{role}-{i}"
         target = f"{cfg.host}:{port}"
         targets.append(target)
+        ranks = replica_ranks(cfg, role)
+        rank_args = ["--tensor-parallel-size", str(ranks)] if ranks > 1 else []
         suite.specs.append(ProcessSpec(
             name=name,
             argv=[sys.executable, "-m", "services.replica", *model_args, "--role", role,
                   "--host", cfg.host, "--port", str(port), "--metrics-port", str(metrics_port),
                   "--engine-id", name, "--kv-cache-memory", cfg.kv_cache_memory,
-                  *cpu_args[i], *_tls_args(cfg), *cfg.engine_args, *cfg.process_args,
+                  *cpu_args[i], *_tls_args(cfg), *cfg.engine_args, *rank_args,
+                  *cfg.process_args,
                   *cfg.extra_replica_args],
             grpc_target=target, suite_tls=cfg.tls_dir is not None,
             ports=[PortUse(cfg.host, port, f"{name} gRPC (--base-port)"),

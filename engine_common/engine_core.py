@@ -34,6 +34,7 @@ from engine_common.outputs import (
     KvTransferReport,
     RemoteKvUpdate,
 )
+from engine_common.parallel.kv_ranks import parallel_kv
 from engine_common.remote_kv import RemoteKv
 from engine_common.request import Request, RequestStatus, tokens_sampled_elsewhere
 from engine_common.scheduler import ScheduledRequest, Scheduler
@@ -98,7 +99,9 @@ class EngineCore:
             tier_probe=self.kv_tiers.probe if self.kv_tiers is not None else None)
         self.scheduler.num_lora_adapters = len(self.model_runner.lora_adapters)
         self.remote_kv = (
-            RemoteKv(config.kv_transfer, self.model_runner.kv_cache, kv_layout, config.engine_id)
+            RemoteKv(config.kv_transfer, self.model_runner.kv_cache, kv_layout, config.engine_id,
+                     parallel_kv(self.arch.num_kv_heads, config.tensor_parallel_size,
+                                 self.model_runner.store, self.model_runner.workers))
             if config.kv_transfer.role is not None else None)
         self.info = EngineInfo(
             engine_id=config.engine_id,

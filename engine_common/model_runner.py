@@ -22,6 +22,7 @@ import itertools
 import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -89,6 +90,7 @@ class ModelRunner:
         self.config = config
         self.arch = arch
         self.workers: TensorParallelWorkers | None = None
+        self.store: Any = None  # rank 0 of several: the group's TCP store
         self._released: list[str] = []  # finished since the last step: the workers' news
         self.device = torch.device(config.device)
         if parallel is None:
@@ -155,7 +157,9 @@ class ModelRunner:
         check_divisible(arch, size)
         cpus = config.cpus or sorted(os.sched_getaffinity(0))
         store, port = master_store(size)
-        self._store = store  # serves the workers' rendezvous; kept for the group's life
+        # Serves the workers' rendezvous, kept for the group's life; per-rank KV pulls'
+        # reports come back through it too (``parallel.kv_ranks``).
+        self.store = store
         self.workers = TensorParallelWorkers(
             [WorkerSetup(config, eos_token_ids, max_model_len, rank, port,
                          rank_cpus(cpus, rank, size) if self.device.type == "cpu" else None)

@@ -30,9 +30,11 @@ import torch
 
 from engine_common.config import KvTransferConfig
 from engine_common.outputs import ANNOUNCEMENT_LEASE_SEPARATOR, KvTransferReport
+from engine_common.parallel.kv_ranks import ParallelKv
 from engine_common.request import Request, RequestStatus
 from kv_transfer.connector import KvHandle, KvTransferError, TransferResult
 from kv_transfer.layout import KvLayout
+from kv_transfer.rank_reader import RankedPulls, RankReader
 from kv_transfer.ucx_connector import UcxKvConsumer, UcxKvProducer
 
 logger = logging.getLogger(__name__)
@@ -63,7 +65,10 @@ class _Receipt:
 
 class RemoteKv:
     def __init__(self, config: KvTransferConfig, kv_cache: torch.Tensor, layout: KvLayout,
-                 engine_id: str):
+                 engine_id: str, ranks: ParallelKv | None = None):
+        """``ranks``: the replica's tensor-parallel ranks (None: one): a producer offers
+        every rank's cache to readers, a consumer has each rank read its own heads, from
+        producers of any parallel size (``kv_transfer.rank_reader``)."""
         if config.role not in ("producer", "consumer"):
             raise ValueError(f"KV transfer role must be 'producer' or 'consumer', got {config.role!r}")
         if config.transport not in ("auto", "tcp"):
@@ -80,14 +85,23 @@ class RemoteKv:
         self.producer: UcxKvProducer | None = None
         self.consumer: UcxKvConsumer | None = None
         self.address: tuple[str, int] | None = None
+        self._rank_reader: RankReader | None = None
         if config.role == "producer":
             self.producer = UcxKvProducer(
                 kv_cache, self.layout, engine_id, host=config.host, port=config.port,
                 on_release=lambda lease_id, _blocks: self._released.put(lease_id))
             self.address = self.producer.start()
+            if ranks is not None and not kv_cache.is_cuda:
+                self.producer.heads = ranks.heads
+                self.producer.other_ranks = ranks.gather_caches()
         else:
+            ranked = None
+            if ranks is not None and not kv_cache.is_cuda:
+                self._rank_reader = RankReader(kv_cache, layout, ranks.heads[0], config.host)
+                ranked = RankedPulls(layout, ranks.total_heads, self._rank_reader,
+                                     ranks.channel())
             self.consumer = UcxKvConsumer(kv_cache, self.layout, host=config.host,
-                                          transport=config.transport)
+                                          transport=config.transport, ranked=ranked)
 
     # ------------------------------------------------------------------ producer
     def pin(self, request: Request, block_ids: list[int]) -> KvHandle:
@@ -268,3 +282,5 @@ class RemoteKv:
             self.producer.close()
         if self.consumer is not None:
             self.consumer.close()
+        if self._rank_reader is not None:
+            self._rank_reader.close()

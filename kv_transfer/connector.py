@@ -26,7 +26,7 @@ TransferFailure = Literal[
     "unreachable",  # no connection to the producer, or it dropped mid-transfer
     "timeout",  # the pull did not finish within its timeout
     "layout_mismatch",  # the two sides' KvLayout fingerprints differ
-    "tensor_parallel",  # a side has several ranks: per-rank pulls are not built yet
+    "tensor_parallel",  # a side has several ranks and per-rank pulls cannot serve the pairing
     "unknown_request",  # the producer holds no lease for the request (never pinned, or released)
     "lease_expired",  # the lease ran out before the pull
     "protocol",  # a malformed or unexpected message

@@ -12,8 +12,8 @@ V, are one contiguous stretch of ``bytes_per_block``, and so are a run of consec
 blocks'. ``num_blocks`` is deliberately left out: replicas with different cache sizes can
 exchange blocks. Under tensor parallelism the cache is one rank's (``num_kv_heads`` is the
 heads per rank) and ``tensor_parallel_size`` says how many ranks the replica has: the
-handshake carries both, and a connector that moves blocks between single-rank replicas only
-refuses any other pairing (``check_pairing``).
+handshake carries both, and a pull where either side has several ranks moves each rank's
+heads (``rank_layout``, ``rank_reader``).
 
 Fingerprint versions: 1 was the layer-major cache ``[num_layers, 2, num_blocks,
 block_size, num_kv_heads, head_size]``; 2 is the block-major, head-major one. Both sides
@@ -130,17 +130,3 @@ class KvLayout:
             raise ValueError(f"cache of layout {expected} does not match {self}")
         if not kv_cache.is_contiguous():
             raise ValueError("the KV cache tensor must be contiguous")
-
-
-def check_pairing(producer_ranks: int, consumer: KvLayout) -> str | None:
-    """Why a consumer of layout ``consumer`` cannot pull from a producer replica of
-    ``producer_ranks`` ranks (None: it can). The connector moves a block as one rank's
-    bytes: a tensor-parallel replica's KV heads are spread over its ranks' caches, and
-    per-rank pulls (each decode rank pulling the heads it owns from the prefill ranks that
-    hold them) are not built yet, so any pairing with more than one rank on a side is
-    refused; the consumer recomputes the prompt (fallback reason ``tensor_parallel``)."""
-    if producer_ranks == 1 and consumer.tensor_parallel_size == 1:
-        return None
-    return (f"the prefill replica has {producer_ranks} tensor-parallel rank(s), this one "
-            f"{consumer.tensor_parallel_size} ({consumer.num_kv_heads} KV heads each): KV moves "
-            "only between single-rank replicas yet")

@@ -29,8 +29,9 @@ from typing import Any, Literal
 from kv_transfer.connector import KvTransferError
 from kv_transfer.layout import KvLayout
 
-# "read": a direct plan that the consumer reads itself (ucx_rma), as pulls report it.
-Mode = Literal["direct", "staged", "read"]
+# "read": a direct plan that the consumer reads itself (ucx_rma), as pulls report it;
+# "ranks": every tensor-parallel rank read its own heads (rank_reader).
+Mode = Literal["direct", "staged", "read", "ranks"]
 
 # A pull goes direct when its messages average at least this many bytes (see the module
 # docstring; the crossover measured by bench/kv_transfer_bandwidth.py).

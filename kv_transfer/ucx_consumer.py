@@ -25,8 +25,10 @@ import torch
 
 from kv_transfer.block_copy import BlockCopier, StagingBuffer
 from kv_transfer.connector import KvConsumer, KvHandle, KvTransferError, TransferResult
-from kv_transfer.layout import KvLayout, check_pairing
+from kv_transfer.layout import KvLayout
 from kv_transfer.local_addresses import check_bind_address, is_local_address, is_loopback
+from kv_transfer.rank_layout import RankCache
+from kv_transfer.rank_reader import RankedPulls, refusal
 from kv_transfer.transfer_plan import (
     DEFAULT_CHUNK_BYTES,
     DIRECT_MIN_MESSAGE_BYTES,
@@ -91,6 +93,7 @@ class _Connection:
     readable: ReadableCache | None = None  # the producer's cache, when we read it ourselves
     rkey: RemoteKey | None = None  # readable's key, unpacked on this endpoint
     version: int = PROTOCOL_VERSION  # of the protocol spoken on this connection
+    ranks: tuple[RankCache, ...] | None = None  # the producer's ranks, for per-rank pulls
     seq: int = 0
 
     def broken(self) -> bool:
@@ -148,6 +151,7 @@ class UcxKvConsumer(KvConsumer):
         direct_min_message_bytes: int = DIRECT_MIN_MESSAGE_BYTES,
         remote_read: bool = True,
         protocol_version: int = PROTOCOL_VERSION,
+        ranked: RankedPulls | None = None,
     ):
         if protocol_version not in SUPPORTED_VERSIONS:
             raise ValueError(f"KV protocol version must be one of {SUPPORTED_VERSIONS}")
@@ -166,6 +170,9 @@ class UcxKvConsumer(KvConsumer):
         self._remote_read = remote_read and not kv_cache.is_cuda
         self._reader = Reader()
         self._protocol_version = protocol_version
+        # Pulls where either side has several tensor-parallel ranks (``rank_reader``);
+        # None: only single-rank pairings are served.
+        self._ranked = ranked
         # Connections that had to fall back to the previous protocol version (a producer not
         # upgraded yet); each is logged with its reason.
         self.num_downgrades = 0
@@ -192,12 +199,12 @@ class UcxKvConsumer(KvConsumer):
         num_blocks = self._kv_cache.shape[0]
         if any(not 0 <= b < num_blocks for b in local) or len(set(local)) != len(local):
             raise ValueError(f"local block ids must be distinct and in [0, {num_blocks})")
-        refusal = check_pairing(handle.tensor_parallel_size, self._layout)
-        if refusal is not None:
+        refused_because = refusal(handle, self._ranked, self._transport, self._kv_cache.is_cuda)
+        if refused_because is not None:
             refused: Future[TransferResult] = Future()
-            refused.set_exception(KvTransferError("tensor_parallel", refusal))
+            refused.set_exception(KvTransferError("tensor_parallel", refused_because))
             return refused
-        if handle.layout_fingerprint != self._fingerprint:
+        if handle.layout_fingerprint != self._expected_fingerprint(handle):
             failed: Future[TransferResult] = Future()
             failed.set_exception(
                 KvTransferError("layout_mismatch",
@@ -205,6 +212,13 @@ class UcxKvConsumer(KvConsumer):
             )
             return failed
         return self._runtime.submit(self._pull(handle, remote, local, timeout))
+
+    def _expected_fingerprint(self, handle: KvHandle) -> str:
+        """The producer layout's fingerprint a pull of ``handle`` can read: ours, or for a
+        per-rank pull that of a producer of the handle's parallel size."""
+        if self._ranked is not None and self._ranked.needed(handle):
+            return self._ranked.producer_fingerprint(handle.tensor_parallel_size)
+        return self._fingerprint
 
     @property
     def num_connections(self) -> int:
@@ -231,8 +245,11 @@ class UcxKvConsumer(KvConsumer):
             raise KvTransferError(
                 "timeout", f"pull from {handle.host}:{handle.port} exceeded {timeout}s"
             ) from None
-        return TransferResult(len(local), len(local) * self._layout.bytes_per_block,
-                              time.perf_counter() - started, transport, plan.mode)
+        nbytes = (self._ranked.nbytes_read(len(local))
+                   if plan.mode == "ranks" and self._ranked is not None
+                   else len(local) * self._layout.bytes_per_block)
+        return TransferResult(len(local), nbytes, time.perf_counter() - started, transport,
+                              plan.mode)
 
     async def _pull_from_peer(self, handle: KvHandle, remote: list[int], local: list[int]
                               ) -> tuple[str, TransferPlan]:
@@ -332,7 +349,7 @@ class UcxKvConsumer(KvConsumer):
                 "unreachable", f"{host}:{port}: {_describe(exc)} (this replica's KV address "
                 f"is {self.host}){_loopback_hint(host)}") from None
         return _Connection(reader, writer, endpoint, welcome.engine_id, connection_id,
-                           transport_label(lanes), lanes, readable, rkey, version)
+                           transport_label(lanes), lanes, readable, rkey, version, welcome.ranks)
 
     async def _until_wired(self, endpoint: Any, connection_id: int) -> None:
         """A reader over TCP: a small message to the producer and a rendezvous-sized one
@@ -356,7 +373,7 @@ class UcxKvConsumer(KvConsumer):
             raise KvTransferError(
                 "unreachable", f"{handle.host}:{handle.port} is KV engine {welcome.engine_id!r}, "
                 f"not {handle.engine_id!r}{_loopback_hint(handle.host)}")
-        if welcome.version >= 4 and welcome.fingerprint != self._fingerprint:
+        if welcome.version >= 4 and welcome.fingerprint != self._expected_fingerprint(handle):
             raise KvTransferError("layout_mismatch",
                                   self._layout.mismatch(welcome.fingerprint, "producer"))
 
@@ -373,6 +390,13 @@ class UcxKvConsumer(KvConsumer):
         connection = peer.connection
         assert connection is not None
         seq = connection.next_seq()
+        if self._ranked is not None and self._ranked.needed(handle):
+            try:
+                await self._read_ranks(connection, seq, handle, remote, local)
+            except BaseException:
+                self._drop(peer)
+                raise
+            return TransferPlan("ranks")
         plan = plan_transfer(self._layout, remote, local, self._chunk_bytes,
                              self._direct_min_message_bytes)
         if plan.mode == "direct" and connection.rkey is not None:
@@ -441,6 +465,33 @@ class UcxKvConsumer(KvConsumer):
         status = TransferStatus.decode(await read_frame(connection.reader, "status"))
         status.raise_for_failure()
         nbytes = len(local) * self._layout.bytes_per_block
+        if status.nbytes != nbytes:
+            raise KvTransferError("protocol", f"producer confirmed {status.nbytes} bytes; "
+                                  f"expected {nbytes}")
+
+    async def _read_ranks(self, connection: _Connection, seq: int, handle: KvHandle,
+                          remote: list[int], local: list[int]) -> None:
+        """A pull where either side has several tensor-parallel ranks (``rank_reader``):
+        every rank of this replica reads its heads from the producer ranks holding them,
+        then the lease is confirmed here, once (one block pool, one lease, every rank)."""
+        assert self._ranked is not None
+        if connection.ranks is None:  # listed only in version 4, to readers on shm
+            raise KvTransferError(
+                "tensor_parallel", f"{handle.host}:{handle.port} offers no per-rank reads "
+                f"(protocol version {connection.version}, transport {connection.transport}): "
+                "per-rank pulls need version 4, host memory and shared memory")
+        if len(connection.ranks) != handle.tensor_parallel_size:
+            raise KvTransferError("protocol", f"the producer describes {len(connection.ranks)} "
+                                  f"ranks; its handle says {handle.tensor_parallel_size}")
+        await self._ranked.pull(connection.ranks, remote, local)
+        try:
+            connection.writer.write(ReadConfirm(seq, handle.request_id, remote,
+                                                handle.lease_generation).encode())
+        except (ConnectionError, OSError) as exc:
+            raise KvTransferError("unreachable", f"the producer went away: {exc!r}") from None
+        status = TransferStatus.decode(await read_frame(connection.reader, "status"))
+        status.raise_for_failure()
+        nbytes = self._ranked.nbytes(len(local), handle.tensor_parallel_size)
         if status.nbytes != nbytes:
             raise KvTransferError("protocol", f"producer confirmed {status.nbytes} bytes; "
                                   f"expected {nbytes}")

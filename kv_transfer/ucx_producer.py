@@ -27,6 +27,7 @@ from kv_transfer.connector import (
 from kv_transfer.layout import KvLayout
 from kv_transfer.leases import Lease, LeaseTable
 from kv_transfer.local_addresses import check_bind_address, is_local_address
+from kv_transfer.rank_layout import RankCache
 from kv_transfer.transfer_plan import TransferPlan
 from kv_transfer.ucx_io import (
     Posted,
@@ -108,6 +109,11 @@ class UcxKvProducer(KvProducer):
         self._server: asyncio.Server | None = None
         self._served: set[asyncio.Task[Any]] = set()
         self._mapped: MappedMemory | None = None  # the cache, for consumers' reads
+        # Tensor parallelism: this rank's KV heads (first, count) and the other ranks'
+        # caches (mapped by their own processes), offered to readers on shared memory so
+        # that each consumer rank reads its heads itself (``rank_reader``).
+        self.heads = (0, layout.num_kv_heads)
+        self.other_ranks: list[RankCache] = []
 
     # -- engine-facing, any thread --------------------------------------------------
 
@@ -198,6 +204,16 @@ class UcxKvProducer(KvProducer):
             return None
         return ReadableCache(self._mapped.rkey, self._mapped.address, self._kv_cache.shape[0])
 
+    def _rank_caches(self, readable: ReadableCache | None, kind: TransportKind
+                     ) -> tuple[RankCache, ...] | None:
+        """Every rank's cache (this one first), to a reader on shared memory: per-rank
+        pulls read each rank's memory by cma (``rank_reader``)."""
+        if readable is None or kind != "shm" or self._runtime is None:
+            return None
+        own = RankCache(0, self.heads[0], self.heads[1], self._runtime.worker_address("shm"),
+                        readable.rkey, readable.address, readable.num_blocks)
+        return (own, *self.other_ranks)
+
     async def _listen(self) -> int:
         self._server = await asyncio.start_server(
             self._serve_connection, host=self.host, port=self.port, reuse_address=True)
@@ -228,7 +244,8 @@ class UcxKvProducer(KvProducer):
             endpoint = await open_endpoint(hello.addresses[kind])
             readable = self._readable(hello, kind)
             writer.write(Welcome(self.engine_id, kind, self._runtime.worker_address(kind),
-                                 readable, self._fingerprint, hello.version).encode())
+                                 readable, self._fingerprint, hello.version,
+                                 self._rank_caches(readable, kind)).encode())
             await writer.drain()
             if readable is not None and kind == "tcp":
                 await _wire_up(endpoint, hello.connection_id)

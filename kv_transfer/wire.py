@@ -39,6 +39,7 @@ from typing import Any, Literal
 import torch
 
 from kv_transfer.connector import TRANSFER_FAILURES, KvTransferError
+from kv_transfer.rank_layout import RankCache
 
 PROTOCOL_VERSION = 4
 PREVIOUS_VERSION = 3
@@ -189,13 +190,18 @@ class Welcome:
     readable: ReadableCache | None = None
     fingerprint: str = ""  # version 4: the producer's KvLayout fingerprint, once per peer
     version: int = PROTOCOL_VERSION
+    # Version 4, to a reader on shared memory: every rank's cache, for per-rank pulls
+    # (``rank_reader``); an older producer leaves it out.
+    ranks: tuple[RankCache, ...] | None = None
 
     def encode(self) -> bytes:
-        message = {"welcome": self.engine_id, "transport": self.transport,
-                   "address": base64.b64encode(self.address).decode(),
-                   "readable": self.readable and self.readable.to_wire()}
+        message: dict[str, Any] = {"welcome": self.engine_id, "transport": self.transport,
+                                   "address": base64.b64encode(self.address).decode(),
+                                   "readable": self.readable and self.readable.to_wire()}
         if self.version >= 4:
             message["fingerprint"] = self.fingerprint
+            if self.ranks is not None:
+                message["ranks"] = [rank.to_wire() for rank in self.ranks]
         return encode_frame(message, self.version)
 
     @classmethod
@@ -206,9 +212,13 @@ class Welcome:
             raise KvTransferError("protocol", f"{what}: bad transport")
         version = int(message["v"])
         fingerprint = _field(message, "fingerprint", str, what) if version >= 4 else ""
+        ranks = message.get("ranks") if version >= 4 else None
+        if ranks is not None and (not isinstance(ranks, list) or not 1 <= len(ranks) <= 64):
+            raise KvTransferError("protocol", f"{what}: bad ranks")
         return cls(_field(message, "welcome", str, what), transport,
                    _address(message.get("address"), what),
-                   ReadableCache.from_wire(message.get("readable"), what), fingerprint, version)
+                   ReadableCache.from_wire(message.get("readable"), what), fingerprint, version,
+                   None if ranks is None else tuple(RankCache.from_wire(r) for r in ranks))
 
 
 @dataclass(frozen=True)

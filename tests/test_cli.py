@@ -9,6 +9,7 @@ replica and the gateway really run; the errors by running the real command.
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import subprocess
 import sys
@@ -27,6 +28,8 @@ from services.frontend.served_model import ServedModel
 from services.replica.engine_flags import engine_argv
 from services.replica.main import build_parser as replica_parser
 from services.replica.main import options_from_args as replica_options
+from services.replica.main import resolve_engine_cpus
+from services.replica.options import ReplicaOptions
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,6 +87,25 @@ def test_every_replica_gets_up_s_engine_flags(tiny_llama_dir) -> None:
         for name in ("max_waiting", "max_stored_responses", "shutdown_grace_s",
                      "max_pinned_fraction"):
             assert getattr(options, name) == getattr(expected, name), name
+
+
+def test_up_gives_prefill_replicas_their_own_parallel_size(tiny_llama_dir) -> None:
+    """``--prefill-tensor-parallel-size`` (as ``tandem render k8s`` has): P/D across parallel
+    sizes moves the KV per rank. An engine core of several ranks that shares its replica's
+    CPUs is handed them all, so that its ranks split them (rank 0 its first share)."""
+    replicas, _ = up_argvs("--model", str(tiny_llama_dir), "--device", "cpu",
+                           "--tensor-parallel-size", "2", "--prefill-tensor-parallel-size", "1",
+                           "--cpu-layout", "shared")
+    def options(argv: list[str]) -> ReplicaOptions:  # as ``main`` resolves --engine-cpus
+        args = replica_parser().parse_args(argv)
+        args.engine_cpus = resolve_engine_cpus(args)
+        return replica_options(args)
+    prefill, decode = (options(argv) for argv in replicas)
+    assert (prefill.engine.tensor_parallel_size, decode.engine.tensor_parallel_size) == (1, 2)
+    assert "--tensor-parallel-size" not in replicas[0]
+    assert decode.engine.cpus is not None and prefill.engine.cpus is None
+    shared = options([*replicas[1], "--engine-cpus", "none"])
+    assert shared.engine.cpus == sorted(os.sched_getaffinity(0))
 
 
 def test_up_passes_only_what_differs_and_its_own_kv_budget(tiny_llama_dir) -> None:

@@ -20,6 +20,7 @@ import torch
 
 from deploy.cpu_layout import CpuPlan, plan_cpus, split_cpus
 from deploy.suite_plan import SuiteConfig, plan_suite
+from engine_common.model_runner import rank_cpus
 from services.replica.cpu_binding import (
     cgroup_cpu_limit,
     default_engine_cpus,
@@ -91,6 +92,29 @@ def test_by_role_gives_decode_engines_cpus_of_their_own():
     # keeps one for its API server.
     assert plan_cpus("auto", ["both"], [0, 1], True) == CpuPlan(
         [["--cpus", "0,1", "--engine-cpus", "1"]], [0], "by-role")
+
+
+def test_tensor_parallel_ranks_get_a_cpu_each_where_the_host_has_them():
+    """A TP replica's ranks each take a contiguous part of its engine's CPUs
+    (``rank_cpus``); by-role splits the decoding engines' CPUs by rank count, and where a
+    share is smaller than the ranks, the engine spreads over the replica's CPUs instead of
+    time-slicing its ranks on one."""
+    # 2 cores, 1 prefill and a TP=2 decode: auto does not squeeze 2 ranks beside the
+    # prefill's CPU; by-role asked for gives the ranks both CPUs (rank 0 beside the
+    # frontends on CPU 0, rank 1 alone on CPU 1).
+    assert plan_cpus("auto", ["prefill", "decode"], [0, 1], True, [1, 2]).layout == "shared"
+    assert plan_cpus("by-role", ["prefill", "decode"], [0, 1], True, [1, 2]) == CpuPlan(
+        [["--cpus", "0"], ["--cpus", "0,1", "--engine-cpus", "none"]], [0], "by-role")
+    assert [rank_cpus([0, 1], rank, 2) for rank in range(2)] == [[0], [1]]
+    assert rank_cpus([1], 0, 2) is None  # fewer CPUs than ranks: unpinned, time-sliced
+    # The replica's own default (shared layout, `tandem serve`): engine CPUs apart only
+    # when each rank gets one.
+    assert default_engine_cpus("decode", "cpu", [0, 1], None, None, ranks=2) is None
+    assert default_engine_cpus("decode", "cpu", [0, 1, 2], None, None, ranks=2) == [1, 2]
+    # 8 CPUs: the TP=2 decode engine gets two thirds of the decode engines' half.
+    plan = plan_cpus("auto", ["prefill", "decode", "decode"], list(range(8)), True, [2, 2, 1])
+    assert plan.replica_args[1:] == [["--cpus", "0,1,2,3,4,5,6", "--engine-cpus", "4,5,6"],
+                                     ["--cpus", "0,1,2,3,7", "--engine-cpus", "7"]]
 
 
 def test_auto_pins_nothing_it_cannot_own_or_split():

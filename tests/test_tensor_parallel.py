@@ -3,8 +3,10 @@ Hugging Face float32 token for token, on a dense model (Llama: GQA, 4 query head
 heads, biases on every projection, rank 0 holding the row-parallel ones) and a
 mixture-of-experts one (GPT-OSS: experts split within each expert, per-head sinks split,
 sliding-window layers), with chunked prefill, the prefix cache, prompt logprobs and seeded
-sampling equal to one rank's; a Qwen2 whose 3 KV heads split 2 and 1; P/D between a TP=2
-prefill core and a TP=1 decode core (refused clearly, recomputed exactly). A killed worker
+sampling equal to one rank's; a Qwen2 whose 3 KV heads split 2 and 1; P/D between cores
+of different parallel sizes, TP=2 to TP=1 and TP=1 to TP=2, the KV pulled per rank (each
+decode rank reading its heads from the prefill ranks holding them) and decoded exactly,
+and a pairing per-rank pulls cannot serve refused with its reason. A killed worker
 is tested on a real replica (``test_replica_lifecycle``). The row-parallel all-reduce adds
 the ranks' partial sums in another order than one matmul does; on these random float32
 models no greedy choice is close enough for that to matter (checked here, not assumed).
@@ -21,15 +23,18 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine_common.config import CacheConfig, EngineConfig, KvTransferConfig, SchedulerConfig
 from engine_common.engine_core import EngineCore
 from engine_common.generation_request import GenerationRequest
 from engine_common.llm import LLM
+from engine_common.metrics import EngineMetrics
 from engine_common.model.arch_config import ModelArchConfig
 from engine_common.outputs import (
     EngineCoreOutput,
     EngineCoreRequest,
+    KvTransferReport,
     RemotePrefill,
 )
 from engine_common.parallel.sharding import (
@@ -39,7 +44,12 @@ from engine_common.parallel.sharding import (
     rank_arch,
 )
 from engine_common.sampling_params import SamplingParams
-from kv_transfer.layout import KvLayout, check_pairing
+from kv_transfer.connector import KvHandle, KvTransferError
+from kv_transfer.layout import KvLayout
+from kv_transfer.rank_layout import HeadRead, RankCache, head_reads, plan_heads
+from kv_transfer.rank_layout import kv_head_range as split_heads
+from kv_transfer.rank_reader import RankedPulls, RankReader, refusal
+from kv_transfer.ucx_connector import UcxKvConsumer
 from tests.hf_reference import hf_greedy, random_prompts
 from tests.model_factory import build_tiny_model
 from tests.moe_factory import build_tiny_moe_model
@@ -147,11 +157,12 @@ def test_a_size_the_heads_do_not_divide_is_refused(tiny_llama_dir: Path):
         check_divisible(arch, 3)
 
 
-def _pd_core(model_dir: Path, role: str, tp: int) -> EngineCore:
+def _pd_core(model_dir: Path, role: str, tp: int, transport: str = "auto") -> EngineCore:
     return EngineCore(EngineConfig(
-        model=str(model_dir), dtype="float32", engine_id=f"{role}-tp{tp}",
+        model=str(model_dir), dtype="float32", engine_id=f"{role}-tp{tp}-{transport}",
         tensor_parallel_size=tp, cache=CacheConfig(block_size=4, num_gpu_blocks_override=64),
-        kv_transfer=KvTransferConfig(role=role, pull_timeout_seconds=5.0)))
+        kv_transfer=KvTransferConfig(role=role, transport=transport,
+                                     pull_timeout_seconds=30.0)))
 
 
 def _run(core: EngineCore, request: EngineCoreRequest) -> list[EngineCoreOutput]:
@@ -166,47 +177,109 @@ def _run(core: EngineCore, request: EngineCoreRequest) -> list[EngineCoreOutput]
     return outputs
 
 
-def test_the_pairing_check_refuses_several_ranks_on_either_side() -> None:
-    layout = KvLayout("m", "float32", num_layers=2, num_kv_heads=1, head_size=16, block_size=4)
-    assert check_pairing(1, layout) is None
-    assert "prefill replica has 2 tensor-parallel rank(s), this one 1" in (
-        check_pairing(2, layout) or "")
-    two = replace(layout, tensor_parallel_size=2)
-    assert "this one 2 (1 KV heads each)" in (check_pairing(1, two) or "")
-    # One rank keeps the fingerprint it had; ranks are part of it otherwise.
-    assert layout.fingerprint() != two.fingerprint()
+def test_per_rank_reads_follow_each_sides_heads() -> None:
+    """The plan: each consumer rank's heads from the producer rank holding them (uneven
+    splits, replicated heads read once), strided per (block, layer, K/V) unless both sides
+    hold the same heads (then one read per run of blocks, as a single-rank pull)."""
+    def cache(rank: int, first: int, count: int, base: int) -> RankCache:
+        return RankCache(rank, first, count, b"", b"", base, 64)
+    uneven = [cache(0, 0, 2, 0), cache(1, 2, 1, 10**6)]  # 3 KV heads over 2 ranks
+    assert plan_heads(uneven, (0, 3)) == [HeadRead(0, 0, 2), HeadRead(1, 2, 1)]
+    assert plan_heads(uneven, split_heads(3, 1, 2)) == [HeadRead(1, 2, 1)]
+    replicated = [cache(0, 0, 1, 0), cache(1, 0, 1, 0)]  # 1 KV head over 2 ranks
+    assert plan_heads(replicated, (0, 1)) == [HeadRead(0, 0, 1)]
+    assert [split_heads(1, r, 2) for r in range(2)] == [(0, 1), (0, 1)]
+    one = KvLayout("m", "float32", num_layers=2, num_kv_heads=3, head_size=4, block_size=2)
+    head = 2 * 4 * 4  # block_size x head_size x 4 bytes
+    reads = head_reads(one, 0, 0, uneven[1], HeadRead(1, 2, 1), [5, 6], [1, 2])
+    # Rank 1's head 2 into the single cache's third head: 2 blocks x 2 layers x K/V, each
+    # strided by that side's heads (rank 1: 1 head a group; the single cache: 3).
+    assert reads[0] == (1 * 4 * 3 * head + 2 * head, head, 10**6 + 5 * 4 * head)
+    assert len(reads) == 8 and reads[1][0] - reads[0][0] == 3 * head
+    same = head_reads(one, 0, 0, cache(0, 0, 3, 0), HeadRead(0, 0, 3), [5, 6], [1, 2])
+    assert same == [(1 * 4 * 3 * head, 2 * 4 * 3 * head, 5 * 4 * 3 * head)]
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1)])
-def test_pd_across_parallel_sizes_is_refused_clearly_and_recomputed_exactly(
-        tiny_llama_dir: Path, prefill_tp: int, decode_tp: int):
-    """TP=2 prefill feeding TP=1 decode: the handle carries the producer's rank count, the
-    consumer refuses the pairing with the reason ``tensor_parallel`` (no byte moves:
-    per-rank pulls are not built yet) and computes the prompt itself; the output is Hugging
-    Face's. The reverse (TP=1 to TP=2) takes the same path (``check_pairing`` above; it
-    passed through engines too, before the suite was trimmed), and a TP decode replica's
-    frontend does not even ask a prefill replica (``LocalEngine``)."""
-    prompt = _prompts(tiny_llama_dir)[1]  # 17 tokens: 4 full blocks and a partial one
-    expected = hf_greedy(tiny_llama_dir, [prompt], MAX_TOKENS)[0]
-    p, d = _pd_core(tiny_llama_dir, "producer", prefill_tp), _pd_core(tiny_llama_dir, "consumer",
-                                                                    decode_tp)
+def _pd_request(tiny_llama_dir: Path, p: EngineCore, d: EngineCore, request_id: str,
+                prompt: list[int]) -> tuple[list[int], KvTransferReport]:
+    one = replace(GREEDY, max_tokens=1, min_tokens=1)
+    done = _run(p, EngineCoreRequest(request_id, GenerationRequest(prompt, one),
+                                     time.monotonic(), hold_kv=True))
+    final = next(o for o in done if o.finished)
+    handle, first = final.kv_handle, final.new_token_ids[0]
+    assert handle is not None and handle.tensor_parallel_size == p.config.tensor_parallel_size
+    outputs = _run(d, EngineCoreRequest(request_id, GenerationRequest(prompt, GREEDY),
+                                        time.monotonic(),
+                                        remote_prefill=RemotePrefill(handle, first)))
+    report = next(o.kv_transfer for o in outputs if o.kv_transfer is not None)
+    p.release_kv([request_id])
+    return [first] + [t for o in outputs for t in o.new_token_ids], report
+
+
+def test_pd_across_parallel_sizes_pulls_per_rank_and_equals_hf(tiny_llama_dir: Path):
+    """TP=2 prefill feeding TP=1 decode, TP=1 prefill feeding TP=2 decode, and TP=2 to
+    TP=2: each decode rank reads the KV heads it owns from the prefill rank(s) holding them (the report says
+    every block was pulled, by ranks, none recomputed), and the output is Hugging Face's.
+    The tiny Llama's 2 KV heads: one per rank at TP=2, both in the single rank's cache. A
+    decode core kept on TCP cannot read per rank: refused (``tensor_parallel``, counted by
+    the engine's metrics), recomputed, still exact."""
+    # 17 tokens (4 full blocks and a partial one); 33 for the TP=2 decode core's second
+    # pull (another prompt: no prefix hits there).
+    short, long = _prompts(tiny_llama_dir)[1:3]
+    expected = dict(zip(("short", "long"), hf_greedy(tiny_llama_dir, [short, long], MAX_TOKENS),
+                        strict=True))
+    cores = {(role, tp, transport): _pd_core(tiny_llama_dir, role, tp, transport)
+             for role, tp, transport in (("producer", 2, "auto"), ("consumer", 1, "auto"),
+                                         ("producer", 1, "auto"), ("consumer", 2, "auto"),
+                                         ("consumer", 1, "tcp"))}
     try:
-        one = replace(GREEDY, max_tokens=1, min_tokens=1)
-        done = _run(p, EngineCoreRequest("r", GenerationRequest(prompt, one), time.monotonic(),
-                                         hold_kv=True))
-        final = next(o for o in done if o.finished)
-        handle, first = final.kv_handle, final.new_token_ids[0]
-        assert handle is not None and handle.tensor_parallel_size == prefill_tp
-        assert p.info.kv_layout.tensor_parallel_size == prefill_tp
-        outputs = _run(d, EngineCoreRequest("r", GenerationRequest(prompt, GREEDY),
-                                            time.monotonic(),
-                                            remote_prefill=RemotePrefill(handle, first)))
-        report = next(o.kv_transfer for o in outputs if o.kv_transfer is not None)
+        # (2, 2): both sides hold the same heads, read straight into the caches.
+        for prefill_tp, decode_tp, name in ((2, 1, "short"), (1, 2, "short"), (2, 2, "long")):
+            p, d = cores["producer", prefill_tp, "auto"], cores["consumer", decode_tp, "auto"]
+            prompt = short if name == "short" else long
+            tokens, report = _pd_request(tiny_llama_dir, p, d, f"r{prefill_tp}{decode_tp}",
+                                         prompt)
+            blocks = -(-len(prompt) // 4)
+            assert report.fallback_reason is None, (prefill_tp, decode_tp, report)
+            assert report.blocks_pulled == blocks and report.transport == "shm", report
+            # Bytes of the decode side's cache: the whole prompt's KV arrived.
+            assert report.num_bytes == blocks * d.info.kv_layout.bytes_per_block * decode_tp
+            assert tokens == expected[name], (prefill_tp, decode_tp)
+        tokens, report = _pd_request(tiny_llama_dir, cores["producer", 2, "auto"],
+                                     cores["consumer", 1, "tcp"], "tcp", short)
         assert report.fallback_reason == "tensor_parallel" and report.blocks_pulled == 0
-        assert [first] + [t for o in outputs for t in o.new_token_ids] == expected
-        p.release_kv(["r"])
+        assert tokens == expected["short"]
+        metrics = EngineMetrics("tiny", "d")
+        metrics.record_kv_transfer(report)
+        assert metrics.registry.get_sample_value("tandem:kv_transfer_failures_total", {
+            "model_name": "tiny", "engine": "d", "reason": "tensor_parallel"}) == 1
     finally:
-        for core in (p, d):
+        for core in cores.values():
             assert core.remote_kv is not None
             core.remote_kv.close()
             core.close()
+
+
+def test_a_pairing_per_rank_pulls_cannot_serve_is_refused_with_its_reason() -> None:
+    """Per-rank pulls read shared memory: a consumer kept on TCP refuses a TP=2 producer's
+    handle at once (reason ``tensor_parallel``, which the engine counts and recomputes)."""
+    layout = KvLayout("m", "float32", num_layers=2, num_kv_heads=1, head_size=16, block_size=4)
+    handle = KvHandle("p", "127.0.0.1", 1, "r", (0,), 4, time.time() + 30,
+                      replace(layout, tensor_parallel_size=2).fingerprint(), 2)
+    # One rank keeps the fingerprint it had; ranks are part of it otherwise.
+    assert layout.fingerprint() != replace(layout, tensor_parallel_size=2).fingerprint()
+    cache = torch.zeros(8, 2, 2, 2, 4, 16)
+    two = replace(layout, num_kv_heads=2)
+    ranked = RankedPulls(two, 2, RankReader(cache, two, 0, "127.0.0.1"), None)
+    assert refusal(handle, ranked, "tcp", cuda=False) == (
+        "per-rank KV pulls need shared memory (same host); --kv-transport tcp forbids it")
+    assert "GPU" in (refusal(handle, ranked, "auto", cuda=True) or "")
+    assert refusal(handle, ranked, "auto", cuda=False) is None
+    assert "pulls only single-rank caches" in (refusal(handle, None, "auto", False) or "")
+    consumer = UcxKvConsumer(cache, two, transport="tcp", ranked=ranked)
+    try:
+        with pytest.raises(KvTransferError) as refused:
+            consumer.pull(handle, [0], [0], timeout=5).result(5)
+        assert refused.value.reason == "tensor_parallel"
+    finally:
+        consumer.close()

@@ -39,6 +39,7 @@ from dataclasses import replace
 import torch
 
 from engine_common.model.arch_config import ModelArchConfig
+from kv_transfer.rank_layout import kv_head_range as rank_kv_heads
 
 
 def check_divisible(arch: ModelArchConfig, size: int) -> None:
@@ -62,12 +63,9 @@ def check_divisible(arch: ModelArchConfig, size: int) -> None:
 
 def kv_head_range(arch: ModelArchConfig, rank: int, size: int) -> tuple[int, int]:
     """(first KV head, count) in rank ``rank``'s cache: whole groups, as even as they go
-    (the first ``KV % N`` ranks one more); one replicated head when ranks outnumber them."""
-    kv = arch.num_kv_heads
-    if kv < size:
-        return rank * kv // size, 1
-    per_rank, extra = divmod(kv, size)
-    return rank * per_rank + min(rank, extra), per_rank + (rank < extra)
+    (the first ``KV % N`` ranks one more); one replicated head when ranks outnumber them.
+    The split is ``kv_transfer.rank_layout``'s, which per-rank KV pulls read by."""
+    return rank_kv_heads(arch.num_kv_heads, rank, size)
 
 
 def q_head_range(arch: ModelArchConfig, rank: int, size: int) -> tuple[int, int]:

@@ -41,7 +41,9 @@ def main() -> None:
     from engine_common.model.arch_config import ModelArchConfig
     from engine_common.model_runner import ModelRunner
     from engine_common.parallel.group import join_group
+    from engine_common.parallel.kv_ranks import worker_kv
     from engine_common.parallel.step_message import StepMessage, WorkerSetup
+    from kv_transfer.rank_reader import RankPull
 
     setup = read_message(stdin)
     assert isinstance(setup, WorkerSetup)
@@ -60,8 +62,15 @@ def main() -> None:
     arch = ModelArchConfig.from_model_dir(config.model)
     runner = ModelRunner(config, arch, setup.eos_token_ids, setup.max_model_len,
                          parallel=parallel)
+    # P/D: a prefill worker's cache mapped for readers, a decode worker's reads.
+    kv = worker_kv(config, runner.kv_cache, os.path.basename(os.path.normpath(config.model)),
+                   setup.rank, parallel.size, arch.num_kv_heads, setup.store_port)
     try:
         while (message := read_message(stdin)) is not None:
+            if isinstance(message, RankPull):
+                assert kv is not None
+                kv.pull(message)
+                continue
             assert isinstance(message, StepMessage)
             runner.release(message.released)
             runner.execute(message.scheduler_output)

@@ -46,6 +46,9 @@ class TensorParallelWorkers:
         self.dead_reason: str | None = None
         self._lock = threading.Lock()
         self._died = threading.Event()
+        # Steps come from the core's thread, KV pulls' parts from the UCX loop's: one
+        # writer at a time, so that no message interleaves with another in a pipe.
+        self._send_lock = threading.Lock()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.processes: list[subprocess.Popen[bytes]] = []
         for setup in setups:
@@ -63,10 +66,20 @@ class TensorParallelWorkers:
     def send(self, message: StepMessage) -> None:
         """Hand one step to every worker; WorkerDiedError if one is gone."""
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        for process in self.processes:
+        with self._send_lock:
+            for process in self.processes:
+                if self.dead_reason is not None:
+                    raise WorkerDiedError(self.dead_reason)
+                self._write(process, data)
+
+    def send_to(self, rank: int, message: object) -> None:
+        """Hand one message (a KV pull's part, ``engine_common.parallel.kv_ranks``) to the
+        worker of rank ``rank``; WorkerDiedError if it is gone."""
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
             if self.dead_reason is not None:
                 raise WorkerDiedError(self.dead_reason)
-            self._write(process, data)
+            self._write(self.processes[rank - 1], data)
 
     def _write(self, process: subprocess.Popen[bytes], data: bytes) -> None:
         assert process.stdin is not None

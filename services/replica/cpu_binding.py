@@ -121,12 +121,15 @@ def default_engine_cpus(
     replica_cpus: list[int],
     omp_num_threads: int | None,
     cpu_limit: float | None,
+    ranks: int = 1,
 ) -> list[int] | None:
     """``--engine-cpus auto``: a decoding CPU replica that owns two or more CPUs runs its
     engine core on all but the first and its frontend on that one; otherwise (None) they
     share. A prefill replica keeps every thread for its compute-bound prompts (it streams no
-    tokens); on a GPU the engine core's CPU threads only launch kernels."""
-    if role == "prefill" or device != "cpu" or len(replica_cpus) < 2:
+    tokens); on a GPU the engine core's CPU threads only launch kernels. An engine core of
+    ``ranks`` tensor-parallel ranks that would get fewer CPUs than ranks shares them all
+    (each rank on its own CPU beats ranks time-sliced on one: every step all-reduces)."""
+    if role == "prefill" or device != "cpu" or len(replica_cpus) < 1 + max(1, ranks):
         return None
     owned = len(replica_cpus)
     if omp_num_threads is not None and omp_num_threads < owned:

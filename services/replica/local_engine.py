@@ -110,10 +110,6 @@ class LocalEngine:
             return None, "", None
         if self.prefill_peers is None:
             report = KvTransferReport(prefill_engine_id="", fallback_reason="not_a_decode_replica")
-        elif self.llm.info.tensor_parallel_size > 1:
-            # No pull could serve it (``kv_transfer.layout.check_pairing``): do not make the
-            # prefill replica compute what would be computed here again.
-            report = KvTransferReport(prefill_engine_id="", fallback_reason="tensor_parallel")
         else:
             stream = self.prefill_peers.prefill(peer, request_id, request,
                                                 announce_kv=self.prefill_peers.announce_kv)

@@ -93,7 +93,7 @@ def resolve_engine_cpus(args: argparse.Namespace) -> list[int] | None:
         return list(args.engine_cpus)
     return default_engine_cpus(args.role, _resolve_device(args.device),
                                sorted(os.sched_getaffinity(0)), omp_num_threads_from_env(),
-                               cgroup_cpu_limit())
+                               cgroup_cpu_limit(), args.tensor_parallel_size)
 
 
 def _resolve_device(device: str) -> str:
@@ -115,10 +115,16 @@ def options_from_args(args: argparse.Namespace) -> ReplicaOptions:
         port=args.kv_port, lease_seconds=args.kv_lease_seconds,
         pull_timeout_seconds=args.kv_pull_timeout, fallback=args.kv_fallback,
         transport=args.kv_transport)
+    device = _resolve_device(args.device)
+    engine_cpus = args.engine_cpus
+    if engine_cpus is None and args.tensor_parallel_size > 1 and device == "cpu":
+        # An engine core sharing the replica's CPUs: its ranks split them all
+        # (``model_runner.rank_cpus``, rank 0 its first share), rather than rank 0's
+        # threads spanning the workers' CPUs.
+        engine_cpus = sorted(os.sched_getaffinity(0))
     engine = engine_config(
-        args, _resolve_device(args.device),
-        args.engine_id or f"{args.role}-{socket.gethostname()}-{args.port}",
-        args.engine_cpus, kv)
+        args, device, args.engine_id or f"{args.role}-{socket.gethostname()}-{args.port}",
+        engine_cpus, kv)
     return ReplicaOptions(
         engine=engine, role=args.role, host=args.host, port=args.port,
         metrics_port=args.metrics_port, served_model_name=args.served_model_name,
