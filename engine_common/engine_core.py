@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from engine_common.block_hash import BlockHash
 from engine_common.config import EngineConfig
+from engine_common.hybrid_kv_cache_manager import HybridKVCacheManager
 from engine_common.kv_cache_manager import KVCacheManager
 from engine_common.kv_events import KVEvent
 from engine_common.kv_tiers.tiers import BlockToStore, KvTiers
@@ -77,12 +78,19 @@ class EngineCore:
         self.grammars = GrammarCompiler(tokenizer, self.arch.vocab_size, self.eos_token_ids)
         self.model_runner = ModelRunner(config, self.arch, self.eos_token_ids, self.max_model_len,
                                         on_worker_death=on_worker_death)
+        groups = self.model_runner.kv_groups
         self.kv_cache_manager = KVCacheManager(
             num_blocks=self.model_runner.num_blocks,
             block_size=config.cache.block_size,
             max_model_len=self.max_model_len,
             enable_caching=config.cache.enable_prefix_caching,
             sliding_window=self.arch.kv_window,
+        ) if groups.is_single else HybridKVCacheManager(
+            groups,
+            num_blocks=self.model_runner.num_blocks,
+            block_size=config.cache.block_size,
+            max_model_len=self.max_model_len,
+            enable_caching=config.cache.enable_prefix_caching,
         )
         # The model's directory name, not its path: P and D may keep it in different places.
         kv_layout = KvLayout.of_cache(os.path.basename(os.path.normpath(config.model)),
@@ -117,7 +125,7 @@ class EngineCore:
         )
         self.info.model_summary = tuple(startup_summary(
             self.model_runner.model, self.model_runner.num_blocks, config.cache.block_size,
-            self.max_model_len))
+            self.max_model_len, groups))
         for line in self.info.model_summary:
             logger.info("%s", line)
 

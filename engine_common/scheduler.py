@@ -62,6 +62,8 @@ class ScheduledRequest:
     # state after each draft (the masks of the positions that follow them).
     draft_token_ids: list[int] = field(default_factory=list)
     draft_grammars: list[RequestGrammar] = field(default_factory=list)
+    # The tables of the KV cache groups after the first (``kv_cache_groups``); none with one.
+    extra_block_ids: tuple[list[int], ...] = ()
 
     @property
     def completes_sequence(self) -> bool:
@@ -389,7 +391,7 @@ class Scheduler:
                                             num_reserved_blocks=len(self.running)) is not None:
                 out.scheduled.append(ScheduledRequest(
                     request, num_new + len(drafts), kv.get_block_ids(request.request_id), drafts,
-                    draft_grammars))
+                    draft_grammars, kv.get_extra_block_ids(request.request_id)))
                 budget -= num_new + len(drafts)
                 index += 1
                 continue
@@ -409,7 +411,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, num_new, kv.get_block_ids(request.request_id)))
+                out.scheduled.append(self._scheduled(request, num_new))
                 budget -= num_new
                 if prefilling:
                     prefill_room -= num_new
@@ -431,6 +433,11 @@ class Scheduler:
         self._num_scheduled_tokens = out.total_num_scheduled_tokens
         self._note_step(out)
         return out
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        kv, request_id = self.kv_cache_manager, request.request_id
+        return ScheduledRequest(request, num_new, kv.get_block_ids(request_id),
+                                extra_block_ids=kv.get_extra_block_ids(request_id))
 
     def _admission_reserve(self) -> int:
         """Blocks an admission must leave free: the watermark, and with ``reserve_output_room``
@@ -527,7 +534,7 @@ class Scheduler:
             self.running.append(request)
             if request.lora_name:
                 active_loras.add(request.lora_name)
-            out.scheduled.append(ScheduledRequest(request, num_new, kv.get_block_ids(request.request_id)))
+            out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             reserve += self._reserve_for(request)
 
