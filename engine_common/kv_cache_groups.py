@@ -26,7 +26,7 @@ whichever blocks group ``g``'s tables name. Every block is one group's at a time
 - one LRU and one free count: preemption, the admission watermark and the prefix cache's
   eviction order work unchanged across groups;
 - equal pages: a block is a block, so what moves blocks (P/D, tiers) could move any group's
-  with the same code (not done yet: see ``kv_cache_groups``).
+  with the same code (not done yet: see ``why_not_split``).
 
 The price: groups of unequal sizes (say 5 sliding layers per full one) waste the unused
 slots of the smaller group's pages; vLLM splits the larger type into several groups of

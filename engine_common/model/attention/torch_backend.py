@@ -119,6 +119,8 @@ class TorchAttentionBackend(AttentionBackend):
         # when a new step's metadata arrives (never mutated once the forward pass starts).
         self._planned_for: AttentionMetadata | None = None
         self._plans: dict[int, _StepPlan] = {}  # by id() of a metadata of that step
+        # The last metadata asked for and its plan: one group's steps stop here, as before.
+        self._last: tuple[AttentionMetadata, _StepPlan] | None = None
         # Reused buffers for gathered K and V (layers run one after another).
         self._gather_workspace: torch.Tensor | None = None
 
@@ -263,10 +265,14 @@ class TorchAttentionBackend(AttentionBackend):
         self, metadata: AttentionMetadata, geometry: _Geometry, device: torch.device,
         gather: bool
     ) -> _StepPlan:
+        last = self._last
+        if last is not None and last[0] is metadata:
+            return last[1]
         if self._planned_for is not metadata.step_metadata:
             self._planned_for, self._plans = metadata.step_metadata, {}
         plan = self._plans.get(id(metadata))
         if plan is not None:
+            self._last = (metadata, plan)
             return plan
         query_lens = metadata.query_lens_cpu
         seq_lens = metadata.seq_lens_cpu
@@ -283,6 +289,7 @@ class TorchAttentionBackend(AttentionBackend):
                 )
             start += query_len
         plan = self._plans[id(metadata)] = _StepPlan(decode, prefills)
+        self._last = (metadata, plan)
         return plan
 
     @staticmethod
