@@ -300,3 +300,17 @@ def test_gpt_oss_sliding_group_keeps_only_its_window(tmp_path):
         assert kv.num_free_blocks == kv.num_blocks
         if run == 1:  # the shared prefix's blocks, of both groups, are hits
             assert cached == len(prefix) // block * block
+    # A pool that holds one alone (22 blocks of the full group and up to 7 of the sliding
+    # one) but not both, even sharing the prefix's: the scheduler preempts by recompute
+    # across both groups, and the re-admitted request's prefix hits (window-only in the
+    # sliding group) keep it exact.
+    small = LLM(EngineConfig(
+        model=str(model_dir), dtype="float32",
+        cache=CacheConfig(block_size=block, num_gpu_blocks_override=30),
+        scheduler=SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4,
+                                  reserve_output_room=False)))
+    assert [r.token_ids for r in small.generate(prompts, GREEDY)] == expected
+    preemptions = small.metrics.registry.get_sample_value(
+        "vllm:num_preemptions_total", {"model_name": model_dir.name, "engine": "engine-0"})
+    assert preemptions is not None and preemptions > 0
+    assert small.core.kv_cache_manager.num_free_blocks == 30
