@@ -6,15 +6,19 @@ all-or-nothing allocation and events (only the first group's hashes are announce
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import invariant
 
+from engine_common.block_hash import group_block_key
 from engine_common.config import EngineConfig
 from engine_common.hybrid_kv_cache_manager import HybridKVCacheManager
 from engine_common.kv_cache_groups import KVCacheGroup, KVCacheGroups, kv_cache_groups
 from engine_common.kv_cache_manager import OUT_OF_WINDOW_BLOCK_ID
-from engine_common.kv_events import BlockStored
+from engine_common.kv_events import BlockRemoved, BlockStored
 from engine_common.model.arch_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelArchConfig
 from engine_common.request import Request
 from engine_common.sampling_params import SamplingParams
+from tests.test_kv_cache_manager import MAX_MODEL_LEN, KVCacheMachine
 
 BS = 4
 WINDOW = 8  # a query at p sees (p - 8, p]: at a hit point, the 2 blocks before it
@@ -121,3 +125,87 @@ def test_allocation_is_all_groups_or_nothing_and_events_name_chain_hashes() -> N
 def test_one_group_is_refused() -> None:
     with pytest.raises(ValueError, match="one KV cache group"):
         HybridKVCacheManager(KVCacheGroups((KVCacheGroup((0,), None),)), 4, BS, 64)
+
+
+# ---- stateful property test ----------------------------------------------------------------
+
+HYBRID_BLOCKS = 14
+SLIDING = 6  # a query at p sees (p - 6, p]
+HYBRID = KVCacheGroups((KVCacheGroup((0,), None), KVCacheGroup((1,), SLIDING)))
+
+
+class HybridKVCacheMachine(KVCacheMachine):
+    """The single-group machine's random admissions, chunked prefills, decodes, preemptions
+    and finishes, on two groups (full, and a 6-token window) sharing a small pool: every
+    read a step would make (all earlier tokens in the full group, the window's in the
+    sliding one) finds that token's KV, and the pool's counts and events stay consistent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = HybridKVCacheManager(HYBRID, HYBRID_BLOCKS, BS, MAX_MODEL_LEN)
+        self.kv_content = {i: [None] * BS for i in range(HYBRID_BLOCKS)}
+
+    def _tables(self, request_id: str) -> list[list[int]]:
+        return [self.kv.get_block_ids(request_id), *self.kv.get_extra_block_ids(request_id)]
+
+    def _compute(self, req: Request, num_new_tokens: int) -> None:
+        full, sliding = self._tables(req.request_id)
+        start = req.num_computed_tokens
+        for table, first in ((full, 0), (sliding, max(0, start - SLIDING + 1))):
+            for pos in range(first, start):
+                held = self.kv_content[table[pos // BS]][pos % BS]
+                assert held == req.all_token_ids[pos], f"{req.request_id} reads stale KV at {pos}"
+        blocks = (self.kv.get_blocks(req.request_id),
+                  self.kv._extra[0].blocks[req.request_id])
+        for pos in range(start, start + num_new_tokens):
+            for table, group_blocks in zip((full, sliding), blocks, strict=True):
+                assert group_blocks[pos // BS] is not self.kv._placeholder  # never written
+                self.kv_content[table[pos // BS]][pos % BS] = req.all_token_ids[pos]
+        req.num_computed_tokens += num_new_tokens
+        if req.num_computed_tokens == req.num_tokens and req.num_tokens < req.max_total_tokens:
+            req.append_output_token(req.num_tokens % 3)
+
+    @invariant()
+    def pool_is_consistent(self) -> None:
+        kv = self.kv
+        pool = kv.block_pool
+        free_ids = {b.block_id for b in pool.free_block_queue.get_all_free_blocks()}
+        assert len(free_ids) == pool.get_num_free_blocks()
+        holders: dict[int, int] = {}
+        for rid in kv.req_to_blocks:
+            req = self.live[rid]
+            for group, held in enumerate(kv.held_blocks_per_group(rid)):
+                table = (kv.req_to_blocks[rid] if group == 0
+                         else kv._extra[group - 1].blocks[rid])
+                released = len(table) - held
+                assert all(b is kv._placeholder for b in table[:released])
+                for i, block in enumerate(table[released:], released):
+                    holders[block.block_id] = holders.get(block.block_id, 0) + 1
+                    if block.block_hash is not None:
+                        assert block.block_hash == group_block_key(req.block_hashes[i], group)
+        for block in pool.blocks:
+            assert block.ref_cnt == holders.get(block.block_id, 0)
+            assert (block.ref_cnt == 0) == (block.block_id in free_ids)
+        assert len(free_ids) + len(holders) == HYBRID_BLOCKS
+
+    @invariant()
+    def events_rebuild_the_cache_index(self) -> None:
+        for event in self.kv.take_events():
+            if isinstance(event, BlockStored):
+                self.index.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                self.index.difference_update(event.block_hashes)
+            else:
+                self.index.clear()
+        assert self.index == set(self.kv.get_cached_block_hashes())
+
+    def teardown(self) -> None:
+        for req in list(self.live.values()):
+            self.kv.free(req)
+        assert self.kv.num_free_blocks == HYBRID_BLOCKS
+
+
+HybridKVCacheMachine.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+test_hybrid_kv_cache_machine = HybridKVCacheMachine.TestCase
