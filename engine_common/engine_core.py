@@ -93,8 +93,11 @@ class EngineCore:
             enable_caching=config.cache.enable_prefix_caching,
         )
         # The model's directory name, not its path: P and D may keep it in different places.
-        kv_layout = KvLayout.of_cache(os.path.basename(os.path.normpath(config.model)),
-                                      self.model_runner.kv_cache, config.tensor_parallel_size)
+        # With KV cache groups the name carries them: a peer that splits otherwise (or not
+        # at all) is refused by the fingerprint, whatever the pages' shapes.
+        kv_layout = KvLayout.of_cache(
+            os.path.basename(os.path.normpath(config.model)) + groups.layout_suffix(),
+            self.model_runner.kv_cache, config.tensor_parallel_size)
         self.kv_tiers = (KvTiers(config.kv_tiers, self.model_runner.kv_cache, kv_layout)
                          if config.kv_tiers.enabled and config.cache.enable_prefix_caching
                          else None)
@@ -106,7 +109,8 @@ class EngineCore:
             tier_probe=self.kv_tiers.probe if self.kv_tiers is not None else None)
         self.scheduler.num_lora_adapters = len(self.model_runner.lora_adapters)
         self.remote_kv = (
-            RemoteKv(config.kv_transfer, self.model_runner.kv_cache, kv_layout, config.engine_id)
+            RemoteKv(config.kv_transfer, self.model_runner.kv_cache, kv_layout, config.engine_id,
+                     pages_per_block=self.kv_cache_manager.pages_per_block)
             if config.kv_transfer.role is not None else None)
         self.info = EngineInfo(
             engine_id=config.engine_id,
@@ -250,8 +254,9 @@ class EngineCore:
             first = request.num_announced_blocks
             if final <= first:
                 continue
-            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[first:final]
-            handle = self.remote_kv.announce(request, first, block_ids)
+            kv = self.kv_cache_manager
+            block_ids = kv.get_transfer_block_ids(request.request_id, first, final)
+            handle = self.remote_kv.announce(request, first * kv.pages_per_block, block_ids)
             if handle is None:
                 request.announce_kv = False
                 continue
@@ -404,7 +409,7 @@ class EngineCore:
         for request, output in self.scheduler.take_to_pin():
             assert self.remote_kv is not None
             output.kv_handle = self.remote_kv.pin(
-                request, self.kv_cache_manager.get_block_ids(request.request_id))
+                request, self.kv_cache_manager.get_transfer_block_ids(request.request_id))
         self._reap_lora_adapters()
         stats = self.scheduler.make_stats()
         if self.kv_tiers is not None:

@@ -86,6 +86,7 @@ class HybridKVCacheManager(KVCacheManager):
         super().__init__(num_blocks, block_size, max_model_len, enable_caching,
                          enable_kv_events, sliding_window=groups.groups[0].window)
         self.groups = groups
+        self.pages_per_block = len(groups.groups)
         self._extra = [_GroupTables(g, group.window)
                        for g, group in enumerate(groups.groups) if g > 0]
 
@@ -95,8 +96,11 @@ class HybridKVCacheManager(KVCacheManager):
         first, _ = super().get_computed_blocks(request)
         num_hit = len(first)
         extra: list[list[KVCacheBlock]] = []
+        # KV a decode replica will pull moves whole: no placeholder may stand in a block.
+        whole = request.hold_kv
         while num_hit > 0:
-            extra = [self._group_hit(t, request.block_hashes, num_hit) for t in self._extra]
+            extra = [self._group_hit(t, request.block_hashes, num_hit, whole)
+                     for t in self._extra]
             shortest = min(len(hit) for hit in extra)
             if shortest == num_hit:
                 break
@@ -106,10 +110,11 @@ class HybridKVCacheManager(KVCacheManager):
         return GroupedHit(first[:num_hit], extra), num_hit * self.block_size
 
     def _group_hit(self, tables: _GroupTables, hashes: Sequence[BlockHash],
-                   max_blocks: int) -> list[KVCacheBlock]:
-        """The group's longest hit of at most ``max_blocks`` blocks."""
+                   max_blocks: int, whole: bool = False) -> list[KVCacheBlock]:
+        """The group's longest hit of at most ``max_blocks`` blocks (``whole``: every block
+        of it, whatever the group's window)."""
         get = self.block_pool.get_cached_block
-        if tables.window is None:
+        if tables.window is None or whole:
             hit: list[KVCacheBlock] = []
             for block_hash in hashes[:max_blocks]:
                 block = get(group_block_key(block_hash, tables.group))
@@ -259,3 +264,12 @@ class HybridKVCacheManager(KVCacheManager):
 
     def get_extra_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return tuple(list(t.block_ids.get(request_id, ())) for t in self._extra)
+
+    def get_transfer_block_ids(self, request_id: str, first: int = 0,
+                               last: int | None = None) -> list[int]:
+        """Interleaved: logical block i is pages ``[G * i, G * (i + 1))``, one per group in
+        group order. A page is the same size in every group, so P/D moves them as blocks;
+        both sides split alike (the layout's fingerprint covers the groups)."""
+        tables = [self.req_to_block_ids.get(request_id, [])[first:last]] + [
+            t.block_ids.get(request_id, [])[first:last] for t in self._extra]
+        return [block_id for blocks in zip(*tables, strict=True) for block_id in blocks]

@@ -25,8 +25,13 @@ whichever blocks group ``g``'s tables name. Every block is one group's at a time
   thousandth); one pool lets each group take what its requests need now;
 - one LRU and one free count: preemption, the admission watermark and the prefix cache's
   eviction order work unchanged across groups;
-- equal pages: a block is a block, so what moves blocks (P/D, tiers) could move any group's
-  with the same code (not done yet: see ``why_not_split``).
+- equal pages: a block is a block, so P/D moves any group's with the same code: a request's
+  logical block i is its pages ``[G * i, G * (i + 1))`` in ``get_transfer_block_ids``'s
+  interleaved list, and every P/D block index counts pages (``RemoteKv.pages_per_block``).
+  A prefill replica keeps a held request's every page (no release, no window-only hits:
+  the whole prompt moves); the decode replica releases behind the window once it arrived.
+  The KV layout's model name carries the groups (``layout_suffix``), so a peer that splits
+  otherwise is refused by the fingerprint.
 
 The price: groups of unequal sizes (say 5 sliding layers per full one) waste the unused
 slots of the smaller group's pages; vLLM splits the larger type into several groups of
@@ -35,11 +40,10 @@ nothing is wasted; a model that would waste is still correct.
 
 One group is today's cache exactly (every layer in every block, one table, the single
 KV cache manager's rules, including all-sliding models that release behind their window),
-and so are engines that cannot split yet (``kv_cache_groups`` says which and logs why): a
-P/D replica (the connector moves a request's blocks as one list), a replica with KV tiers
-(keyed by block hash, one block per hash), tensor parallelism (the step message carries one
-table), and CUDA-graph capture (the static decode inputs have one table; multi-type models
-are never captured).
+and so are engines that cannot split yet (``why_not_split`` says which, and the log why):
+a replica with KV tiers (a tier stores one block per block hash), tensor parallelism (the
+step message to the workers carries one table), and CUDA-graph capture (the static decode
+inputs have one table; multi-type models are never captured).
 """
 
 from __future__ import annotations
@@ -89,6 +93,15 @@ class KVCacheGroups:
                 slots[layer] = (g, slot)
         return tuple(slots[layer] for layer in range(len(slots)))
 
+    def layout_suffix(self) -> str:
+        """What the KV layout's model name gains with several groups (nothing with one):
+        ``+kv-groups:full/12,sliding128/12``."""
+        if self.is_single:
+            return ""
+        return "+kv-groups:" + ",".join(
+            f"{'full' if g.window is None else f'sliding{g.window}'}/{len(g.layers)}"
+            for g in self.groups)
+
     def describe(self) -> str:
         """``full attention: 12 layers; sliding window 128: 12 layers`` (logs, summaries)."""
         return "; ".join(
@@ -114,8 +127,6 @@ def split_by_type(arch: ModelArchConfig) -> KVCacheGroups:
 def why_not_split(config: EngineConfig) -> str | None:
     """Why this engine keeps one group for a model with several attention types, or None
     when it may split (see the module docstring)."""
-    if config.kv_transfer.role is not None:
-        return "a P/D replica moves each request's blocks as one list"
     if config.kv_tiers.enabled:
         return "KV tiers store one block per block hash"
     if config.tensor_parallel_size > 1:

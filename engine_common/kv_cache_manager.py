@@ -78,6 +78,8 @@ class KVCacheManager:
         self.sliding_window = sliding_window
         self.num_released_blocks: dict[str, int] = {}
         self._placeholder = KVCacheBlock(OUT_OF_WINDOW_BLOCK_ID)
+        # Blocks a logical block of a request spans, one per KV cache group (P/D's unit).
+        self.pages_per_block = 1
 
     @property
     def num_blocks(self) -> int:
@@ -252,6 +254,12 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         """A copy: the caller may keep it while the request grows."""
         return list(self.req_to_block_ids.get(request_id, ()))
+
+    def get_transfer_block_ids(self, request_id: str, first: int = 0,
+                               last: int | None = None) -> list[int]:
+        """The blocks that hold the request's logical blocks ``first`` to ``last``, in the
+        order P/D moves them (``pages_per_block`` for each: here the table itself)."""
+        return self.get_block_ids(request_id)[first:last]
 
     def get_extra_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's tables of the KV cache groups after the first (copies); none with

@@ -79,7 +79,9 @@ class RemoteKvPull:
 
     request: Request
     block_ids: list[int]
-    num_local_blocks: int  # leading blocks that were prefix-cache hits here
+    # Leading blocks that were prefix-cache hits here. With KV cache groups both count
+    # pages: block_ids interleave the groups (``get_transfer_block_ids``).
+    num_local_blocks: int
 
 
 @dataclass
@@ -556,8 +558,8 @@ class Scheduler:
         request.num_cached_tokens = num_computed
         request.first_scheduled_time = time.monotonic()
         self.receiving[request.request_id] = request
-        out.pulls.append(RemoteKvPull(request, kv.get_block_ids(request.request_id),
-                                      num_computed // kv.block_size))
+        out.pulls.append(RemoteKvPull(request, kv.get_transfer_block_ids(request.request_id),
+                                      num_computed // kv.block_size * kv.pages_per_block))
         return True
 
     def _drafts(self, request: Request, num_new: int,

@@ -52,10 +52,15 @@ def test_layers_split_by_type_unless_the_engine_cannot() -> None:
     assert groups == GROUPS
     assert groups.layers_per_block == 2
     assert groups.layer_slots() == ((1, 0), (0, 0), (1, 1), (0, 1))
+    assert groups.layout_suffix() == "+kv-groups:full/2,sliding8/2"
     pd = EngineConfig(model="x")
     pd.kv_transfer.role = "producer"
-    single = kv_cache_groups(arch, pd)
+    assert kv_cache_groups(arch, pd) == GROUPS  # P/D moves the pages of every group
+    tiers = EngineConfig(model="x")
+    tiers.kv_tiers.memory_bytes = 1 << 20  # a tier stores one block per hash: not yet
+    single = kv_cache_groups(arch, tiers)
     assert single.is_single and single.layers_per_block == 4 and single.groups[0].window is None
+    assert single.layout_suffix() == ""
     # One attention type: one group, its window the one to release behind (all slide).
     sliding = kv_cache_groups(_arch([SLIDING_ATTENTION] * 3), EngineConfig(model="x"))
     assert sliding.is_single and sliding.groups[0].window == WINDOW
@@ -79,6 +84,27 @@ def test_the_sliding_group_releases_behind_its_window_the_full_group_keeps_all()
     assert kv.num_free_blocks == 32 - 10
     kv.free(req)
     assert kv.num_free_blocks == 32
+
+
+def test_pd_moves_interleaved_pages_and_a_held_request_hits_whole() -> None:
+    kv = HybridKVCacheManager(GROUPS, num_blocks=32, block_size=BS, max_model_len=128)
+    assert kv.pages_per_block == 2
+    req = _request("a", list(range(10, 30)))
+    _prefill(kv, req)
+    full, (sliding,) = kv.get_block_ids("a"), kv.get_extra_block_ids("a")
+    assert kv.get_transfer_block_ids("a") == [
+        b for pair in zip(full, sliding, strict=True) for b in pair]
+    assert kv.get_transfer_block_ids("a", 1, 3) == [full[1], sliding[1], full[2], sliding[2]]
+    kv.free(req)
+    # Evict the sliding group's block 0: a request whose KV a decode replica will pull
+    # needs every block of a hit, so its hit stops before it; another one's does not.
+    pool = kv.block_pool
+    key = group_block_key(req.block_hashes[0], 1)
+    pool.cached_block_hash_to_block.pop(key).block_hash = None
+    held = Request("h", list(range(10, 30)), SamplingParams(max_tokens=8), block_size=BS,
+                   hold_kv=True)
+    assert kv.get_computed_blocks(held)[1] == 0
+    assert kv.get_computed_blocks(_request("b", list(range(10, 30))))[1] == 16
 
 
 def test_a_sliding_hit_needs_only_the_window_before_the_hit_point() -> None:

@@ -344,3 +344,34 @@ def test_cancelling_mid_stream_frees_both_sides(pd):
     # ReleaseKv leaves (services/replica/prefill_peers.py), so the release cannot overtake the
     # prompt's end and find nothing to free.
     wait_all_free(prefill.target, decode.target, timeout=2)
+
+
+def test_gpt_oss_kv_cache_groups_overlap_exactly(tmp_path):
+    """GPT-OSS splits its cache into a full and a 16-token sliding-window group on both
+    cores: announcements and the result move interleaved pages (two a block) while the
+    prompt computes in chunks; the tokens are HF's and both pools end empty."""
+    from tests.hf_reference import hf_greedy as hf_reference_greedy
+    from tests.hf_reference import random_prompts
+    from tests.moe_factory import build_tiny_moe_model
+
+    model_dir = build_tiny_moe_model(tmp_path / "gpt_oss", "gpt_oss")
+    p = make_core(model_dir, "prefill-oss-overlap", "producer", CHUNK)
+    d = make_core(model_dir, "decode-oss-overlap", "consumer", pull_timeout_seconds=10.0)
+    try:
+        prompts = random_prompts(400, [41, 50], seed=21)
+        wants = hf_reference_greedy(model_dir, prompts, GREEDY.max_tokens)
+        early = 0
+        for i, (prompt, want) in enumerate(zip(prompts, wants, strict=True)):
+            flow = Overlapped(p, d, f"oss{i}", prompt)
+            tokens, report = flow.finish()
+            assert tokens == want
+            assert report.fallback_reason is None
+            assert report.blocks_pulled + report.blocks_local == 2 * -(-len(prompt) // 4)
+            assert flow.announcements > 0
+            early += report.blocks_pulled_early
+            p.release_kv([f"oss{i}"])
+        assert early > 0
+        wait_cores_free(p, d)
+    finally:
+        p.remote_kv.close()
+        d.remote_kv.close()
