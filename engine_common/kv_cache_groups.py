@@ -41,9 +41,9 @@ nothing is wasted; a model that would waste is still correct.
 One group is today's cache exactly (every layer in every block, one table, the single
 KV cache manager's rules, including all-sliding models that release behind their window),
 and so are engines that cannot split yet (``why_not_split`` says which, and the log why):
-a replica with KV tiers (a tier stores one block per block hash), tensor parallelism (the
-step message to the workers carries one table), and CUDA-graph capture (the static decode
-inputs have one table; multi-type models are never captured).
+a replica with KV tiers (a tier stores one block per block hash) and CUDA-graph capture
+(the static decode inputs have one table; multi-type models are never captured).
+Tensor-parallel workers get every group's tables in the step message and split alike.
 """
 
 from __future__ import annotations
@@ -129,8 +129,6 @@ def why_not_split(config: EngineConfig) -> str | None:
     when it may split (see the module docstring)."""
     if config.kv_tiers.enabled:
         return "KV tiers store one block per block hash"
-    if config.tensor_parallel_size > 1:
-        return "tensor-parallel workers get one block table per request"
     return None
 
 
