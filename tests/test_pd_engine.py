@@ -285,39 +285,3 @@ def test_a_qwen3_moe_prompt_moves_over_ucx_and_decodes_as_hf(tmp_path):
         p.remote_kv.close()
         d.remote_kv.close()
 
-
-def test_gpt_oss_kv_cache_groups_move_over_ucx_and_decode_as_hf(tmp_path):
-    """GPT-OSS splits its cache into a full-attention and a 16-token sliding-window group on
-    both replicas: a prompt's KV moves as interleaved pages (one per group for each block),
-    the decode core's greedy tokens are HF's, and a second prompt sharing a long prefix
-    pulls only the pages after the decode core's own prefix hits."""
-    from tests.hf_reference import hf_greedy, random_prompts
-    from tests.moe_factory import GPT_OSS_WINDOW, build_tiny_moe_model
-
-    model_dir = build_tiny_moe_model(tmp_path / "gpt_oss", "gpt_oss")
-    p = make_core(model_dir, "prefill-oss", "producer", lease_seconds=5.0)
-    d = make_core(model_dir, "decode-oss", "consumer", pull_timeout_seconds=10.0)
-    try:
-        assert p.kv_cache_manager.pages_per_block == d.kv_cache_manager.pages_per_block == 2
-        assert "+kv-groups:full/1,sliding16/1" in p.info.kv_layout.model
-        shared = random_prompts(400, [3 * GPT_OSS_WINDOW], seed=8)[0]  # 12 blocks of 4
-        prompts = [shared + tail for tail in random_prompts(400, [5, 7], seed=9)]
-        reports = []
-        for i, (prompt, want) in enumerate(zip(prompts, hf_greedy(model_dir, prompts, 8),
-                                               strict=True)):
-            first, handle = prefill(p, f"oss{i}", prompt)
-            assert len(handle.block_ids) == 2 * -(-len(prompt) // 4)
-            tokens, report = decode(d, f"oss{i}", prompt, first, handle)
-            assert report.fallback_reason is None
-            assert tokens == want
-            reports.append(report)
-            p.release_kv([f"oss{i}"])
-            wait_released(p)
-        assert (reports[0].blocks_local, reports[0].blocks_pulled) == (0, 2 * 14)
-        # The shared 48 tokens' 12 blocks of both groups were hits on the decode core.
-        assert (reports[1].blocks_local, reports[1].blocks_pulled) == (2 * 12, 2 * 2)
-        assert d.kv_cache_manager.num_free_blocks == d.kv_cache_manager.num_blocks
-        assert p.kv_cache_manager.num_free_blocks == p.kv_cache_manager.num_blocks
-    finally:
-        p.remote_kv.close()
-        d.remote_kv.close()
