@@ -21,6 +21,11 @@ boundary), every block before p in a full-attention group, but in a sliding grou
 ceil((W - 1) / block_size) blocks before p (vLLM's ``SlidingWindowManager``
 ``find_longest_cache_hit``): the query at p needs nothing older. The request's hit is the
 longest p every group accepts (shortest over groups, repeated until stable).
+
+P/D (``kv_cache_groups``): a request's KV moves as pages interleaved by group
+(``get_transfer_block_ids``). A request whose KV a decode replica will pull (``hold_kv``)
+releases nothing and takes only whole hits in every group: each of its pages moves, and a
+placeholder would move another request's KV under this one's hashes.
 """
 
 from __future__ import annotations
