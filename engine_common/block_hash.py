@@ -33,6 +33,19 @@ ROOT_BLOCK_HASH: BlockHash = hashlib.sha256(b"tandem/kv-block/v1").digest()
 _UINT32 = struct.Struct("<I")
 
 
+def group_block_key(block_hash: BlockHash, group: int) -> BlockHash:
+    """The prefix-cache key of a block of KV cache group ``group`` (``kv_cache_groups``):
+    the chain's hash itself for group 0, the hash and the group's number for the others. A
+    block of each group holds other layers' KV for the same tokens, so each is its own
+    entry; only group 0's are announced in KV events (``is_group_key``)."""
+    return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
+
+
+def is_group_key(key: BlockHash) -> bool:
+    """Whether a prefix-cache key is another group's than 0 (not a chain hash)."""
+    return len(key) != len(ROOT_BLOCK_HASH)
+
+
 def encode_extra_keys(extra_keys: tuple[str, ...] | None) -> bytes:
     """The trailing bytes of a block's encoding for these extra keys (e.g. a cache salt)."""
     if not extra_keys:

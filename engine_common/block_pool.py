@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from engine_common.block_hash import BlockHash
+from engine_common.block_hash import BlockHash, is_group_key
 from engine_common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
@@ -146,8 +146,9 @@ class BlockPool:
 
     def get_cached_block_hashes(self) -> list[BlockHash]:
         """Every hash in the prefix cache, each once (a snapshot for KV-event watchers): the
-        state that the events recorded so far, taken or not, lead to."""
-        return list(self.cached_block_hash_to_block)
+        state that the events recorded so far, taken or not, lead to. Keys of KV cache
+        groups other than the first are not chain hashes and are left out."""
+        return [key for key in self.cached_block_hash_to_block if not is_group_key(key)]
 
     def cache_full_blocks(
         self,
@@ -157,15 +158,22 @@ class BlockPool:
         num_full_blocks: int,
         token_ids: Sequence[int],
         block_size: int,
+        record_events: bool = True,
     ) -> None:
         """Register ``request_blocks[num_cached_blocks:num_full_blocks]`` in the prefix cache.
 
         ``block_hashes[i]`` is the hash of the request's i-th block; ``token_ids`` are the
         request's tokens. A block whose hash is already cached by another block (two requests
         that computed the same content at once) stays unregistered: the cache keeps one
-        block per hash and the duplicate is simply reused when freed.
+        block per hash and the duplicate is simply reused when freed. ``record_events``
+        False: a KV cache group's keys other than the first's (``group_block_key``), which
+        no watcher knows.
         """
         if not self.enable_caching or num_cached_blocks >= num_full_blocks:
+            return
+        if not record_events:
+            self._register_silently(request_blocks, block_hashes, num_cached_blocks,
+                                    num_full_blocks)
             return
         hash_to_block = self.cached_block_hash_to_block
         run_start = -1  # first block index of the current run of newly cached blocks
@@ -188,6 +196,18 @@ class BlockPool:
                 run_start = -1
         if run_start >= 0:
             self._record_stored(block_hashes, run_start, num_full_blocks, token_ids, block_size)
+
+    def _register_silently(self, request_blocks: Sequence[KVCacheBlock],
+                           keys: Sequence[BlockHash], start: int, end: int) -> None:
+        hash_to_block = self.cached_block_hash_to_block
+        for i in range(start, end):
+            block, key = request_blocks[i], keys[i]
+            if block.block_hash is None:
+                if key not in hash_to_block:
+                    block.block_hash = key
+                    hash_to_block[key] = block
+            elif block.block_hash != key:
+                raise RuntimeError(f"{block} at position {i} already holds another hash")
 
     def _record_stored(
         self,
@@ -223,7 +243,7 @@ class BlockPool:
                 evicted.append(block.block_hash)
                 block.block_hash = None
         if evicted and self.enable_kv_events:
-            self._events.append(BlockRemoved(block_hashes=evicted))
+            self._record_removed(evicted)
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -286,8 +306,15 @@ class BlockPool:
             queue.remove(block)
             queue.appendleft(block)
         if evicted and self.enable_kv_events:
-            self._events.append(BlockRemoved(block_hashes=evicted))
+            self._record_removed(evicted)
         return len(evicted)
+
+    def _record_removed(self, keys: list[BlockHash]) -> None:
+        """One BlockRemoved for the chain hashes among ``keys`` (other KV cache groups'
+        keys were never announced)."""
+        announced = [key for key in keys if not is_group_key(key)]
+        if announced:
+            self._events.append(BlockRemoved(block_hashes=announced))
 
     def take_events(self) -> list[KVEvent]:
         """The events recorded since the last call, oldest first."""

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from engine_common.block_hash import BlockHash
 from engine_common.config import EngineConfig
+from engine_common.hybrid_kv_cache_manager import HybridKVCacheManager
 from engine_common.kv_cache_manager import KVCacheManager
 from engine_common.kv_events import KVEvent
 from engine_common.kv_tiers.tiers import BlockToStore, KvTiers
@@ -78,16 +79,26 @@ class EngineCore:
         self.grammars = GrammarCompiler(tokenizer, self.arch.vocab_size, self.eos_token_ids)
         self.model_runner = ModelRunner(config, self.arch, self.eos_token_ids, self.max_model_len,
                                         on_worker_death=on_worker_death)
+        groups = self.model_runner.kv_groups
         self.kv_cache_manager = KVCacheManager(
             num_blocks=self.model_runner.num_blocks,
             block_size=config.cache.block_size,
             max_model_len=self.max_model_len,
             enable_caching=config.cache.enable_prefix_caching,
             sliding_window=self.arch.kv_window,
+        ) if groups.is_single else HybridKVCacheManager(
+            groups,
+            num_blocks=self.model_runner.num_blocks,
+            block_size=config.cache.block_size,
+            max_model_len=self.max_model_len,
+            enable_caching=config.cache.enable_prefix_caching,
         )
         # The model's directory name, not its path: P and D may keep it in different places.
-        kv_layout = KvLayout.of_cache(os.path.basename(os.path.normpath(config.model)),
-                                      self.model_runner.kv_cache, config.tensor_parallel_size)
+        # With KV cache groups the name carries them: a peer that splits otherwise (or not
+        # at all) is refused by the fingerprint, whatever the pages' shapes.
+        kv_layout = KvLayout.of_cache(
+            os.path.basename(os.path.normpath(config.model)) + groups.layout_suffix(),
+            self.model_runner.kv_cache, config.tensor_parallel_size)
         self.kv_tiers = (KvTiers(config.kv_tiers, self.model_runner.kv_cache, kv_layout)
                          if config.kv_tiers.enabled and config.cache.enable_prefix_caching
                          else None)
@@ -101,7 +112,8 @@ class EngineCore:
         self.remote_kv = (
             RemoteKv(config.kv_transfer, self.model_runner.kv_cache, kv_layout, config.engine_id,
                      parallel_kv(self.arch.num_kv_heads, config.tensor_parallel_size,
-                                 self.model_runner.store, self.model_runner.workers))
+                                 self.model_runner.store, self.model_runner.workers),
+                     pages_per_block=self.kv_cache_manager.pages_per_block)
             if config.kv_transfer.role is not None else None)
         self.info = EngineInfo(
             engine_id=config.engine_id,
@@ -120,7 +132,7 @@ class EngineCore:
         )
         self.info.model_summary = tuple(startup_summary(
             self.model_runner.model, self.model_runner.num_blocks, config.cache.block_size,
-            self.max_model_len))
+            self.max_model_len, groups))
         for line in self.info.model_summary:
             logger.info("%s", line)
 
@@ -245,8 +257,9 @@ class EngineCore:
             first = request.num_announced_blocks
             if final <= first:
                 continue
-            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[first:final]
-            handle = self.remote_kv.announce(request, first, block_ids)
+            kv = self.kv_cache_manager
+            block_ids = kv.get_transfer_block_ids(request.request_id, first, final)
+            handle = self.remote_kv.announce(request, first * kv.pages_per_block, block_ids)
             if handle is None:
                 request.announce_kv = False
                 continue
@@ -399,7 +412,7 @@ class EngineCore:
         for request, output in self.scheduler.take_to_pin():
             assert self.remote_kv is not None
             output.kv_handle = self.remote_kv.pin(
-                request, self.kv_cache_manager.get_block_ids(request.request_id))
+                request, self.kv_cache_manager.get_transfer_block_ids(request.request_id))
         self._reap_lora_adapters()
         stats = self.scheduler.make_stats()
         if self.kv_tiers is not None:

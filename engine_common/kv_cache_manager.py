@@ -19,8 +19,11 @@ released block that was registered keeps its hash: it stays a prefix-cache hit u
 evicted, like any freed block. Only blocks already registered are released (a block whose KV
 arrives later, or not yet hashed, is kept until it is), and never those of a request whose
 blocks a decode replica will pull (``hold_kv`` / ``announce_kv``: the whole prompt moves).
-Models with any full-attention layer (GPT-OSS's alternating layers) keep every block: one
-table serves all layers here (vLLM's per-group tables are not built).
+Models with layers of several attention types (GPT-OSS alternates a window and the whole
+context) get a table per type when the engine splits its cache into KV cache groups
+(``kv_cache_groups``): ``hybrid_kv_cache_manager`` extends this class to the other groups,
+this one's rules being the first group's. Without the split, one table serves every layer
+and every block is kept.
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ class KVCacheManager:
         self.sliding_window = sliding_window
         self.num_released_blocks: dict[str, int] = {}
         self._placeholder = KVCacheBlock(OUT_OF_WINDOW_BLOCK_ID)
+        # Blocks a logical block of a request spans, one per KV cache group (P/D's unit).
+        self.pages_per_block = 1
 
     @property
     def num_blocks(self) -> int:
@@ -249,6 +254,17 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         """A copy: the caller may keep it while the request grows."""
         return list(self.req_to_block_ids.get(request_id, ()))
+
+    def get_transfer_block_ids(self, request_id: str, first: int = 0,
+                               last: int | None = None) -> list[int]:
+        """The blocks that hold the request's logical blocks ``first`` to ``last``, in the
+        order P/D moves them (``pages_per_block`` for each: here the table itself)."""
+        return self.get_block_ids(request_id)[first:last]
+
+    def get_extra_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's tables of the KV cache groups after the first (copies); none with
+        one group."""
+        return ()
 
     def take_events(self) -> list[KVEvent]:
         return self.block_pool.take_events()

@@ -18,6 +18,7 @@ nor does it advance grammars (the scheduler accepts the sampled tokens).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -29,6 +30,7 @@ import torch
 
 from engine_common.config import EngineConfig
 from engine_common.decode_graphs import DecodeGraphRunner, DecodeInputs
+from engine_common.kv_cache_groups import kv_cache_groups
 from engine_common.lora.loaded_adapters import LoadedLoraAdapters
 from engine_common.model.arch_config import ModelArchConfig
 from engine_common.model.attention.backend import AttentionMetadata
@@ -65,10 +67,13 @@ logger = logging.getLogger(__name__)
 _PROMPT_LOGPROB_ROWS = 256
 
 
-def kv_cache_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Of one rank's cache: ``arch`` is the rank's (its KV heads)."""
+def kv_cache_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype,
+                             num_layers: int | None = None) -> int:
+    """Of one rank's cache: ``arch`` is the rank's (its KV heads). ``num_layers``: the
+    cache's layer axis (``KVCacheGroups.layers_per_block``); default every layer."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_size * itemsize
+    layers = arch.num_layers if num_layers is None else num_layers
+    return layers * 2 * block_size * arch.num_kv_heads * arch.head_size * itemsize
 
 
 def rank_cpus(cpus: list[int], rank: int, size: int) -> list[int] | None:
@@ -78,6 +83,19 @@ def rank_cpus(cpus: list[int], rank: int, size: int) -> list[int] | None:
     per_rank, extra = divmod(len(cpus), size)
     first = rank * per_rank + min(rank, extra)
     return cpus[first:first + per_rank + (rank < extra)]
+
+
+def _block_table(block_ids: list[list[int]]) -> np.ndarray:
+    """[len(block_ids), longest] int32: each row a sequence's block ids, padded with 0."""
+    num_seqs = len(block_ids)
+    num_blocks = np.fromiter((len(ids) for ids in block_ids), np.int64, num_seqs)
+    max_blocks = int(num_blocks.max())
+    table = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+    # One vectorised fill, row by row: a numpy assignment per row costs more than the
+    # rest of the step's input preparation at large batches.
+    table[np.arange(max_blocks) < num_blocks[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(block_ids), np.int32, int(num_blocks.sum()))
+    return table
 
 
 class ModelRunner:
@@ -115,10 +133,13 @@ class ModelRunner:
         settings = config.model_settings
         self.lora_adapters = LoadedLoraAdapters.load(settings.lora_modules, self.model,
                                                      settings.max_lora_rank)
+        self.kv_groups = kv_cache_groups(arch, config)
+        # Per layer, (group, slot): read by every step when the cache has several groups.
+        self._layer_slots = self.kv_groups.layer_slots()
         # Every rank's pool has the same block ids: the smallest count any rank can hold.
         self.num_blocks = parallel.min_int(self._num_kv_blocks(), self.device)
         self.kv_heads_per_rank = self.model.arch.num_kv_heads
-        shape = kv_cache_shape(arch.num_layers, self.num_blocks, self.block_size,
+        shape = kv_cache_shape(self.kv_groups.layers_per_block, self.num_blocks, self.block_size,
                                self.kv_heads_per_rank, arch.head_size)
         # NOTE: not on transparent huge pages: 8-13% faster decode attention (a layer's
         # blocks lie a block apart, a TLB miss each on 4 KiB pages), but faulting in a GiB
@@ -133,7 +154,7 @@ class ModelRunner:
             self.warm_up()
         # NOTE: no CUDA graphs across ranks yet: capturing the NCCL all-reduces is unverified.
         if self.device.type == "cuda" and not config.enforce_eager and not parallel.is_parallel:
-            if self.model.supports_cuda_graphs:
+            if self.model.supports_cuda_graphs and self.kv_groups.is_single:
                 try:
                     self.decode_graphs = self.static_decode_runner(max_model_len, capture=True)
                 except RuntimeError:
@@ -221,7 +242,8 @@ class ModelRunner:
         cache = self.config.cache
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
-        per_block = kv_cache_bytes_per_block(self.model.arch, self.block_size, self.dtype)
+        per_block = kv_cache_bytes_per_block(self.model.arch, self.block_size, self.dtype,
+                                             self.kv_groups.layers_per_block)
         if self.device.type == "cuda":
             # Memory the caching allocator holds but no tensor uses (loading's temporaries)
             # is free for the cache too.
@@ -297,14 +319,8 @@ class ModelRunner:
         for s, st, end in zip(scheduled, starts, seq_lens, strict=True):
             input_ids.extend(s.request.all_token_ids[st:end])
             input_ids.extend(s.draft_token_ids)  # past the known tokens
-        num_blocks = np.fromiter((len(s.block_ids) for s in scheduled), np.int64, num_seqs)
-        max_blocks = int(num_blocks.max())
-        block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
-        # One vectorised fill, row by row: a numpy assignment per row costs more than the
-        # rest of the step's input preparation at large batches.
-        block_tables[np.arange(max_blocks) < num_blocks[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(s.block_ids for s in scheduled), np.int32,
-            int(num_blocks.sum()))
+        block_tables = _block_table([s.block_ids for s in scheduled])
+        max_blocks = block_tables.shape[1]
 
         query_lens_np = np.asarray(query_lens, dtype=np.int64)
         seq_index = np.repeat(np.arange(num_seqs), query_lens_np)
@@ -339,6 +355,8 @@ class ModelRunner:
                 query_lens_cpu=query_lens,
                 seq_lens_cpu=seq_lens,
             )
+            if not self.kv_groups.is_single:
+                self._add_group_views(metadata, scheduled, seq_index, positions)
             hidden = self.model(
                 torch.tensor(input_ids, dtype=torch.int64, device=dev),
                 torch.from_numpy(positions).to(dev),
@@ -384,6 +402,22 @@ class ModelRunner:
             for i, token, lp in zip(sample_items, result.sampled_token_ids, result.logprobs, strict=True)
         })
         return output
+
+    def _add_group_views(self, metadata: AttentionMetadata, scheduled: list[ScheduledRequest],
+                         seq_index: np.ndarray, positions: np.ndarray) -> None:
+        """KV cache groups: the later groups' block tables and slots, and every layer's
+        view (``AttentionMetadata.layer_views``). A request without tables of its own
+        for them (the warm-up's) uses its first table's blocks for every group."""
+        bs, dev = self.block_size, self.device
+        views = [metadata]
+        for g in range(1, len(self.kv_groups.groups)):
+            tables = _block_table([s.extra_block_ids[g - 1] if s.extra_block_ids
+                                   else s.block_ids for s in scheduled])
+            slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+            views.append(dataclasses.replace(
+                metadata, block_tables=torch.from_numpy(tables).to(dev),
+                slot_mapping=torch.from_numpy(slots).to(dev), step=metadata))
+        metadata.layer_views = tuple((slot, views[group]) for group, slot in self._layer_slots)
 
     def _check_drafts(self, scheduled: list[ScheduledRequest], speculated: list[int],
                       query_start_loc: np.ndarray, hidden: torch.Tensor,

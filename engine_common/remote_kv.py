@@ -65,10 +65,12 @@ class _Receipt:
 
 class RemoteKv:
     def __init__(self, config: KvTransferConfig, kv_cache: torch.Tensor, layout: KvLayout,
-                 engine_id: str, ranks: ParallelKv | None = None):
+                 engine_id: str, ranks: ParallelKv | None = None, pages_per_block: int = 1):
         """``ranks``: the replica's tensor-parallel ranks (None: one): a producer offers
         every rank's cache to readers, a consumer has each rank read its own heads, from
-        producers of any parallel size (``kv_transfer.rank_reader``)."""
+        producers of any parallel size (``kv_transfer.rank_reader``). ``pages_per_block``:
+        blocks a prompt block spans (one per KV cache group); every block index here counts
+        them (``KVCacheManager.get_transfer_block_ids``)."""
         if config.role not in ("producer", "consumer"):
             raise ValueError(f"KV transfer role must be 'producer' or 'consumer', got {config.role!r}")
         if config.transport not in ("auto", "tcp"):
@@ -77,6 +79,7 @@ class RemoteKv:
             raise ValueError(f"KV transfer fallback must be 'recompute' or 'fail', got {config.fallback!r}")
         self.config = config
         self.layout = layout
+        self.pages_per_block = pages_per_block
         self._kv_cache = kv_cache
         self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._receipts: dict[str, _Receipt] = {}
@@ -166,7 +169,7 @@ class RemoteKv:
         ``num_local_blocks`` were prefix-cache hits here): whatever its prefill replica has
         announced or returned so far is pulled now, the rest by ``advance``."""
         assert self.consumer is not None
-        num_blocks = -(-request.num_prompt_tokens // self.layout.block_size)
+        num_blocks = -(-request.num_prompt_tokens // self.layout.block_size) * self.pages_per_block
         self._receipts[request.request_id] = _Receipt(
             request, local_block_ids[:num_blocks], next_block=num_local_blocks,
             report=KvTransferReport(prefill_engine_id="", blocks_local=num_local_blocks))
@@ -190,6 +193,11 @@ class RemoteKv:
         handle = result.handle
         if handle.num_tokens != request.num_prompt_tokens or \
                 len(handle.block_ids) != len(receipt.local_block_ids):
+            if handle.layout_fingerprint != self.layout.fingerprint():
+                # Another layout may count other blocks (KV cache groups: a page per group).
+                self.fail(request, "layout_mismatch",
+                          self.layout.mismatch(handle.layout_fingerprint, "producer"))
+                return
             self.fail(request, "protocol", f"the handle covers {handle.num_tokens} tokens in "
                       f"{len(handle.block_ids)} blocks; the request has "
                       f"{request.num_prompt_tokens} prompt tokens")
@@ -204,6 +212,10 @@ class RemoteKv:
         receipt.report.prefill_engine_id = handle.engine_id
         end = first_block + len(handle.block_ids)
         if first_block > receipt.next_block or end > len(receipt.local_block_ids):
+            if handle.layout_fingerprint != self.layout.fingerprint():
+                self.fail(receipt.request, "layout_mismatch",
+                          self.layout.mismatch(handle.layout_fingerprint, "producer"))
+                return
             self.fail(receipt.request, "protocol", f"blocks [{first_block}, {end}) announced "
                       f"after {receipt.next_block} of {len(receipt.local_block_ids)}")
             return

@@ -62,6 +62,8 @@ class ScheduledRequest:
     # state after each draft (the masks of the positions that follow them).
     draft_token_ids: list[int] = field(default_factory=list)
     draft_grammars: list[RequestGrammar] = field(default_factory=list)
+    # The tables of the KV cache groups after the first (``kv_cache_groups``); none with one.
+    extra_block_ids: tuple[list[int], ...] = ()
 
     @property
     def completes_sequence(self) -> bool:
@@ -77,7 +79,9 @@ class RemoteKvPull:
 
     request: Request
     block_ids: list[int]
-    num_local_blocks: int  # leading blocks that were prefix-cache hits here
+    # Leading blocks that were prefix-cache hits here. With KV cache groups both count
+    # pages: block_ids interleave the groups (``get_transfer_block_ids``).
+    num_local_blocks: int
 
 
 @dataclass
@@ -389,7 +393,7 @@ class Scheduler:
                                             num_reserved_blocks=len(self.running)) is not None:
                 out.scheduled.append(ScheduledRequest(
                     request, num_new + len(drafts), kv.get_block_ids(request.request_id), drafts,
-                    draft_grammars))
+                    draft_grammars, kv.get_extra_block_ids(request.request_id)))
                 budget -= num_new + len(drafts)
                 index += 1
                 continue
@@ -409,7 +413,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, num_new, kv.get_block_ids(request.request_id)))
+                out.scheduled.append(self._scheduled(request, num_new))
                 budget -= num_new
                 if prefilling:
                     prefill_room -= num_new
@@ -431,6 +435,11 @@ class Scheduler:
         self._num_scheduled_tokens = out.total_num_scheduled_tokens
         self._note_step(out)
         return out
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        kv, request_id = self.kv_cache_manager, request.request_id
+        return ScheduledRequest(request, num_new, kv.get_block_ids(request_id),
+                                extra_block_ids=kv.get_extra_block_ids(request_id))
 
     def _admission_reserve(self) -> int:
         """Blocks an admission must leave free: the watermark, and with ``reserve_output_room``
@@ -527,7 +536,7 @@ class Scheduler:
             self.running.append(request)
             if request.lora_name:
                 active_loras.add(request.lora_name)
-            out.scheduled.append(ScheduledRequest(request, num_new, kv.get_block_ids(request.request_id)))
+            out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             reserve += self._reserve_for(request)
 
@@ -549,8 +558,8 @@ class Scheduler:
         request.num_cached_tokens = num_computed
         request.first_scheduled_time = time.monotonic()
         self.receiving[request.request_id] = request
-        out.pulls.append(RemoteKvPull(request, kv.get_block_ids(request.request_id),
-                                      num_computed // kv.block_size))
+        out.pulls.append(RemoteKvPull(request, kv.get_transfer_block_ids(request.request_id),
+                                      num_computed // kv.block_size * kv.pages_per_block))
         return True
 
     def _drafts(self, request: Request, num_new: int,

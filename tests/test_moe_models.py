@@ -257,3 +257,60 @@ def test_packed_bf16_experts_are_bitwise_the_plain_ones(moe_dir):
             assert torch.equal(ours(x.bfloat16()), reference(x.bfloat16()))
     assert packed.weight_memory is not None and plain.weight_memory is not None
     assert packed.weight_memory.expert_bytes >= plain.weight_memory.expert_bytes > 0
+
+
+def test_gpt_oss_sliding_group_keeps_only_its_window(tmp_path):
+    """GPT-OSS alternates a 16-token window and full attention: the cache splits into two
+    KV cache groups. A prompt of several windows, prefilled in 8-token chunks and decoded,
+    gives HF's tokens while the sliding group's table holds at most the window's blocks
+    (and the chunk's) and the full group's holds every block; a second prompt sharing a
+    long prefix hits the first one's blocks of both groups and stays exact."""
+    model_dir = build_tiny_moe_model(tmp_path / "oss", "gpt_oss")
+    prefix = random_prompts(400, [4 * GPT_OSS_WINDOW + 6], seed=11)[0]
+    prompts = [prefix + tail for tail in random_prompts(400, [5, 2], seed=12)]
+    expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    llm = _engine(model_dir, budget=8)
+    kv = llm.core.kv_cache_manager
+    assert [g.window for g in kv.groups.groups] == [None, GPT_OSS_WINDOW]
+    assert llm.core.info.model_summary[2] == (
+        "KV cache: 256 blocks of 4 tokens x 1 layer in 2 groups: full attention (1 layer) "
+        "128 blocks a sequence, sliding window 16 (1 layer) 5 blocks a sequence; maximum "
+        "concurrency at max_model_len 512: 1 sequences")
+    block = 4
+    window_bound = -(-GPT_OSS_WINDOW // block) + 1  # the window's blocks, the one filling
+    for run, prompt in enumerate(prompts):
+        llm.add_request(prompt, GREEDY, request_id=f"long-{run}")
+        tokens: list[int] = []
+        cached = 0
+        held: list[list[int]] = []
+        while llm.outputs.num_unfinished:
+            for out in llm.step():
+                tokens.extend(out.new_token_ids)
+                cached = out.num_cached_tokens
+            if llm.outputs.num_unfinished:
+                held.append(kv.held_blocks_per_group(f"long-{run}"))
+        assert tokens == expected[run]
+        # The step before the last (the last one finishes the request): its slots reach the
+        # prompt and all outputs but the last two (the one it samples, the next).
+        full, sliding = held[-1]
+        assert full == -(-(len(prompt) + MAX_TOKENS - 2) // block)
+        assert sliding <= window_bound < full // 3, held
+        # While prefilling in 8-token chunks: the window's blocks and the chunk's two.
+        assert max(s for _, s in held) <= window_bound + 8 // block, held
+        assert kv.num_free_blocks == kv.num_blocks
+        if run == 1:  # the shared prefix's blocks, of both groups, are hits
+            assert cached == len(prefix) // block * block
+    # A pool that holds one alone (22 blocks of the full group and up to 7 of the sliding
+    # one) but not both, even sharing the prefix's: the scheduler preempts by recompute
+    # across both groups, and the re-admitted request's prefix hits (window-only in the
+    # sliding group) keep it exact.
+    small = LLM(EngineConfig(
+        model=str(model_dir), dtype="float32",
+        cache=CacheConfig(block_size=block, num_gpu_blocks_override=30),
+        scheduler=SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4,
+                                  reserve_output_room=False)))
+    assert [r.token_ids for r in small.generate(prompts, GREEDY)] == expected
+    preemptions = small.metrics.registry.get_sample_value(
+        "vllm:num_preemptions_total", {"model_name": model_dir.name, "engine": "engine-0"})
+    assert preemptions is not None and preemptions > 0
+    assert small.core.kv_cache_manager.num_free_blocks == 30

@@ -284,3 +284,4 @@ def test_a_qwen3_moe_prompt_moves_over_ucx_and_decodes_as_hf(tmp_path):
     finally:
         p.remote_kv.close()
         d.remote_kv.close()
+

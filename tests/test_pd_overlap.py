@@ -344,3 +344,39 @@ def test_cancelling_mid_stream_frees_both_sides(pd):
     # ReleaseKv leaves (services/replica/prefill_peers.py), so the release cannot overtake the
     # prompt's end and find nothing to free.
     wait_all_free(prefill.target, decode.target, timeout=2)
+
+
+def test_gpt_oss_kv_cache_groups_overlap_exactly(tmp_path):
+    """GPT-OSS splits its cache into a full and a 16-token sliding-window group on both
+    cores: announcements and the result move interleaved pages (two a block) while the
+    prompt computes in chunks; the tokens are HF's, a second prompt sharing 40 tokens pulls
+    only the pages after the decode core's own hits, and both pools end empty."""
+    from tests.hf_reference import hf_greedy as hf_reference_greedy
+    from tests.hf_reference import random_prompts
+    from tests.moe_factory import GPT_OSS_WINDOW, build_tiny_moe_model
+
+    model_dir = build_tiny_moe_model(tmp_path / "gpt_oss", "gpt_oss")
+    p = make_core(model_dir, "prefill-oss-overlap", "producer", CHUNK)
+    d = make_core(model_dir, "decode-oss-overlap", "consumer", pull_timeout_seconds=10.0)
+    try:
+        assert p.kv_cache_manager.pages_per_block == d.kv_cache_manager.pages_per_block == 2
+        assert p.info.kv_layout.model.endswith(f"+kv-groups:full/1,sliding{GPT_OSS_WINDOW}/1")
+        shared = random_prompts(400, [40], seed=20)[0]  # 10 blocks of 4
+        prompts = [shared + tail for tail in random_prompts(400, [1, 10], seed=21)]
+        wants = hf_reference_greedy(model_dir, prompts, GREEDY.max_tokens)
+        reports = []
+        for i, (prompt, want) in enumerate(zip(prompts, wants, strict=True)):
+            flow = Overlapped(p, d, f"oss{i}", prompt)
+            tokens, report = flow.finish()
+            assert tokens == want
+            assert report.fallback_reason is None and flow.announcements > 0
+            reports.append(report)
+            p.release_kv([f"oss{i}"])
+        # Pages: 11 blocks of 41 tokens, then 10 of the shared 40 were hits here.
+        assert (reports[0].blocks_local, reports[0].blocks_pulled) == (0, 2 * 11)
+        assert (reports[1].blocks_local, reports[1].blocks_pulled) == (2 * 10, 2 * 3)
+        assert reports[0].blocks_pulled_early > 0
+        wait_cores_free(p, d)
+    finally:
+        p.remote_kv.close()
+        d.remote_kv.close()

@@ -101,7 +101,13 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions)
+        views = metadata.layer_views
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, self.rotary, cos_sin, layer_cache(kv_cache, i), metadata,
-                           lora)
+            if views is None:
+                hidden = layer(hidden, self.rotary, cos_sin, layer_cache(kv_cache, i), metadata,
+                               lora)
+            else:  # KV cache groups: the layer's slot and its group's block tables
+                slot, group_metadata = views[i]
+                hidden = layer(hidden, self.rotary, cos_sin, layer_cache(kv_cache, slot),
+                               group_metadata, lora)
         return self.norm(hidden)

@@ -5,7 +5,7 @@ worker's model runner reads. A worker runs the same ``ModelRunner.execute`` as r
 every rank makes the same collectives in the same order, including the LM head's gathers
 for prompt logprobs and speculative drafts) and its sampled tokens are dropped: only rank
 0's go back to the scheduler. A worker therefore needs each scheduled request's tokens,
-sampling parameters and block ids, not its grammar (masks change logits after the last
+sampling parameters and block ids (every KV cache group's), not its grammar (masks change logits after the last
 collective) nor its P/D or tier state.
 """
 
@@ -50,5 +50,6 @@ def step_message(scheduler_output: SchedulerOutput, released: list[str]) -> Step
         request.block_hashes = []
         request.pending_prompt_logprobs = []
         scheduled.append(ScheduledRequest(request, item.num_new_tokens, item.block_ids,
-                                          item.draft_token_ids))
+                                          item.draft_token_ids,
+                                          extra_block_ids=item.extra_block_ids))
     return StepMessage(SchedulerOutput(scheduled=scheduled), released)

@@ -16,6 +16,12 @@ A step's tokens are a ragged batch: sequence ``i`` contributes the query tokens
 ``seq_lens[i] - query_len_i ... seq_lens[i] - 1``; the earlier ``seq_lens[i] - query_len_i``
 tokens are already in the cache (prefix hits, earlier chunks, earlier decode steps).
 Attention is causal over the sequence's whole context.
+
+KV cache groups (``engine_common.kv_cache_groups``): when a model's layers of different
+attention types keep separate block tables, the cache's layer axis holds one group's layers
+and each group has its own metadata (its ``block_tables`` and ``slot_mapping``; the rest is
+the step's). ``layer_views[i]`` names layer ``i``'s slot in the layer axis and its group's
+metadata; a backend reads only the metadata it is given, so it needs nothing else.
 """
 
 from __future__ import annotations
@@ -44,6 +50,16 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # KV cache groups: per layer, (its slot in the cache's layer axis, its group's
+    # metadata); None: one group, layer i at slot i with this metadata.
+    layer_views: tuple[tuple[int, AttentionMetadata], ...] | None = None
+    # A group's metadata: the step's (the one the model was given); None for that one.
+    step: AttentionMetadata | None = None
+
+    @property
+    def step_metadata(self) -> AttentionMetadata:
+        """The step's metadata, whichever group's this is (backends plan once per step)."""
+        return self.step if self.step is not None else self
 
     @property
     def num_seqs(self) -> int:

@@ -67,7 +67,8 @@ def _plan_rows(metadata: AttentionMetadata, seqs: list[int], query_len: int,
 
 
 class SinkWindowAttention:
-    """One per backend: plans a step once per window size, for every layer with it."""
+    """One per backend: plans a step once per window size, for every layer with it (with KV
+    cache groups each window is one group's, whose metadata its layers all get)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float):
         self.num_heads = num_heads
@@ -79,8 +80,8 @@ class SinkWindowAttention:
 
     def _plan(self, metadata: AttentionMetadata, window: int | None, block_size: int,
               device: torch.device) -> list[_Rows]:
-        if self._planned_for is not metadata:
-            self._planned_for, self._plans = metadata, {}
+        if self._planned_for is not metadata.step_metadata:
+            self._planned_for, self._plans = metadata.step_metadata, {}
         plan = self._plans.get(window)
         if plan is None:
             query_lens = metadata.query_lens_cpu

@@ -115,10 +115,12 @@ class TorchAttentionBackend(AttentionBackend):
         self.num_queries_per_kv = num_heads // num_kv_heads
         self.dense_decode = num_kv_heads <= _MAX_KV_HEADS_FOR_DENSE_DECODE
         self.use_paged_kernel = use_paged_kernel
-        # Every layer of a step shares one plan, rebuilt when a new metadata object arrives
-        # (a step's metadata is never mutated once the forward pass starts).
+        # Every layer of a step shares one plan (one per KV cache group's metadata), rebuilt
+        # when a new step's metadata arrives (never mutated once the forward pass starts).
         self._planned_for: AttentionMetadata | None = None
-        self._plan: _StepPlan | None = None
+        self._plans: dict[int, _StepPlan] = {}  # by id() of a metadata of that step
+        # The last metadata asked for and its plan: one group's steps stop here, as before.
+        self._last: tuple[AttentionMetadata, _StepPlan] | None = None
         # Reused buffers for gathered K and V (layers run one after another).
         self._gather_workspace: torch.Tensor | None = None
 
@@ -263,8 +265,15 @@ class TorchAttentionBackend(AttentionBackend):
         self, metadata: AttentionMetadata, geometry: _Geometry, device: torch.device,
         gather: bool
     ) -> _StepPlan:
-        if self._planned_for is metadata and self._plan is not None:
-            return self._plan
+        last = self._last
+        if last is not None and last[0] is metadata:
+            return last[1]
+        if self._planned_for is not metadata.step_metadata:
+            self._planned_for, self._plans = metadata.step_metadata, {}
+        plan = self._plans.get(id(metadata))
+        if plan is not None:
+            self._last = (metadata, plan)
+            return plan
         query_lens = metadata.query_lens_cpu
         seq_lens = metadata.seq_lens_cpu
         decode_seqs = [i for i, n in enumerate(query_lens) if n == 1]
@@ -279,8 +288,9 @@ class TorchAttentionBackend(AttentionBackend):
                     self._plan_prefill(metadata, i, start, query_len, seq_len, geometry, device)
                 )
             start += query_len
-        self._planned_for, self._plan = metadata, _StepPlan(decode, prefills)
-        return self._plan
+        plan = self._plans[id(metadata)] = _StepPlan(decode, prefills)
+        self._last = (metadata, plan)
+        return plan
 
     @staticmethod
     def _plan_decode(
