@@ -12,11 +12,14 @@ shows at most a few dozen characters of a client's value, and every status messa
 a header block over its limit drops the connection, every other stream on it included). It
 does not own deciding when a request is wrong (``validation``, ``request_limits``) or
 overloaded (``admission``). Cancellation (client gone, deadline) is never caught here: it must reach the
-engine's stream so the request is aborted and its blocks freed.
+engine's stream so the request is aborted and its blocks freed. A write that fails because
+the call already ended (the client left between two messages) is that same cancellation,
+seen from the write's side, and ends the handler as one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
@@ -26,6 +29,7 @@ import grpc
 import grpc.aio
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
+from grpc._cython.cygrpc import ExecuteBatchError
 
 from engine_common.core_process import EngineDeadError
 from engine_common.input_processor import InvalidRequestError
@@ -155,6 +159,12 @@ def rpc_handler(
             return await method(self, request, context)
         except grpc.aio.AbortError:
             raise  # the handler already chose a status
+        except ExecuteBatchError as error:
+            # NOTE: grpcio raises this from ``context.write`` when the call ended before the
+            # write (a client's deadline or cancel racing the handler: the fuzz suite's 2 s
+            # watchers hit it); the handler's own cleanup already ran as it propagated.
+            logger.debug("%s: the call ended before a write: %s", method.__name__, error)
+            raise asyncio.CancelledError from error
         except Exception as error:  # noqa: BLE001 - every failure must become a status
             status = status_of(error)
             if status is None:
