@@ -4,6 +4,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export TANDEM_CACHE_DIR ?= $(CURDIR)/.cache/tandem
+# Bytecode is written on first import (pip installs with --no-compile, below): an environment
+# that sets PYTHONDONTWRITEBYTECODE would have every process compile torch's, transformers'
+# and our modules from source at each start (a replica's start took 11.8 CPU seconds instead
+# of 5.3, measured), and make test starts many.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: help setup demo serve test lint typecheck protos protos-check bench bench-serving bench-scoring bench-speculative bench-lora bench-cpu-dtype bench-peer-setup bench-gpu bench-routing-sim clean fuzz
 

@@ -7,20 +7,24 @@ hidden 512, 8 layers, expert size 256, 8 query / 4 KV heads of 64) and a GPT-OSS
 one (the same sizes, sinks, a 128-token sliding window on alternate layers, YaRN, biases).
 For each model and each batch size of ``--batches`` (1, 16, 64): that many prompts of
 ``--prompt-len`` random token ids, ``--output-len`` greedy tokens each, EOS ignored. Every
-engine runs in its own process pinned to the same CPUs at the same niceness; the order of
-the engines alternates from one batch size to the next. Throughput is output tokens over
-the wall time of the whole generate call (prefill included, as the workload is mostly
-decode). Tandem's and vLLM's tokens are compared with HF's.
+engine runs in its own process pinned to the same CPUs at the same niceness, ``--rounds``
+times per cell, the order of the engines alternating from one run to the next. Throughput
+is output tokens over the wall time of the whole generate call (prefill included, as the
+workload is mostly decode), and over the CPU seconds the engine's processes used during
+it. Tandem's and vLLM's tokens are compared with HF's.
 
-The machine is shared with other agents: the load average around each run is recorded and
-figures are noisy.
+The machine is shared with other agents: the load average before each run is recorded;
+wall times are noisy (an engine waits for the CPU as long as others hold it), CPU seconds
+much less so.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,6 +39,36 @@ from bench.peer import peer_available, run_peer_script, run_process_group  # noq
 from bench.report import first_difference, write_report  # noqa: E402
 
 RESULT_PREFIX = "MOE_RESULT "
+
+
+def tree_cpu_seconds() -> float:
+    """The CPU seconds (user + system) of this process and every live descendant, from
+    /proc: vLLM computes in a child process, and on a machine shared with other work the
+    CPU an engine used is a steadier measure than the wall time it waited (both are
+    reported). The vLLM-CPU script runs this function too (its source is prepended)."""
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    own: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))
+        own[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    total, todo = 0.0, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        total += own.get(pid, 0.0)
+        todo.extend(children.get(pid, []))
+    return total
+
+
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
                       num_key_value_heads=4, head_dim=64, num_experts=16,
@@ -87,7 +121,7 @@ def worker(config: dict[str, Any]) -> None:
         llm.generate([prompts[0][:8]], SamplingParams(temperature=0.0, max_tokens=2))
         llm.core.kv_cache_manager.reset_prefix_cache()
         params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-        start = time.perf_counter()
+        cpu, start = tree_cpu_seconds(), time.perf_counter()
         tokens = [r.token_ids for r in llm.generate(prompts, params)]
     else:
         from transformers import AutoModelForCausalLM
@@ -96,15 +130,16 @@ def worker(config: dict[str, Any]) -> None:
         with torch.inference_mode():
             ids = torch.tensor(prompts)
             hf.generate(ids[:1, :8], max_new_tokens=2, do_sample=False, pad_token_id=0)
-            start = time.perf_counter()
+            cpu, start = tree_cpu_seconds(), time.perf_counter()
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
                               min_new_tokens=out_len, do_sample=False, pad_token_id=0)
         tokens = out[:, ids.shape[1]:].tolist()
-    elapsed = time.perf_counter() - start
-    print(RESULT_PREFIX + json.dumps({"elapsed": elapsed, "tokens": tokens}), flush=True)
+    elapsed, cpu = time.perf_counter() - start, tree_cpu_seconds() - cpu
+    print(RESULT_PREFIX + json.dumps({"elapsed": elapsed, "cpu": cpu, "tokens": tokens}),
+          flush=True)
 
 
-PEER_SCRIPT = r"""
+PEER_SCRIPT = inspect.getsource(tree_cpu_seconds) + r"""
 import json, os, sys, time
 from vllm import LLM, SamplingParams, TokensPrompt
 cfg = json.loads(sys.argv[1])
@@ -114,10 +149,10 @@ prompts = [TokensPrompt(prompt_token_ids=p) for p in cfg["prompts"]]
 llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
 llm.reset_prefix_cache()
 params = SamplingParams(temperature=0.0, max_tokens=cfg["out_len"], ignore_eos=True)
-start = time.perf_counter()
+cpu, start = tree_cpu_seconds(), time.perf_counter()
 outs = llm.generate(prompts, params, use_tqdm=False)
-elapsed = time.perf_counter() - start
-print("PEER_RESULT " + json.dumps({"elapsed": elapsed,
+elapsed, cpu = time.perf_counter() - start, tree_cpu_seconds() - cpu
+print("PEER_RESULT " + json.dumps({"elapsed": elapsed, "cpu": cpu,
                                    "tokens": [list(o.outputs[0].token_ids) for o in outs]}))
 """
 
@@ -145,38 +180,57 @@ def run(engine: str, model: Path, prompts: list[list[int]], out_len: int, cpus: 
 
 
 def measure(args: argparse.Namespace, kind: str) -> dict[str, Any]:
+    """Each batch size's cell: ``--rounds`` runs of every engine, the engines' order
+    alternating from one run to the next; wall and CPU seconds of each run, and the
+    ratios of the medians."""
     model = build_model(kind, args.model_root / kind)
     engines = ["tandem", "hf"] + (["vllm_cpu"] if peer_available() and not args.skip_peer
                                   else [])
     gen = torch.Generator().manual_seed(1)
     results: dict[str, Any] = {}
-    for i, batch in enumerate(args.batches):
+    turn = 0
+    for batch in args.batches:
         prompts = torch.randint(3, VOCAB, (batch, args.prompt_len), generator=gen).tolist()
-        row: dict[str, Any] = {}
+        runs: dict[str, list[dict[str, float]]] = {engine: [] for engine in engines}
         tokens: dict[str, list[list[int]]] = {}
-        for engine in engines if i % 2 == 0 else engines[::-1]:
-            load = os.getloadavg()[0]
-            result = run(engine, model, prompts, args.output_len, args.cpus, args.nice)
-            if result is None:
-                row[engine] = {"failed": True}
-                continue
-            tok_s = batch * args.output_len / result["elapsed"]
-            tokens[engine] = result["tokens"]
-            row[engine] = {"seconds": result["elapsed"], "output_tok_s": tok_s,
-                           "load_1min_before": load, "load_1min_after": os.getloadavg()[0]}
-            print(f"{kind} batch {batch:3d} {engine:9s} {tok_s:8.1f} tok/s "
-                  f"(load {load:.1f})", flush=True)
-        for engine in ("tandem", "vllm_cpu"):
-            if engine in tokens and "hf" in tokens:
-                parts = [first_difference(a, b) for a, b in zip(tokens[engine], tokens["hf"],
-                                                                strict=True)]
-                row[engine]["sequences_identical_to_hf"] = sum(p is None for p in parts) / batch
-        for peer in ("hf", "vllm_cpu"):
-            if peer in tokens and "tandem" in tokens:
-                row[f"tandem_over_{peer}"] = (row["tandem"]["output_tok_s"]
-                                              / row[peer]["output_tok_s"])
-        results[str(batch)] = row
+        for _ in range(args.rounds):
+            for engine in engines if turn % 2 == 0 else engines[::-1]:
+                load = os.getloadavg()[0]
+                result = run(engine, model, prompts, args.output_len, args.cpus, args.nice)
+                if result is None:
+                    continue
+                tokens[engine] = result["tokens"]
+                runs[engine].append({"seconds": result["elapsed"], "cpu_seconds": result["cpu"],
+                                     "load_1min_before": load})
+                print(f"{kind} batch {batch:3d} {engine:9s} "
+                      f"{batch * args.output_len / result['elapsed']:8.1f} tok/s, "
+                      f"{batch * args.output_len / result['cpu']:8.1f} tok/CPU-s "
+                      f"(load {load:.1f})", flush=True)
+            turn += 1
+        results[str(batch)] = _cell(runs, tokens, batch * args.output_len)
     return results
+
+
+def _cell(runs: dict[str, list[dict[str, float]]], tokens: dict[str, list[list[int]]],
+          output_tokens: int) -> dict[str, Any]:
+    row: dict[str, Any] = {}
+    for engine, measured in runs.items():
+        if not measured:
+            row[engine] = {"failed": True}
+            continue
+        wall = statistics.median(r["seconds"] for r in measured)
+        cpu = statistics.median(r["cpu_seconds"] for r in measured)
+        row[engine] = {"runs": measured, "output_tok_s": output_tokens / wall,
+                       "output_tok_per_cpu_s": output_tokens / cpu}
+        if engine != "hf" and "hf" in tokens and engine in tokens:
+            parts = [first_difference(a, b) for a, b in zip(tokens[engine], tokens["hf"],
+                                                            strict=True)]
+            row[engine]["sequences_identical_to_hf"] = sum(p is None for p in parts) / len(parts)
+    for peer in ("hf", "vllm_cpu"):
+        if "output_tok_s" in row.get(peer, {}) and "output_tok_s" in row.get("tandem", {}):
+            for key in ("output_tok_s", "output_tok_per_cpu_s"):
+                row[f"tandem_over_{peer}_{key}"] = row["tandem"][key] / row[peer][key]
+    return row
 
 
 def main() -> None:
@@ -184,6 +238,8 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of every engine per cell, their order alternating")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--cpus", type=int, nargs="+", default=[0])
@@ -201,7 +257,9 @@ def main() -> None:
         "shapes": {k: SHAPES[k] for k in args.models}, "vocab": VOCAB, "dtype": "float32",
         "batches": args.batches, "prompt_len": args.prompt_len,
         "output_len": args.output_len, "cpus": args.cpus, "nice": args.nice,
-        "note": "shared 2-core machine, other agents running: noisy; one run per cell"},
+        "rounds": args.rounds,
+        "note": "shared 2-core machine, other agents running: wall times are noisy; CPU "
+                "seconds (the engine's process tree, during the generate call) less so"},
         results=results)
 
 

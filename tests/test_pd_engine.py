@@ -260,28 +260,3 @@ def test_an_adapters_blocks_held_for_a_decode_replica_keep_its_name_taken(
     p.load_lora_adapter("a", adapter)
     p.unload_lora_adapter("a")
     assert not p.model_runner.lora_adapters.has_weights
-
-
-def test_a_qwen3_moe_prompt_moves_over_ucx_and_decodes_as_hf(tmp_path):
-    """Qwen3-MoE (a dense layer between sparse ones, q/k norm): the decode core's greedy
-    tokens after pulling the prompt's KV over UCX are Hugging Face's."""
-    from tests.hf_reference import hf_greedy, random_prompts
-    from tests.moe_factory import build_tiny_moe_model
-
-    model_dir = build_tiny_moe_model(tmp_path / "qwen3_moe", "qwen3_moe")
-    p = make_core(model_dir, "prefill-moe", "producer", lease_seconds=5.0)
-    d = make_core(model_dir, "decode-moe", "consumer", pull_timeout_seconds=10.0)
-    try:
-        prompts = random_prompts(400, [6, 29], seed=5)
-        for i, (prompt, want) in enumerate(zip(prompts, hf_greedy(model_dir, prompts, 8),
-                                               strict=True)):
-            first, handle = prefill(p, f"moe{i}", prompt)
-            tokens, report = decode(d, f"moe{i}", prompt, first, handle)
-            assert report.fallback_reason is None and report.blocks_pulled > 0
-            assert tokens == want
-            p.release_kv([f"moe{i}"])
-            wait_released(p)
-    finally:
-        p.remote_kv.close()
-        d.remote_kv.close()
-
