@@ -166,8 +166,14 @@ class LoadTracker:
         while True:
             call = replica.engine.WatchLoad(request)
             try:
-                while (report := await asyncio.wait_for(call.read(), silent_limit)) \
-                        is not grpc.aio.EOF:
+                while True:
+                    # NOTE: asyncio.timeout, not wait_for: Python 3.11's wait_for returns the
+                    # read's result when a cancellation arrives just as the read completes,
+                    # and this loop then never ends (a gateway hung on SIGTERM for 30 s).
+                    async with asyncio.timeout(silent_limit):
+                        report = await call.read()
+                    if report is grpc.aio.EOF:
+                        break
                     self._received(replica, load, cast(engine_pb2.LoadReport, report))
             except TimeoutError:
                 logger.debug("WatchLoad on %s went silent; reconnecting", replica.address)

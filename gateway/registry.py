@@ -160,7 +160,8 @@ class ReplicaRegistry:
                 return False
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), min(remaining, 0.5))
+                async with asyncio.timeout(min(remaining, 0.5)):  # not wait_for: see load.py
+                    await self._changed.wait()
         return True
 
     # ----------------------------------------------------------------- lifecycle

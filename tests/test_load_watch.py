@@ -139,3 +139,28 @@ async def _follow(watch: bool) -> None:
         assert engine.calls == {"GetLoad": 0, "WatchLoad": 1}
     else:  # refused once, then polled for good
         assert engine.calls["WatchLoad"] == 1 and engine.calls["GetLoad"] > 5
+
+
+class _BusyEngine(_Engine):
+    """Reports as fast as it can write them: every read of the watcher completes at once."""
+
+    async def WatchLoad(self, request: epb.WatchLoadRequest,  # noqa: N802
+                        context: grpc.aio.ServicerContext) -> None:
+        while True:
+            self.running += 1
+            await context.write(self._report())
+
+
+def test_the_watcher_stops_while_reports_pour_in() -> None:
+    """A gateway once hung on SIGTERM for 30 s: Python 3.11's ``asyncio.wait_for`` around the
+    watcher's read returned the report when the stop's cancellation arrived just as the read
+    completed, and the watch loop went on."""
+    asyncio.run(_stop_under_reports())
+
+
+async def _stop_under_reports() -> None:
+    engine = _BusyEngine(watch=True)
+    for _ in range(20):
+        async with _tracked(engine) as (tracker, address):
+            await _until(lambda: (tracker.view(address).num_running or 0) > 10)
+            await asyncio.wait_for(asyncio.shield(tracker.stop()), 5.0)
