@@ -16,8 +16,9 @@ bytes into one destination buffer, round by round, each variant in turn:
                connector's read path of more than 1 MiB since the fix)
   get_caller   posted and progressed on the calling thread alone (no loop, no hop)
 
-Per variant: wall ms (median), and the CPU seconds of the consumer's and the producer's
-processes and of the consumer's threads by name during the transfer (``/proc``).
+Per variant: wall ms (median), the CPU time of the consumer's and the producer's processes
+and of the consumer's threads by name during the transfer (``/proc/*/schedstat``), and the
+consumer's minor page faults (first touches of the destination would show there).
 
 Run: ``python -m bench.kv_get_probe [--blocks 64] [--rounds 15]``; ``UCX_PROTO_INFO=y``
 prints the protocols UCX chose; ``UCX_CMA_SEG_SIZE`` / ``UCX_CMA_TX_QUOTA`` change how much
@@ -31,6 +32,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import resource
 import statistics
 import sys
 import threading
@@ -54,11 +56,20 @@ REQUEST_TAG = 7
 RESULTS = Path(__file__).resolve().parent / "results" / "kv_get_probe.json"
 
 
-def _producer(conn: Connection, nbytes: int) -> None:
+def _allocate(nbytes: int, fill: int, alloc: str) -> Any:
+    """A buffer as the raw bench makes it (numpy) or as a KV cache is (torch)."""
+    if alloc == "numpy":
+        return np.full(nbytes, fill, dtype=np.uint8)
+    import torch
+
+    return torch.full((nbytes,), fill, dtype=torch.uint8).numpy()  # same memory
+
+
+def _producer(conn: Connection, nbytes: int, alloc: str) -> None:
     import ucxx
 
     runtime = UcxRuntime.shared(HOST)
-    buffer = np.full(nbytes, 3, dtype=np.uint8)
+    buffer = _allocate(nbytes, 3, alloc.split(",")[0])
     mapped = MappedMemory(ucxx.core._get_ctx().context.handle, buffer.ctypes.data, nbytes)
     conn.send((runtime.worker_address("shm"), mapped.rkey, mapped.address, os.getpid()))
 
@@ -99,13 +110,13 @@ def _threads_cpu() -> dict[str, float]:
 
 
 class Probe:
-    def __init__(self, conn: Connection, nbytes: int):
+    def __init__(self, conn: Connection, nbytes: int, alloc: str):
         import ucxx
 
         self.runtime = UcxRuntime.shared(HOST)
         self.nbytes = nbytes
         address, rkey, self.remote, self.producer_pid = conn.recv()
-        self.dest = np.zeros(nbytes, dtype=np.uint8)
+        self.dest = _allocate(nbytes, 0, alloc.split(",")[-1])
         self.endpoint = self.runtime.call(open_endpoint(address))
         conn.send(self.runtime.worker_address("shm"))
         self.rkey = RemoteKey(self.endpoint.ucp_endpoint, rkey)
@@ -161,13 +172,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--variants", default="raw,get_copy,get_signal,get_caller")
     parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--alloc", default="numpy",
+                        help="who allocates the buffers, numpy or torch, both or "
+                        "PRODUCER,CONSUMER (the bench's raw buffers are numpy, KV caches torch)")
     args = parser.parse_args()
     nbytes = args.blocks * BLOCK_BYTES
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    process = ctx.Process(target=_producer, args=(child, nbytes), daemon=True)
+    process = ctx.Process(target=_producer, args=(child, nbytes, args.alloc), daemon=True)
     process.start()
-    probe = Probe(parent, nbytes)
+    probe = Probe(parent, nbytes, args.alloc)
     names = args.variants.split(",")
     stats: dict[str, dict[str, list[float]]] = {n: {} for n in names}
     load = [os.getloadavg()]
@@ -175,10 +189,12 @@ def main() -> None:
         for name in names[i % len(names):] + names[:i % len(names)]:
             probe.dest.fill(0)
             threads, peer = _threads_cpu(), _cpu_of(probe.producer_pid)
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             cpu, started = time.process_time(), time.perf_counter()
             getattr(probe, name)()
             wall = time.perf_counter() - started
             cpu = time.process_time() - cpu
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             after = _threads_cpu()
             assert (probe.dest == 3).all(), name
             if i < args.warmup:
@@ -186,6 +202,7 @@ def main() -> None:
             row = stats[name]
             row.setdefault("wall_ms", []).append(wall * 1e3)
             row.setdefault("consumer_cpu_ms", []).append(cpu * 1e3)
+            row.setdefault("consumer_minor_faults", []).append(faults)
             row.setdefault("producer_cpu_ms", []).append((_cpu_of(probe.producer_pid) - peer) * 1e3)
             for thread, seconds in after.items():
                 spent = (seconds - threads.get(thread, 0.0)) * 1e3
@@ -202,6 +219,7 @@ def main() -> None:
             row["ratio_to_raw"] = round(raw / row["wall_ms"], 3)
         print(name, json.dumps(row), flush=True)
     report = {"benchmark": "kv_get_probe", "blocks": args.blocks, "bytes": nbytes,
+              "alloc": args.alloc,
               "rounds": args.rounds, "statistic": "medians over interleaved rounds",
               "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX")},
               "load_average": load, "results": summary,
