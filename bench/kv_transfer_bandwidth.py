@@ -91,11 +91,18 @@ RAW_REQUEST_TAG = 7  # raw requests: [transport index, nbytes, messages, first t
 RESULTS = Path(__file__).resolve().parent / "results" / "kv_transfer_bandwidth.json"
 
 
-def make_cache(num_blocks: int, seed: int, device: str) -> torch.Tensor:
+def make_cache(num_blocks: int, seed: int, device: str, huge_pages: bool = False) -> torch.Tensor:
+    """A random cache; ``huge_pages``: in host memory advised transparent huge pages before
+    first touch, as numpy's (the raw buffers') are (``bench/cma_page_probe.py``)."""
     shape = kv_cache_shape(LAYOUT.num_layers, num_blocks, LAYOUT.block_size,
                            LAYOUT.num_kv_heads, LAYOUT.head_size)
     generator = torch.Generator().manual_seed(seed)
     bits = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=generator)
+    if huge_pages and device == "cpu":
+        from bench.cma_page_probe import huge_page_bytes
+
+        cache = huge_page_bytes(bits.numel() * 2).view(torch.int16).view(shape)
+        return cache.copy_(bits).view(torch.bfloat16)
     return bits.view(torch.bfloat16).to(device)
 
 
@@ -128,10 +135,12 @@ async def _open_raw(runtime: UcxRuntime, address: bytes, buffer: Any) -> asyncio
     return asyncio.ensure_future(_serve_raw(runtime, await open_endpoint(address), buffer))
 
 
-def _producer_main(conn: Connection, kind: TransportKind, device: str) -> None:
+def _producer_main(conn: Connection, kind: TransportKind, device: str,
+                   huge_pages: bool = False) -> None:
     """A producer process for one transport (as a deployment reaches each producer one way),
     with a raw server beside its connector."""
-    producer = UcxKvProducer(make_cache(CACHE_BLOCKS, seed=1, device=device), LAYOUT,
+    producer = UcxKvProducer(make_cache(CACHE_BLOCKS, seed=1, device=device,
+                                        huge_pages=huge_pages), LAYOUT,
                              f"bench-{kind}", host=HOST)
     producer.start()
     runtime = UcxRuntime.shared(HOST)
@@ -310,9 +319,10 @@ def report_line(row: dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
-def start_bench(producers: dict[TransportKind, Connection], device: str) -> Bench:
+def start_bench(producers: dict[TransportKind, Connection], device: str,
+                huge_pages: bool = False) -> Bench:
     runtime = UcxRuntime.shared(HOST)
-    kv = make_cache(CACHE_BLOCKS, seed=2, device=device)
+    kv = make_cache(CACHE_BLOCKS, seed=2, device=device, huge_pages=huge_pages)
     consumers = {
         # Each mode forced, to see both at every size (the default policy's choice is
         # recorded with the results).
@@ -342,8 +352,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="where both KV caches live: cpu or cuda")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)),
                         help="comma-separated pull sizes in blocks")
+    parser.add_argument("--cache-pages", choices=("4k", "huge"), default="4k",
+                        help="host KV caches on 4 KiB pages (as the engine's) or advised "
+                        "transparent huge pages (as the raw buffers, numpy's, are)")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    huge_pages = args.cache_pages == "huge"
     machine = report_machine()
     load_before = os.getloadavg()
 
@@ -352,13 +366,14 @@ def main() -> None:
     children = []
     for kind in TRANSPORTS:
         producers[kind], child_conn = ctx.Pipe()
-        children.append(ctx.Process(target=_producer_main, args=(child_conn, kind, args.device),
+        children.append(ctx.Process(target=_producer_main,
+                                    args=(child_conn, kind, args.device, huge_pages),
                                     daemon=True))
         children[-1].start()
 
     import ucxx
 
-    bench = start_bench(producers, args.device)
+    bench = start_bench(producers, args.device, huge_pages)
     results = []
     try:
         for num_blocks in sizes:
@@ -388,6 +403,8 @@ def main() -> None:
             "warmup": args.warmup,
             "host": HOST,
             "device": args.device,
+            "cache_pages": args.cache_pages,
+            "raw_buffers": "numpy (numpy advises transparent huge pages for large arrays)",
             "gpu": torch.cuda.get_device_name() if args.device != "cpu" else None,
             "statistic": "median seconds per transfer, submit to result, from the calling "
             "thread; GB = 1e9 bytes; ratio = raw median s / variant median s on the same "

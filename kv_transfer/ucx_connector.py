@@ -89,8 +89,8 @@ Failure detection
     handling: tcp sees the socket close, shared memory is checked by process id every
     ``KEEPALIVE_INTERVAL``), TCP keepalive on the control connection (a vanished host), and
     the pull's timeout (a frozen producer). A read pull's GETs are progressed on the loop's
-    thread for ``INLINE_READ_S``, then on a copy thread while the loop watches the control
-    connection (the producer writes nothing until the confirmation): its closing aborts
+    thread (up to ``INLINE_READ_BYTES``), or by ucxx's progress thread while the loop watches
+    the control connection (the producer writes nothing until the confirmation): its closing aborts
     the endpoint, which ends the GETs in flight (over cma a dead producer's memory is gone
     and they fail by themselves). A consumer that goes away is noticed the same way by the
     producer, which force-closes its endpoint (cancelling its sends).

@@ -46,7 +46,7 @@ from kv_transfer.ucx_io import (
     settle,
     tune_control_socket,
 )
-from kv_transfer.ucx_rma import ReadBurst, Reader, RemoteKey, coalesce_reads
+from kv_transfer.ucx_rma import ReadBurst, Reader, RemoteKey, coalesce_reads, wake_worker
 from kv_transfer.ucx_runtime import UcxRuntime
 from kv_transfer.wire import (
     PREVIOUS_VERSION,
@@ -73,9 +73,11 @@ logger = logging.getLogger(__name__)
 TRANSPORT_CHOICES = ("auto", "tcp")
 # A burst of reads ends by itself (a dead producer fails them at once); this bounds a bug.
 READ_SETTLE_TIMEOUT_S = 5.0
-# Reads are first progressed on the loop's own thread for up to this long (no hop: a small
-# pull is over by then); a longer burst is waited for on a copy thread, the loop meanwhile
-# watching the control connection (a producer that dies or freezes mid-read).
+# A burst of at most INLINE_READ_BYTES is progressed on the loop's own thread for up to
+# INLINE_READ_S (no thread wakes: over cma one progress call copies 512 KiB). Any other is
+# progressed by ucxx's progress thread alone, the loop meanwhile watching the control
+# connection (a producer that dies or freezes mid-read): see ``ucx_rma``'s threading note.
+INLINE_READ_BYTES = 2**20
 INLINE_READ_S = 0.002
 
 
@@ -534,9 +536,10 @@ class UcxKvConsumer(KvConsumer):
              for run in plan.runs])
         burst = self._reader.get(connection.endpoint.ucp_endpoint, rkey, reads)
         try:
-            # NOTE: progressed here first, on the loop's thread: a hop to a copy thread and
-            # back costs 0.1-1 ms on a busy host, more than a small pull's reads take.
-            over = burst.wait(_worker_handle(), INLINE_READ_S)
+            # NOTE: a small burst is progressed here, on the loop's thread: waking another
+            # thread and back costs 0.1-1 ms on a busy host, more than its reads take.
+            over = (sum(nbytes for _, nbytes, _ in reads) <= INLINE_READ_BYTES
+                    and burst.wait(_worker_handle(), INLINE_READ_S))
             if not over:
                 over = await self._wait_watching(connection, burst)
         finally:
@@ -548,29 +551,34 @@ class UcxKvConsumer(KvConsumer):
         burst.raise_for_failure()
 
     async def _wait_watching(self, connection: _Connection, burst: ReadBurst) -> bool:
-        """Progress the reads on a copy thread until they are over; meanwhile the control
-        connection is watched (the producer writes nothing until we confirm, so anything it
-        reads means the producer closed it): a producer gone mid-read has its endpoint
-        closed, which ends the GETs in flight."""
-        waiter = asyncio.ensure_future(self._runtime.run_copy(
-            functools.partial(burst.wait, _worker_handle(), READ_SETTLE_TIMEOUT_S)))
-        gone = asyncio.ensure_future(connection.reader.read(1))
+        """Wake ucxx's progress thread to progress the reads, and wait until they are over
+        (True) or READ_SETTLE_TIMEOUT_S passed (False); meanwhile the control connection is
+        watched (the producer writes nothing until we confirm, so anything it reads means
+        the producer closed it): a producer gone mid-read has its endpoint closed, which
+        ends the GETs in flight. Returns only once no read is in flight, or after the
+        timeout (logged by the caller)."""
+        loop = asyncio.get_running_loop()
+        landed: asyncio.Future[None] = loop.create_future()
+        burst.when_over(functools.partial(_resolve_threadsafe, loop, landed))
+        wake_worker(_worker_handle())
+        gone: asyncio.Future[bytes] = asyncio.ensure_future(connection.reader.read(1))
+        either: set[asyncio.Future[Any]] = {landed, gone}
         try:
-            done, _ = await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(either, timeout=READ_SETTLE_TIMEOUT_S,
+                                         return_when=asyncio.FIRST_COMPLETED)
             if gone in done:
                 abort_endpoint(connection.endpoint)
+                await asyncio.wait({landed}, timeout=READ_SETTLE_TIMEOUT_S)
         except asyncio.CancelledError:
             abort_endpoint(connection.endpoint)  # the pull timed out: stop reading
-            await asyncio.wait({waiter})
+            await asyncio.wait({landed}, timeout=READ_SETTLE_TIMEOUT_S)
             raise
         finally:
             gone.cancel()
             await asyncio.gather(gone, return_exceptions=True)
-            await asyncio.wait({waiter})
         if gone.done() and not gone.cancelled():
-            await asyncio.wait({waiter})
             raise KvTransferError("unreachable", "the producer closed the connection mid-read")
-        return waiter.result()
+        return burst.over
 
     def _receive_buffers(self, plan: TransferPlan, staging: torch.Tensor | None) -> list[Any]:
         if plan.mode == "direct":
@@ -620,6 +628,17 @@ class UcxKvConsumer(KvConsumer):
         for peer in self._peers.values():
             self._drop(peer)
         self._peers.clear()
+
+
+def _resolve_threadsafe(loop: asyncio.AbstractEventLoop, future: asyncio.Future[None]) -> None:
+    """Resolve ``future`` on ``loop`` from any thread (a loop already closed: nobody waits)."""
+    def resolve() -> None:
+        if not future.done():
+            future.set_result(None)
+    try:
+        loop.call_soon_threadsafe(resolve)
+    except RuntimeError:
+        pass
 
 
 def _worker_handle() -> int:

@@ -14,9 +14,17 @@ checking its lease. Used only where UCX reads the peer's memory by itself (share
 on host memory); TCP would emulate it with messages, so TCP keeps tagged sends.
 
 Threading: ucxx's worker runs in UCS_THREAD_MODE_MULTI (``worker_thread_mode`` says so),
-so GETs are posted from the runtime's loop and the worker is progressed from a copy
-thread (``ReadBurst.wait``) while ucxx's own progress thread may progress it too; a GET's
-completion callback runs on whichever thread progressed it and only counts.
+so GETs are posted from the runtime's loop. A small burst is progressed right there
+(``ReadBurst.wait``: one ``ucp_worker_progress`` performs up to a cma segment, 512 KiB);
+a larger one is left to ucxx's own progress thread, woken with ``wake_worker`` (it sleeps
+in epoll, and posting a GET writes nothing it watches; once awake it keeps progressing
+while cma work is queued, as UCX refuses to arm a worker with copies pending), and the
+waiter is told by ``ReadBurst.when_over``. Why not progress a large burst from Python as
+well: ucxx's thread then wakes and progresses the same worker too, the two threads take
+turns on the worker's lock for each 512 KiB segment and the burst costs twice the CPU time
+of a tagged rendezvous of the same bytes (measured by ``bench/kv_get_probe.py``, issue 34:
+on a loaded 2-core host that was the connector's 0.3-0.5x of raw UCX on shared memory).
+A GET's completion callback runs on whichever thread progressed it and only counts.
 
 Struct layouts are those of UCX 1.21's ``ucp.h``; every struct starts with a
 ``field_mask``, and only fields present since UCX 1.10 are set.
@@ -30,7 +38,7 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 _MEM_MAP_FIELD_ADDRESS, _MEM_MAP_FIELD_LENGTH, _MEM_MAP_FIELD_PROT = 1 << 0, 1 << 1, 1 << 3
@@ -96,6 +104,7 @@ def _libucp() -> ctypes.CDLL:
         "ucp_request_free": ([vp], None),
         "ucp_worker_progress": ([vp], ctypes.c_uint),
         "ucp_worker_query": ([vp, ctypes.POINTER(_WorkerAttrThreadMode)], ctypes.c_int),
+        "ucp_worker_signal": ([vp], ctypes.c_int),
     }
     for name, (argtypes, restype) in signatures.items():
         function = getattr(lib, name)
@@ -120,6 +129,12 @@ def worker_thread_mode(worker_handle: int) -> int:
     attr = _WorkerAttrThreadMode(field_mask=_WORKER_ATTR_FIELD_THREAD_MODE)
     _check(_libucp().ucp_worker_query(worker_handle, ctypes.byref(attr)), "ucp_worker_query")
     return int(attr.thread_mode)
+
+
+def wake_worker(worker_handle: int) -> None:
+    """Wake the thread blocked waiting for the worker's events (ucxx's progress thread), so
+    that it progresses what was just posted (any thread)."""
+    _check(_libucp().ucp_worker_signal(worker_handle), "ucp_worker_signal")
 
 
 class MappedMemory:
@@ -177,6 +192,7 @@ class ReadBurst:
         self._posted = False
         self.error = _UCS_OK
         self._over = threading.Event()
+        self._when_over: list[Callable[[], None]] = []
 
     def _add(self) -> None:
         with self._lock:
@@ -188,22 +204,41 @@ class ReadBurst:
             self._outstanding -= 1
             if status != _UCS_OK and self.error == _UCS_OK:
                 self.error = status
-            if self._posted and self._outstanding == 0:
-                self._over.set()
+            over = self._posted and self._outstanding == 0
+        if over:
+            self._set_over()
 
     def _all_posted(self) -> None:
         with self._lock:
             self._posted = True
-            if self._outstanding == 0:
-                self._over.set()
+            over = self._outstanding == 0
+        if over:
+            self._set_over()
+
+    def _set_over(self) -> None:
+        with self._lock:
+            self._over.set()
+            callbacks, self._when_over = self._when_over, []
+        for callback in callbacks:
+            callback()
+
+    def when_over(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once every GET is over: at once if they are, else on the thread
+        that completes the last one (keep it short and thread-safe)."""
+        with self._lock:
+            if not self._over.is_set():
+                self._when_over.append(callback)
+                return
+        callback()
+
+    @property
+    def over(self) -> bool:
+        return self._over.is_set()
 
     def wait(self, worker_handle: int, timeout: float) -> bool:
         """Progress the worker on this thread until every GET is over (True), or
-        ``timeout`` seconds passed (False). Blocking: run it off the loop.
-
-        Why progress here rather than leave it to ucxx's progress thread: that thread
-        sleeps in epoll until a message arrives, and a GET's completion sends none (over
-        cma, progressing the worker is what performs the copy, segment by segment)."""
+        ``timeout`` seconds passed (False): for small bursts (see the module docstring),
+        which one or two calls finish without a hop to another thread."""
         lib = _libucp()
         deadline = time.monotonic() + timeout
         while not self._over.is_set():

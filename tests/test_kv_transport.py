@@ -173,9 +173,10 @@ def test_a_producer_killed_mid_transfer_fails_the_pull_in_time_and_frees_it(
         transport: str) -> None:
     """On shared memory ("auto" on one host) and on TCP: (1) a producer frozen with a pull
     in flight, then killed; (2) a producer killed while a stream of back-to-back 34 MiB
-    pulls is in full flow. Each time the pull fails as "unreachable" within 2 s of the
-    kill (the control connection closes: no waiting for the pull's timeout), the
-    consumer holds no connection afterwards, and it pulls from a live producer again."""
+    pulls is in full flow (the first pull's bytes checked). Each time the pull fails as
+    "unreachable" within 2 s of the kill (the control connection closes: no waiting for the
+    pull's timeout), the consumer holds no connection afterwards, and it pulls from a live
+    producer again."""
     frozen = PeerProcess("producer", BIG, BIG_BLOCKS, seed=1, engine_id="frozen")
     streaming = PeerProcess("producer", BIG, BIG_BLOCKS, seed=1, engine_id="streaming")
     kv = kv_pattern(BIG, BIG_BLOCKS, seed=2)
@@ -185,6 +186,9 @@ def test_a_producer_killed_mid_transfer_fails_the_pull_in_time_and_frees_it(
     try:
         handle = frozen.pin("first", blocks)
         assert consumer.pull(handle, blocks, blocks, 30).result(60).transport == expected
+        # Byte-exact: a read this large is progressed by ucxx's progress thread (ucx_rma).
+        assert torch.equal(kv[:BIG_PULL].view(torch.int16),
+                           kv_pattern(BIG, BIG_PULL, seed=1).view(torch.int16))
         frozen.freeze()
         in_flight = consumer.pull(handle, blocks, blocks, 60)
         time.sleep(0.5)
