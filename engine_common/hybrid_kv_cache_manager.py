@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from engine_common.block_hash import BlockHash, group_block_key
 from engine_common.block_pool import KVCacheBlock
 from engine_common.kv_cache_groups import KVCacheGroups
-from engine_common.kv_cache_manager import OUT_OF_WINDOW_BLOCK_ID, KVCacheManager
+from engine_common.kv_cache_manager import KVCacheManager
 from engine_common.request import Request
 
 
@@ -209,20 +209,9 @@ class HybridKVCacheManager(KVCacheManager):
             block_ids.extend(block.block_id for block in new_blocks)
 
     def _release_group(self, tables: _GroupTables, request_id: str, first_query: int) -> None:
-        """The base class's ``_release_out_of_window`` for a later group."""
         assert tables.window is not None
-        num_out = max(0, first_query - tables.window + 1) // self.block_size
-        if self.enable_caching:
-            num_out = min(num_out, tables.num_cached[request_id])
-        start = tables.num_released.get(request_id, 0)
-        if num_out <= start:
-            return
-        blocks, block_ids = tables.blocks[request_id], tables.block_ids[request_id]
-        released = blocks[start:num_out]
-        blocks[start:num_out] = [self._placeholder] * len(released)
-        block_ids[start:num_out] = [OUT_OF_WINDOW_BLOCK_ID] * len(released)
-        tables.num_released[request_id] = num_out
-        self.block_pool.free_blocks(reversed(released))
+        self._release_behind(request_id, first_query, tables.window, tables.blocks[request_id],
+                             tables.block_ids[request_id], tables.num_cached, tables.num_released)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         super().cache_blocks(request, num_computed_tokens)

@@ -187,24 +187,30 @@ class KVCacheManager:
         return new_blocks
 
     def _release_out_of_window(self, request: Request, first_query: int) -> None:
-        """Release the leading blocks no query from position ``first_query`` on can see: a
-        query at p sees positions (p - window, p]."""
         if request.hold_kv or request.announce_kv:
             return
         assert self.sliding_window is not None
         request_id = request.request_id
-        lowest_visible = first_query - self.sliding_window + 1
-        num_out = max(0, lowest_visible) // self.block_size
+        self._release_behind(request_id, first_query, self.sliding_window,
+                             self.req_to_blocks[request_id], self.req_to_block_ids[request_id],
+                             self.num_cached_blocks, self.num_released_blocks)
+
+    def _release_behind(self, request_id: str, first_query: int, window: int,
+                        blocks: list[KVCacheBlock], block_ids: list[int],
+                        num_cached: dict[str, int], num_released: dict[str, int]) -> None:
+        """Release the leading blocks of one table that no query from position
+        ``first_query`` on can see (a query at p sees positions (p - window, p]); cached
+        blocks only, so that a released block's KV stays findable by its hash."""
+        num_out = max(0, first_query - window + 1) // self.block_size
         if self.enable_caching:
-            num_out = min(num_out, self.num_cached_blocks[request_id])
-        start = self.num_released_blocks.get(request_id, 0)
+            num_out = min(num_out, num_cached[request_id])
+        start = num_released.get(request_id, 0)
         if num_out <= start:
             return
-        blocks, block_ids = self.req_to_blocks[request_id], self.req_to_block_ids[request_id]
         released = blocks[start:num_out]
         blocks[start:num_out] = [self._placeholder] * len(released)
         block_ids[start:num_out] = [OUT_OF_WINDOW_BLOCK_ID] * len(released)
-        self.num_released_blocks[request_id] = num_out
+        num_released[request_id] = num_out
         self.block_pool.free_blocks(reversed(released))
 
     def num_held_blocks(self, request_id: str) -> int:

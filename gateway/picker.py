@@ -310,7 +310,13 @@ def _place_prompt(
     if not config.estimate_placement or len(known) < len(estimates):
         return decode, _best(scored, tie_break)
     lowest = min(known)
-    even = [s for s in scored if (estimates[s.address] or 0.0) - lowest <= config.estimate_tie_s]
+    # NOTE: an idle replica (no prompt tokens queued) is even with the soonest, whatever its
+    # rate says: a rate measured over a restarted replica's first, cold steps is far too low,
+    # and, sent no prompt since, it was never measured again (a fresh make test's restarted
+    # prefill replica got none of 300 sequential prompts). Estimates part replicas by queues.
+    idle = {r.address for r in prefill_pool if r.load.prefill_tokens_queued == 0}
+    even = [s for s in scored if s.address in idle
+            or (estimates[s.address] or 0.0) - lowest <= config.estimate_tie_s]
     best = _best(even, tie_break)
     via_hop = (estimates[best.address] or 0.0) + config.prefill_hop_s
     # NOTE: only a prefill replica with prompts queued is passed over. An idle one's

@@ -459,17 +459,8 @@ class UcxKvConsumer(KvConsumer):
             raise KvTransferError("protocol", f"block {max(remote)} is beyond the producer's "
                                   f"{readable.num_blocks}")
         await self._read_runs(connection, plan)
-        try:
-            connection.writer.write(ReadConfirm(seq, handle.request_id, remote,
-                                                handle.lease_generation).encode())
-        except (ConnectionError, OSError) as exc:
-            raise KvTransferError("unreachable", f"the producer went away: {exc!r}") from None
-        status = TransferStatus.decode(await read_frame(connection.reader, "status"))
-        status.raise_for_failure()
-        nbytes = len(local) * self._layout.bytes_per_block
-        if status.nbytes != nbytes:
-            raise KvTransferError("protocol", f"producer confirmed {status.nbytes} bytes; "
-                                  f"expected {nbytes}")
+        await self._confirm_reads(connection, seq, handle, remote,
+                                  len(local) * self._layout.bytes_per_block)
 
     async def _read_ranks(self, connection: _Connection, seq: int, handle: KvHandle,
                           remote: list[int], local: list[int]) -> None:
@@ -486,6 +477,14 @@ class UcxKvConsumer(KvConsumer):
             raise KvTransferError("protocol", f"the producer describes {len(connection.ranks)} "
                                   f"ranks; its handle says {handle.tensor_parallel_size}")
         await self._ranked.pull(connection.ranks, remote, local)
+        await self._confirm_reads(connection, seq, handle, remote,
+                                  self._ranked.nbytes(len(local), handle.tensor_parallel_size))
+
+    @staticmethod
+    async def _confirm_reads(connection: _Connection, seq: int, handle: KvHandle,
+                             remote: list[int], nbytes: int) -> None:
+        """Tell the producer the reads are done and check its final status: the bytes count
+        only if the lease held throughout (``ucx_connector``)."""
         try:
             connection.writer.write(ReadConfirm(seq, handle.request_id, remote,
                                                 handle.lease_generation).encode())
@@ -493,7 +492,6 @@ class UcxKvConsumer(KvConsumer):
             raise KvTransferError("unreachable", f"the producer went away: {exc!r}") from None
         status = TransferStatus.decode(await read_frame(connection.reader, "status"))
         status.raise_for_failure()
-        nbytes = self._ranked.nbytes(len(local), handle.tensor_parallel_size)
         if status.nbytes != nbytes:
             raise KvTransferError("protocol", f"producer confirmed {status.nbytes} bytes; "
                                   f"expected {nbytes}")

@@ -210,6 +210,11 @@ def test_the_prompt_goes_to_the_prefill_replica_estimated_to_finish_it_first() -
     restarted = measured("p-new", "prefill")  # no rate yet: the median of the others'
     decision = pick([decode, long_queue, short_queue, restarted], 20 * BS, BS)
     assert decision.prefill is not None and decision.prefill.address == "p-new"
+    # Idle replicas are even whatever their rates (a restarted one's was measured cold): the
+    # scores decide, here the one with fewer prompts running.
+    cold = measured("p-cold", "prefill", rate=20.0)
+    warm = measured("p-warm", "prefill", rate=2000.0, running=1)
+    assert pick([decode, cold, warm], 20 * BS, BS).prefill.address == "p-cold"
     unknown = [measured("d", "decode"), measured("p1", "prefill", queued=9000, running=0),
                measured("p2", "prefill", running=3)]
     assert pick(unknown, 20 * BS, BS).prefill.address == "p1"  # the queue scorer's choice
