@@ -202,6 +202,12 @@ class EngineCore:
         return ((self.remote_kv is not None and self.remote_kv.has_pulls_running)
                 or (self.kv_tiers is not None and self.kv_tiers.has_loads_running))
 
+    def wait_for_tier_loads(self, timeout: float) -> None:
+        """Block (the GIL released) until a KV tier load ends, at most ``timeout`` seconds;
+        at once without tiers."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.wait_for_loads(timeout)
+
     def has_pinned_kv(self) -> bool:
         """Blocks held for a consumer: the loop must keep checking releases and leases."""
         return bool(self.scheduler.held)

@@ -93,6 +93,12 @@ class LLM:
         self._process(EngineCoreOutputs(outputs=self.core.abort_requests(request_ids)))
 
     def step(self) -> list[RequestOutput]:
+        if not self.core.has_runnable_requests():
+            # NOTE: wait for a tier load rather than step: an empty step still takes the GIL,
+            # and the tiers' worker then waited out Python's switch interval at every copy
+            # (a host-tier load of 46 blocks took 0.5 s, as long as recomputing them; the
+            # engine core's process waits on its pipe instead, core_process).
+            self.core.wait_for_tier_loads(0.05)
         return self._process(self.core.step())
 
     def _process(self, core_outputs: EngineCoreOutputs) -> list[RequestOutput]:

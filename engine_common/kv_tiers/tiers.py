@@ -74,6 +74,7 @@ class KvTiers:
         # Hashes recently queued for storing: a block hit by many requests is copied once.
         self._queued: OrderedDict[BlockHash, None] = OrderedDict()
         self._lock = threading.Lock()  # events, stats and results, shared with the worker
+        self._load_ended = threading.Condition(self._lock)
         self._events: list[KVEvent] = []
         self._finished: list[TierLoadResult] = []
         self._loads_in_flight = 0
@@ -185,6 +186,7 @@ class KvTiers:
             with self._lock:
                 self._loads_in_flight -= 1
                 self._finished.append(result)
+                self._load_ended.notify_all()
 
     def _load_one(self, block_hash: BlockHash, block_id: int, result: TierLoadResult) -> bool:
         key = tier_key(self.namespace, block_hash)
@@ -223,6 +225,12 @@ class KvTiers:
     def has_loads_running(self) -> bool:
         with self._lock:
             return self._loads_in_flight > 0 or bool(self._finished)
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Return once a load has ended (or none runs), or after ``timeout`` seconds."""
+        with self._load_ended:
+            self._load_ended.wait_for(
+                lambda: bool(self._finished) or self._loads_in_flight == 0, timeout)
 
     def take_finished_loads(self) -> list[TierLoadResult]:
         with self._lock:
