@@ -10,8 +10,10 @@ Why: a tagged message costs each side a match and the receiver a round trip to t
 sender (rendezvous) per message, and a direct pull is one message per (layer, K/V) run; a
 GET is the consumer's alone (over cma one ``process_vm_readv`` from the producer's
 memory, nothing for the producer to do), so the producer's work per pull shrinks to
-checking its lease. Used only where UCX reads the peer's memory by itself (shared memory
-on host memory); TCP would emulate it with messages, so TCP keeps tagged sends.
+checking its lease. On shared memory UCX reads the peer's memory by itself (cma); over
+TCP it emulates a GET with active messages, which still spares the producer's Python a
+send per run (version 4 reads there too, once the endpoint is wired up:
+``ucx_consumer._until_wired``).
 
 Threading: ucxx's worker runs in UCS_THREAD_MODE_MULTI (``worker_thread_mode`` says so),
 so GETs are posted from the runtime's loop. A small burst is progressed right there
