@@ -22,6 +22,7 @@ no KV block).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import signal
@@ -69,13 +70,38 @@ _next_test_port = [_PORT_SLICE[0] + random.randrange(0, (_PORT_SLICE[1] - _PORT_
 
 def free_ports(count: int) -> int:
     """The first of ``count`` consecutive loopback ports nothing listens on (for flags that
-    take a base port), outside the kernel's ephemeral range."""
+    take a base port), outside the kernel's ephemeral range, and reserved for this process (``_reserved``)."""
     while _next_test_port[0] + count <= _PORT_SLICE[1]:
         first = _next_test_port[0]
         _next_test_port[0] += count
-        if all(_bindable(port) for port in range(first, first + count)):
+        ports = range(first, first + count)
+        if all(_reserved(port) for port in ports) and all(_bindable(port) for port in ports):
             return first
     raise RuntimeError(f"ran out of test ports below {_PORT_SLICE[1]}")
+
+
+# NOTE: two test runs on one machine (two checkouts' make test) each start at a random port
+# of the same slice; one chose a port the other had chosen but not yet bound, and a gateway
+# then reached the other run's replica ("Method not found!"). Ports are reserved a hundred at
+# a time by an exclusive lock on a file named after the hundred, held until this process
+# exits (a few descriptors per run).
+_RESERVATIONS_DIR = Path(os.environ.get("TMPDIR", "/tmp")) / "tandem-test-ports"
+_reservations: dict[int, int | None] = {}  # hundred -> the locked file's descriptor, or None
+
+
+def _reserved(port: int) -> bool:
+    hundred = port // 100
+    if hundred not in _reservations:
+        _RESERVATIONS_DIR.mkdir(exist_ok=True)
+        fd: int | None = os.open(_RESERVATIONS_DIR / str(hundred), os.O_CREAT | os.O_RDWR,
+                                 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # another run's
+            os.close(fd)
+            fd = None
+        _reservations[hundred] = fd
+    return _reservations[hundred] is not None
 
 
 def free_port() -> int:
