@@ -33,7 +33,6 @@ the results' ``load_average_at_end``): read TTFT ratios within a round, not acro
 from __future__ import annotations
 
 import argparse
-import random
 import shutil
 import statistics
 import sys
@@ -45,6 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.chat_workload import ChatWorkload  # noqa: E402
 from bench.report import write_report  # noqa: E402
 from deploy.kv_store import free_port, redis_server  # noqa: E402
 from engine_common.block_hash import hash_prompt_blocks  # noqa: E402
@@ -140,11 +140,7 @@ def one_turn(engine: IndexedEngine, prompt: list[int], params: SamplingParams,
 
 def run_scenario(args: argparse.Namespace, name: str, scratch: Path,
                  redis_url: str | None) -> list[TurnResult]:
-    rng = random.Random(args.seed)
-    vocab = 40000
-    system = [rng.randrange(vocab) for _ in range(args.system_tokens)]
-    new_tokens = [[[rng.randrange(vocab) for _ in range(args.turn_tokens)]
-                   for _ in range(args.turns)] for _ in range(args.users)]
+    chat = workload(args)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens,
                             min_tokens=args.output_tokens)
     index = PrefixIndex()
@@ -158,27 +154,28 @@ def run_scenario(args: argparse.Namespace, name: str, scratch: Path,
     count = 2 if name == "shared" else 1
     engines = [IndexedEngine(f"{name}-{i}", make_llm(args, tiers, f"{name}-{i}"), index)
                for i in range(count)]
-    history = [list(system) for _ in range(args.users)]
-    computed = [0] * args.users  # tokens of the user's context computed before
     results: list[TurnResult] = []
-    for turn in range(args.turns):
-        if name == "disk" and turn == args.turns - 1:
+    for user, turn in chat.schedule():
+        if name == "disk" and user == 0 and turn == args.turns - 1:
             engines[0].llm.core.close()  # a restart: a new engine over the same store
             engines = [IndexedEngine("disk-restarted",
                                      make_llm(args, tiers, "disk-restarted"), index)]
-        for user in range(args.users):
-            engine = engines[(user + turn) % count]
-            prompt = history[user] + new_tokens[user][turn]
-            max_hit = min(computed[user], len(prompt) - 1) // args.block_size * args.block_size
-            ttft, tokens, _, hits, predicted = one_turn(engine, prompt, params, args.block_size)
-            results.append(TurnResult(user, turn, ttft, len(prompt), max_hit, hits, predicted,
-                                      tokens))
-            computed[user] = len(prompt) + len(tokens) - 1
-            history[user] = prompt + tokens
+        engine = engines[(user + turn) % count]
+        prompt = chat.prompt(user, turn)
+        max_hit = chat.max_hit(user, prompt, args.block_size)
+        ttft, tokens, _, hits, predicted = one_turn(engine, prompt, params, args.block_size)
+        results.append(TurnResult(user, turn, ttft, len(prompt), max_hit, hits, predicted,
+                                  tokens))
+        chat.answered(user, prompt, tokens)
     for engine in engines:
         engine.llm.core.close()
     shutil.rmtree(disk_dir, ignore_errors=True)
     return results
+
+
+def workload(args: argparse.Namespace) -> ChatWorkload:
+    return ChatWorkload(args.users, args.turns, args.system_tokens, args.turn_tokens,
+                        args.output_tokens, args.seed)
 
 
 def summarize(results: list[TurnResult], block_size: int, last_turn_only: bool = False) -> dict:
@@ -229,10 +226,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     scenarios = args.scenarios.split(",")
-    working_set = args.users * (args.system_tokens + args.turns
-                                * (args.turn_tokens + args.output_tokens))
+    chat = workload(args)
+    working_set, longest = chat.working_set(), chat.longest_conversation()
     pool = args.kv_blocks * args.block_size
-    longest = args.system_tokens + args.turns * (args.turn_tokens + args.output_tokens)
     if longest > pool:
         raise SystemExit(f"error: a conversation grows to {longest} tokens, more than the "
                          f"KV pool's {pool}: raise --kv-blocks")

@@ -322,9 +322,11 @@ def wait_ready(base_url: str, alive: Callable[[], None], timeout: float) -> str:
 def tandem_server(args: argparse.Namespace, model: Path, log_dir: Path,
                   layout: tuple[int, int, int] = (0, 0, 1),
                   gateway_args: tuple[str, ...] = (),
-                  cpu_layout: str = "auto") -> Iterator[Server]:
+                  cpu_layout: str = "auto",
+                  replica_args: tuple[str, ...] = ()) -> Iterator[Server]:
     """The suite behind Envoy; ``layout``: its (prefill, decode, both) replicas;
-    ``gateway_args``: flags for the gateway alone; ``cpu_layout``: `tandem up`'s."""
+    ``gateway_args``: flags for the gateway alone; ``cpu_layout``: `tandem up`'s;
+    ``replica_args``: more flags for every replica."""
     replicas = sum(layout)
     replica_port, gateway_port, http_port = free_ports(replicas), free_ports(1), free_ports(1)
     metrics_port = free_ports(replicas + 2)  # the replicas', the gateway's, Envoy's admin
@@ -337,7 +339,8 @@ def tandem_server(args: argparse.Namespace, model: Path, log_dir: Path,
                             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                             *(["--cpus", args.tandem_cpus] if args.tandem_cpus else []),
                             *(["--engine-cpus", args.tandem_engine_cpus]
-                              if args.tandem_engine_cpus != "auto" else [])],
+                              if args.tandem_engine_cpus != "auto" else []),
+                            *replica_args],
         extra_gateway_args=list(gateway_args), cpu_layout=cpu_layout)
     suite = plan_suite(cfg)
     supervisor = Supervisor(suite, log_dir)
@@ -360,13 +363,14 @@ def vllm_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 @contextmanager
-def vllm_server(args: argparse.Namespace, model: Path, log_path: Path) -> Iterator[Server]:
+def vllm_server(args: argparse.Namespace, model: Path, log_path: Path,
+                extra_args: tuple[str, ...] = ()) -> Iterator[Server]:
     port = free_ports(1)
     argv = [str(PEER_VLLM), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", model.name, "--dtype", args.dtype, "--enforce-eager",
             "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--seed", "0",
-            "--disable-uvicorn-access-log"]
+            "--disable-uvicorn-access-log", *extra_args]
     env = vllm_env(args)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
