@@ -27,6 +27,11 @@ turns on the worker's lock for each 512 KiB segment and the burst costs twice th
 of a tagged rendezvous of the same bytes (measured by ``bench/kv_get_probe.py``, issue 34:
 on a loaded 2-core host that was the connector's 0.3-0.5x of raw UCX on shared memory).
 A GET's completion callback runs on whichever thread progressed it and only counts.
+NOTE: on ucxx's thread that callback takes the GIL while UCX holds the worker's lock, the
+pairing ucxx's docs warn can deadlock against a thread that holds the GIL and waits for that
+lock. No thread here does: ctypes releases the GIL around every ``ucp_*`` call, and ucxx's
+Cython wrappers (0.52) make their UCX calls under ``nogil``. A call added here that reaches
+UCX with the GIL held (a ``PyDLL`` function, a C extension that keeps it) would reopen it.
 
 Struct layouts are those of UCX 1.21's ``ucp.h``; every struct starts with a
 ``field_mask``, and only fields present since UCX 1.10 are set.
