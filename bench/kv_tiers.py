@@ -16,7 +16,10 @@ Scenarios, each on the real engine (``LLM``) with its real tiers, in this order:
           replica's;
   shared  two engines with the shared tier only (a loopback redis-server), a user's turns
           alternating between them: what one computed the other loads;
-with rounds repeated (``--rounds``) and the scenarios interleaved within each round.
+with rounds repeated (``--rounds``). Within a round every scenario's engines run side by
+side in this process, and each turn is served by one scenario after the other, so the
+machine's drift reaches all scenarios alike (their tiers' background stores overlap the
+next scenario's turn, as other tenants' work would).
 
 Reported per scenario: TTFT p50 and p95 over turns >= 2 (from submission to the first
 token, one request at a time: the tier load's wait and the prefill), the hit rate over
@@ -138,39 +141,61 @@ def one_turn(engine: IndexedEngine, prompt: list[int], params: SamplingParams,
     return ttft, tokens, cached, hits, predicted
 
 
-def run_scenario(args: argparse.Namespace, name: str, scratch: Path,
-                 redis_url: str | None) -> list[TurnResult]:
-    chat = workload(args)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens,
-                            min_tokens=args.output_tokens)
-    index = PrefixIndex()
-    disk_dir = scratch / f"{name}-disk"
-    tiers = {
-        "none": KvTiersConfig(),
-        "host": KvTiersConfig(memory_bytes=args.host_bytes),
-        "disk": KvTiersConfig(disk_dir=str(disk_dir), disk_bytes=args.disk_bytes),
-        "shared": KvTiersConfig(store_url=redis_url, store_timeout_seconds=0.5),
-    }[name]
-    count = 2 if name == "shared" else 1
-    engines = [IndexedEngine(f"{name}-{i}", make_llm(args, tiers, f"{name}-{i}"), index)
-               for i in range(count)]
-    results: list[TurnResult] = []
-    for user, turn in chat.schedule():
-        if name == "disk" and user == 0 and turn == args.turns - 1:
-            engines[0].llm.core.close()  # a restart: a new engine over the same store
-            engines = [IndexedEngine("disk-restarted",
-                                     make_llm(args, tiers, "disk-restarted"), index)]
-        engine = engines[(user + turn) % count]
-        prompt = chat.prompt(user, turn)
-        max_hit = chat.max_hit(user, prompt, args.block_size)
-        ttft, tokens, _, hits, predicted = one_turn(engine, prompt, params, args.block_size)
-        results.append(TurnResult(user, turn, ttft, len(prompt), max_hit, hits, predicted,
-                                  tokens))
-        chat.answered(user, prompt, tokens)
-    for engine in engines:
-        engine.llm.core.close()
-    shutil.rmtree(disk_dir, ignore_errors=True)
-    return results
+class Scenario:
+    """One scenario's engines and its turns so far; ``turn`` serves the next one."""
+
+    def __init__(self, args: argparse.Namespace, name: str, scratch: Path,
+                 redis_url: str | None) -> None:
+        self.args, self.name, self.chat = args, name, workload(args)
+        self.params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens,
+                                     min_tokens=args.output_tokens)
+        self.index = PrefixIndex()
+        self.disk_dir = scratch / f"{name}-disk"
+        self.tiers = {
+            "none": KvTiersConfig(),
+            "host": KvTiersConfig(memory_bytes=args.host_bytes),
+            "disk": KvTiersConfig(disk_dir=str(self.disk_dir), disk_bytes=args.disk_bytes),
+            "shared": KvTiersConfig(store_url=redis_url, store_timeout_seconds=0.5),
+        }[name]
+        count = 2 if name == "shared" else 1
+        self.engines = [self._engine(f"{name}-{i}") for i in range(count)]
+        self.results: list[TurnResult] = []
+
+    def _engine(self, engine_id: str) -> IndexedEngine:
+        return IndexedEngine(engine_id, make_llm(self.args, self.tiers, engine_id), self.index)
+
+    def turn(self, user: int, turn: int) -> None:
+        if self.name == "disk" and user == 0 and turn == self.args.turns - 1:
+            self.engines[0].llm.core.close()  # a restart: a new engine over the same store
+            self.engines = [self._engine("disk-restarted")]
+        engine = self.engines[(user + turn) % len(self.engines)]
+        prompt = self.chat.prompt(user, turn)
+        max_hit = self.chat.max_hit(user, prompt, self.args.block_size)
+        ttft, tokens, _, hits, predicted = one_turn(engine, prompt, self.params,
+                                                    self.args.block_size)
+        self.results.append(TurnResult(user, turn, ttft, len(prompt), max_hit, hits,
+                                       predicted, tokens))
+        self.chat.answered(user, prompt, tokens)
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.llm.core.close()
+        shutil.rmtree(self.disk_dir, ignore_errors=True)
+
+
+def run_round(args: argparse.Namespace, names: list[str], scratch: Path,
+              redis_url: str) -> dict[str, list[TurnResult]]:
+    """Every scenario's engines side by side, each turn served by one scenario after the
+    other: a shared machine's drift then reaches every scenario alike."""
+    scenarios = [Scenario(args, name, scratch, redis_url) for name in names]
+    try:
+        for user, turn in workload(args).schedule():
+            for scenario in scenarios:
+                scenario.turn(user, turn)
+    finally:
+        for scenario in scenarios:
+            scenario.close()
+    return {scenario.name: scenario.results for scenario in scenarios}
 
 
 def workload(args: argparse.Namespace) -> ChatWorkload:
@@ -241,17 +266,17 @@ def main(argv: list[str] | None = None) -> int:
         with redis_server(port, maxmemory="4gb"):
             for round_index in range(args.rounds):
                 summary: dict[str, dict] = {}
-                for name in scenarios:
-                    started = time.monotonic()
-                    results = run_scenario(args, name, Path(scratch),
-                                           f"redis://127.0.0.1:{port}/{round_index % 16}")
+                started = time.monotonic()
+                by_name = run_round(args, scenarios, Path(scratch),
+                                    f"redis://127.0.0.1:{port}/{round_index % 16}")
+                for name, results in by_name.items():
                     summary[name] = summarize(results, args.block_size)
                     if name == "disk":
                         summary["disk_after_restart"] = summarize(results, args.block_size,
                                                                   last_turn_only=True)
                     outputs[name] = [r.tokens for r in results]
-                    print(f"round {round_index} {name}: {summary[name]} "
-                          f"({time.monotonic() - started:.0f} s)", flush=True)
+                    print(f"round {round_index} {name}: {summary[name]}", flush=True)
+                print(f"round {round_index}: {time.monotonic() - started:.0f} s", flush=True)
                 rounds.append(summary)
     write_report(args.out, "kv_tiers", settings=vars(args) | {"out": str(args.out)},
                  working_set_tokens=working_set, kv_pool_tokens=pool, rounds=rounds,
