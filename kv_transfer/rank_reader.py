@@ -41,7 +41,7 @@ from kv_transfer.rank_layout import (
 )
 from kv_transfer.rank_wire_up import wire_up
 from kv_transfer.transfer_plan import DIRECT_MIN_MESSAGE_BYTES
-from kv_transfer.ucx_io import abort_endpoint, open_endpoint
+from kv_transfer.ucx_io import abort_endpoint, is_transport_error, open_endpoint
 from kv_transfer.ucx_rma import ReadBurst, Reader, RemoteKey
 from kv_transfer.ucx_runtime import UcxRuntime
 
@@ -128,8 +128,10 @@ class RankReader:
                 total += read.num_heads * len(local) * self._head_block_bytes()
                 posted.append((source, self._reader.get(endpoint.ucp_endpoint, rkey, gets),
                                place))
-        except (OSError, KvTransferError) as exc:
-            failures.append(f"per-rank read failed: {exc}")
+        except Exception as exc:  # a producer rank gone (reconnecting to it fails too)
+            if not isinstance(exc, KvTransferError) and not is_transport_error(exc):
+                raise
+            failures.append(f"per-rank read from a prefill rank failed: {exc!r}")
         cancelled = False
         for source, burst, place in posted:
             over, interrupted = await _through_cancel(self._runtime.run_copy(functools.partial(

@@ -6,9 +6,9 @@ sliding-window layers), with chunked prefill, the prefix cache, prompt logprobs 
 sampling equal to one rank's; a Qwen2 whose 3 KV heads split 2 and 1; P/D between cores
 of different parallel sizes, TP=2 to TP=1 and TP=1 to TP=2, the KV pulled per rank (each
 decode rank reading its heads from the prefill ranks holding them) and decoded exactly,
-over shared memory and over TCP, and a pairing per-rank pulls cannot serve refused with its
-reason. A killed worker
-is tested on a real replica (``test_replica_lifecycle``). The row-parallel all-reduce adds
+over shared memory and over TCP, a prefill rank killed before the pull (recomputed), and
+a pairing per-rank pulls cannot serve refused with its reason. A killed worker is tested on
+a real replica (``test_replica_lifecycle``). The row-parallel all-reduce adds
 the ranks' partial sums in another order than one matmul does; on these random float32
 models no greedy choice is close enough for that to matter (checked here, not assumed).
 
@@ -18,8 +18,10 @@ One engine per model and size, reused by the module's tests (each starts worker 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -182,6 +184,22 @@ def _run(core: EngineCore, request: EngineCoreRequest) -> list[EngineCoreOutput]
     return outputs
 
 
+def _kill(pid: int) -> None:
+    """SIGKILL a worker and wait until it is gone (its watcher thread reaps it)."""
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid):
+        assert time.monotonic() < deadline, f"worker {pid} outlived SIGKILL"
+        time.sleep(0.01)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0]
+    except (OSError, IndexError):
+        return "zombie"  # gone meanwhile
+
+
 def test_per_rank_reads_follow_each_sides_heads() -> None:
     """The plan: each consumer rank's heads from the producer rank holding them (uneven
     splits, replicated heads read once), strided per (block, layer, K/V) unless both sides
@@ -206,13 +224,15 @@ def test_per_rank_reads_follow_each_sides_heads() -> None:
 
 
 def _pd_request(tiny_llama_dir: Path, p: EngineCore, d: EngineCore, request_id: str,
-                prompt: list[int]) -> tuple[list[int], KvTransferReport]:
+                prompt: list[int], before_decode: Callable[[], None] = lambda: None
+                ) -> tuple[list[int], KvTransferReport]:
     one = replace(GREEDY, max_tokens=1, min_tokens=1)
     done = _run(p, EngineCoreRequest(request_id, GenerationRequest(prompt, one),
                                      time.monotonic(), hold_kv=True))
     final = next(o for o in done if o.finished)
     handle, first = final.kv_handle, final.new_token_ids[0]
     assert handle is not None and handle.tensor_parallel_size == p.config.tensor_parallel_size
+    before_decode()
     outputs = _run(d, EngineCoreRequest(request_id, GenerationRequest(prompt, GREEDY),
                                         time.monotonic(),
                                         remote_prefill=RemotePrefill(handle, first)))
@@ -256,6 +276,17 @@ def test_pd_across_parallel_sizes_pulls_per_rank_and_equals_hf(tiny_llama_dir: P
                 # Bytes of the decode side's cache: the whole prompt's KV arrived.
                 assert report.num_bytes == blocks * d.info.kv_layout.bytes_per_block * decode_tp
                 assert tokens == expected[name], case
+        # A prefill rank dies after computing a prompt: the TCP decode core's reads from it
+        # (on its endpoint wired up above) fail, the pull is "unreachable" and the prompt
+        # recomputed, exact; nothing waits out more than the reads' bound.
+        producer = cores["producer", 2, "auto"]
+        workers = producer.model_runner.workers
+        assert workers is not None
+        tokens, report = _pd_request(tiny_llama_dir, producer, cores["consumer", 1, "tcp"],
+                                     "dead-rank", long, before_decode=lambda: _kill(
+                                         workers.pids[0]))
+        assert report.fallback_reason == "unreachable" and report.blocks_pulled == 0, report
+        assert tokens == expected["long"]
     finally:
         for core in cores.values():
             assert core.remote_kv is not None
