@@ -7,18 +7,18 @@ one service per process, for every cache the process maps). It does not own the 
 (``rank_reader``) or the connector's own wire-up of its control endpoint (``ucx_consumer``,
 ``ucx_producer``: that one rides on the connection's hello).
 
-NOTE (measured on UCX 1.21, issue 36): UCX emulates GETs over TCP with active messages,
-and a GET posted on a fresh endpoint never completed (5 s) until a rendezvous transfer had
-crossed the endpoint's pair. The connector's control endpoint has the producer send one
-(``_until_wired``); for a per-rank reader that did not do: a producer rank's endpoint back
-to the consumer is paired with the consumer's only when both are their worker's same-
-numbered endpoint to the other (UCX's endpoint matching), and a consumer process that had
-reached that rank before (over shared memory, another connector) is ahead: its GETs still
-hung (5 s, every try). A rendezvous message the consumer sends on its own endpoint crosses
-that endpoint's pair whatever the numbering (the producer's acknowledgement comes back on
-it): GETs after it completed in 1.5-15 ms with the right bytes, 9 tries of 9, with and
-without an endpoint opened before. Only TCP readers send it: over shared memory GETs are
-cma reads and need nothing.
+NOTE (measured on UCX 1.21, ``bench/tcp_get_wire_up.py``): UCX emulates GETs over TCP
+with active messages, and a GET posted on a fresh endpoint never completed (5 s) until a
+rendezvous transfer had crossed the endpoint's pair. The connector's control endpoint has
+the producer send one (``_until_wired``); for a per-rank reader that did not do: a producer
+rank's endpoint back to the consumer is paired with the consumer's only when both are
+their worker's same-numbered endpoint to the other (UCX's endpoint matching), and a
+consumer process that had reached that rank before (over shared memory, another
+connector) is ahead: its GETs still hung (5 s, every try). A rendezvous message the
+consumer sends on its own endpoint crosses that endpoint's pair whatever the numbering
+(the producer's acknowledgement comes back on it): GETs after it completed with the right
+bytes, every try, with and without an endpoint opened before. Only TCP readers send it:
+over shared memory GETs are cma reads and need nothing.
 """
 
 from __future__ import annotations
