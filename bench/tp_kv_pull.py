@@ -1,4 +1,4 @@
-"""Per-rank KV pulls (``kv_transfer.rank_reader``) against the single-rank pull, on shared memory.
+"""Per-rank KV pulls (``kv_transfer.rank_reader``) against the single-rank pull, on shared memory or TCP.
 
 SmolLM2-135M's KV layout (30 layers, 3 KV heads of 64, 16-token blocks, bf16: 360 KiB a
 block over all heads), whose 3 KV heads split 2 and 1 over two ranks. Each producer rank
@@ -13,9 +13,14 @@ consumer ranks' reads are timed in this process, interleaved round by round:
   tp1_to_tp2_rank1  decode rank 1 reads its head 2 (each rank reads at once, in its own
                     process, in a real replica: a pull takes the slower of the two)
 
+``--transport tcp``: the same reads over UCX's TCP transport on loopback (each producer
+rank offers its network-only worker address and answers wire-ups, ``rank_wire_up``; the
+first round opens and wires up the endpoints, untimed).
+
 Every read is checked against the producer's bytes once. Prints milliseconds and GB/s
-(median of the rounds) and writes ``bench/results/tp_kv_pull.json`` with the machine and the
-load average. Run from the repository root: ``python -m bench.tp_kv_pull [--rounds N]``.
+(median of the rounds) and writes ``bench/results/tp_kv_pull.json`` (``tp_kv_pull_tcp.json``
+over TCP) with the machine and the load average. Run from the repository root:
+``python -m bench.tp_kv_pull [--rounds N] [--transport tcp]``.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ def _cache(heads: int, blocks: int, first_head: int) -> torch.Tensor:
 
 def _serve(rank: int, first_head: int, heads: int, blocks: int, conn: Connection) -> None:
     from kv_transfer.rank_layout import RankCache
+    from kv_transfer.rank_wire_up import answer_wire_ups
     from kv_transfer.ucx_runtime import UcxRuntime
 
     cache = _cache(heads, blocks, first_head)
@@ -61,8 +67,10 @@ def _serve(rank: int, first_head: int, heads: int, blocks: int, conn: Connection
         return MappedMemory(ucxx.core._get_ctx().context.handle, cache.data_ptr(),
                             cache.numel() * cache.element_size())
     memory = runtime.call(mapped(), timeout=30)
+    answer_wire_ups(runtime)
     conn.send(pickle.dumps(RankCache(rank, first_head, heads, runtime.worker_address("shm"),
-                                     memory.rkey, memory.address, blocks)))
+                                     memory.rkey, memory.address, blocks,
+                                     runtime.worker_address("tcp"))))
     conn.recv()  # until the consumer is done
     memory.close()
 
@@ -83,8 +91,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--blocks", type=int, nargs="+", default=[8, 64])
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tp_kv_pull.json")
+    parser.add_argument("--transport", choices=("shm", "tcp"), default="shm")
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    tcp = args.transport == "tcp"
+    if args.out is None:
+        args.out = ROOT / "bench" / "results" / f"tp_kv_pull{'_tcp' if tcp else ''}.json"
     sys.path.insert(0, str(ROOT))
     from bench.report import machine
     from kv_transfer.layout import KvLayout
@@ -95,6 +107,7 @@ def main() -> None:
     capacity = max(args.blocks)
     one, one_procs = _producers([(0, HEADS)], capacity)
     two, two_procs = _producers([kv_head_range(HEADS, r, 2) for r in range(2)], capacity)
+    one, two = ([c.reached_over(args.transport) for c in caches] for caches in (one, two))
     runtime = UcxRuntime.shared("127.0.0.1")
     results: dict[str, dict[str, object]] = {}
     for blocks in args.blocks:
@@ -117,7 +130,7 @@ def main() -> None:
                 reader, producers, plan, cache, heads = cases[name]
                 cache.zero_()
                 started = time.perf_counter()
-                runtime.call(reader.read(producers, plan, remote, local), timeout=60)
+                runtime.call(reader.read(producers, plan, remote, local, tcp), timeout=60)
                 if round_index:  # the first round opens the endpoints
                     seconds[name].append(time.perf_counter() - started)
                 else:
@@ -137,7 +150,8 @@ def main() -> None:
     for proc, conn in one_procs + two_procs:
         conn.send(None)
         proc.join(10)
-    report = {"machine": machine(), "load_average": os.getloadavg(), "results": results}
+    report = {"machine": machine(), "load_average": os.getloadavg(),
+              "transport": args.transport, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"load average {os.getloadavg()}; wrote {args.out}")

@@ -61,7 +61,9 @@ def producer_layout(consumer: KvLayout, total_heads: int, producer_ranks: int) -
 @dataclass(frozen=True)
 class RankCache:
     """One producer rank's cache, as consumer ranks read it: its heads, its UCX worker's
-    address (shared memory included), the cache's remote key, address and block count."""
+    address (the one the welcome's transport reaches: full, shared memory included, or
+    network only), the cache's remote key, address and block count. ``tcp_address``: the
+    network-only one, which the producer keeps to offer TCP readers (not on the wire)."""
 
     rank: int
     first_head: int
@@ -70,6 +72,12 @@ class RankCache:
     rkey: bytes
     base: int
     num_blocks: int
+    tcp_address: bytes = b""
+
+    def reached_over(self, kind: str) -> RankCache:
+        """This cache as a reader over ``kind`` ("shm" or "tcp") is offered it."""
+        return self if kind == "shm" else replace(self, address=self.tcp_address,
+                                                  tcp_address=b"")
 
     def to_wire(self) -> dict[str, Any]:
         return {"rank": self.rank, "first_head": self.first_head, "num_heads": self.num_heads,

@@ -10,9 +10,10 @@ their part (``OtherRanks``: the engine's channel to its workers) and reads its o
 lease is confirmed once, by rank 0 on its control connection, after every rank's reads
 landed (``ucx_consumer``): block ids are the same on every rank, so one lease covers them.
 
-Reads only: per-rank pulls need host memory on both sides and shared memory between the
-processes (cma reads the producer rank's memory); a pairing without them is refused
-(``refusal``), with the reason ``tensor_parallel``, and the prompt is recomputed.
+Reads only, over shared memory (cma reads the producer rank's memory) or TCP (UCX serves
+the GETs on the producer rank's progress thread; each endpoint is first wired up by
+``rank_wire_up``). Per-rank pulls need host memory on both sides; a pairing without it is
+refused (``refusal``), with the reason ``tensor_parallel``, and the prompt is recomputed.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ from kv_transfer.rank_layout import (
     plan_heads,
     producer_layout,
 )
+from kv_transfer.rank_wire_up import wire_up
 from kv_transfer.transfer_plan import DIRECT_MIN_MESSAGE_BYTES
-from kv_transfer.ucx_io import abort_endpoint, open_endpoint
+from kv_transfer.ucx_io import abort_endpoint, is_transport_error, open_endpoint
 from kv_transfer.ucx_rma import ReadBurst, Reader, RemoteKey
 from kv_transfer.ucx_runtime import UcxRuntime
 
@@ -49,6 +51,8 @@ T = TypeVar("T")
 # Bounds a burst of reads (a dead producer rank fails them at once); the pull's timeout
 # bounds the whole.
 READ_SETTLE_TIMEOUT_S = 5.0
+# How long a producer rank's worker may take to answer a TCP wire-up (``rank_wire_up``).
+WIRE_UP_TIMEOUT_S = 5.0
 # How long rank 0 waits for another rank's report: its reads end within the bound above
 # (or its process is gone, which takes the replica down); this bounds a bug.
 RANK_REPORT_TIMEOUT_S = 30.0
@@ -57,13 +61,15 @@ RANK_REPORT_TIMEOUT_S = 30.0
 @dataclass(frozen=True)
 class RankPull:
     """Rank 0 to another rank of its replica: read ``reads`` of ``producers`` (block
-    ``remote[i]`` into local block ``local[i]``), then report ``pull_id`` done."""
+    ``remote[i]`` into local block ``local[i]``), then report ``pull_id`` done.
+    ``tcp``: the producers' addresses are network-only (endpoints need a wire-up)."""
 
     pull_id: int
     producers: tuple[RankCache, ...]
     reads: tuple[HeadRead, ...]
     remote: tuple[int, ...]
     local: tuple[int, ...]
+    tcp: bool = False
 
 
 class OtherRanks(Protocol):
@@ -90,15 +96,16 @@ class RankReader:
     def start(self, pull: RankPull) -> Any:
         """Run ``pull`` on the runtime's loop; a concurrent Future of its byte count."""
         return self._runtime.submit(self.read(pull.producers, pull.reads, pull.remote,
-                                              pull.local))
+                                              pull.local, pull.tcp))
 
     async def read(self, producers: Sequence[RankCache], reads: Sequence[HeadRead],
-                   remote: Sequence[int], local: Sequence[int]) -> int:
+                   remote: Sequence[int], local: Sequence[int], tcp: bool = False) -> int:
         """Every read into this rank's cache; returns the bytes of the heads read. Each
         read's GETs go straight into the cache when they are whole blocks or large
         stretches, else whole producer blocks into a staging buffer, the heads then copied
         into place (``_whole_blocks``). Every burst is waited for before any failure is
-        raised (no GET may outlive the pull); a failed producer rank's endpoint is dropped."""
+        raised (no GET may outlive the pull); a failed producer rank's endpoint is dropped.
+        ``tcp``: the producers are reached over TCP (a new endpoint is wired up first)."""
         by_rank = {p.rank: p for p in producers}
         remote, local = list(remote), list(local)
         posted: list[tuple[RankCache, ReadBurst, Callable[[], None] | None]] = []
@@ -106,7 +113,7 @@ class RankReader:
         try:
             for read in reads:
                 source = by_rank[read.producer_rank]
-                endpoint, rkey = await self._endpoint(source)
+                endpoint, rkey = await self._endpoint(source, tcp)
                 place: Callable[[], None] | None
                 if _whole_blocks(self._layout, self._first_head, source, read):
                     gets = head_reads(self._layout, self._kv_cache.data_ptr(),
@@ -121,8 +128,10 @@ class RankReader:
                 total += read.num_heads * len(local) * self._head_block_bytes()
                 posted.append((source, self._reader.get(endpoint.ucp_endpoint, rkey, gets),
                                place))
-        except OSError as exc:
-            failures.append(f"per-rank read failed: {exc!r}")
+        except Exception as exc:  # a producer rank gone (reconnecting to it fails too)
+            if not isinstance(exc, KvTransferError) and not is_transport_error(exc):
+                raise
+            failures.append(f"per-rank read from a prefill rank failed: {exc!r}")
         cancelled = False
         for source, burst, place in posted:
             over, interrupted = await _through_cancel(self._runtime.run_copy(functools.partial(
@@ -154,12 +163,19 @@ class RankReader:
         self._kv_cache[index, :, :, ours:ours + read.num_heads] = \
             staging[:, :, :, theirs:theirs + read.num_heads]
 
-    async def _endpoint(self, source: RankCache) -> tuple[Any, RemoteKey]:
+    async def _endpoint(self, source: RankCache, tcp: bool) -> tuple[Any, RemoteKey]:
         known = self._endpoints.get(source.address)
         if known is None or known[0].closed:
             if known is not None:
                 self._drop(source.address)
-            known = self._endpoints[source.address] = (await open_endpoint(source.address), {})
+            endpoint = await open_endpoint(source.address)
+            if tcp:
+                try:
+                    await wire_up(endpoint, WIRE_UP_TIMEOUT_S)
+                except BaseException:
+                    abort_endpoint(endpoint)
+                    raise
+            known = self._endpoints[source.address] = (endpoint, {})
         endpoint, keys = known
         if source.rkey not in keys:  # a producer rank restarted: another key, another cache
             keys[source.rkey] = RemoteKey(endpoint.ucp_endpoint, source.rkey)
@@ -208,12 +224,13 @@ class RankedPulls:
         heads = sum(kv_head_range(self.total_heads, rank, size)[1] for rank in range(size))
         return num_blocks * self.layout.bytes_per_block // self.layout.num_kv_heads * heads
 
-    async def pull(self, producers: Sequence[RankCache], remote: list[int], local: list[int]
-                   ) -> None:
+    async def pull(self, producers: Sequence[RankCache], remote: list[int], local: list[int],
+                   tcp: bool = False) -> None:
         """Every rank's reads: the other ranks' handed to them first, rank 0's own read
         meanwhile, then the others' reports awaited (on a thread of its own: the copy
         threads are the reads'). Returns only once every rank's reads are over, also when
-        cancelled (the engine may reuse the blocks after a failure), or raises."""
+        cancelled (the engine may reuse the blocks after a failure), or raises. ``tcp``:
+        the producers' addresses are network-only (``RankPull.tcp``)."""
         size = self.layout.tensor_parallel_size
         plans = {rank: plan_heads(list(producers), kv_head_range(self.total_heads, rank, size))
                  for rank in range(size)}
@@ -223,9 +240,9 @@ class RankedPulls:
             assert self._others is not None
             for rank in others:
                 self._others.send(rank, RankPull(pull_id, tuple(producers), tuple(plans[rank]),
-                                                 tuple(remote), tuple(local)))
+                                                 tuple(remote), tuple(local), tcp))
         try:
-            await self._reader.read(producers, plans[0], remote, local)
+            await self._reader.read(producers, plans[0], remote, local, tcp)
         finally:
             if others:  # waited for even when rank 0 failed: no read may outlive the pull
                 assert self._others is not None
@@ -268,8 +285,7 @@ def _whole_blocks(layout: KvLayout, first_head: int, source: RankCache, read: He
     return same or stretch >= DIRECT_MIN_MESSAGE_BYTES
 
 
-def refusal(handle: KvHandle, ranked: RankedPulls | None, transport: str, cuda: bool
-            ) -> str | None:
+def refusal(handle: KvHandle, ranked: RankedPulls | None, cuda: bool) -> str | None:
     """Why a pull between replicas of these parallel sizes cannot be served (None: it can)."""
     if ranked is None or not ranked.needed(handle):
         return None if handle.tensor_parallel_size == 1 else (
@@ -278,8 +294,6 @@ def refusal(handle: KvHandle, ranked: RankedPulls | None, transport: str, cuda: 
     if cuda:
         return ("per-rank KV pulls read host memory; this replica's cache is on a GPU "
                 "(not built: a GPU cache is sent, and per-rank sends are not)")
-    if transport == "tcp":
-        return "per-rank KV pulls need shared memory (same host); --kv-transport tcp forbids it"
     return None
 
 

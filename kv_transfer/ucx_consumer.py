@@ -201,7 +201,7 @@ class UcxKvConsumer(KvConsumer):
         num_blocks = self._kv_cache.shape[0]
         if any(not 0 <= b < num_blocks for b in local) or len(set(local)) != len(local):
             raise ValueError(f"local block ids must be distinct and in [0, {num_blocks})")
-        refused_because = refusal(handle, self._ranked, self._transport, self._kv_cache.is_cuda)
+        refused_because = refusal(handle, self._ranked, self._kv_cache.is_cuda)
         if refused_because is not None:
             refused: Future[TransferResult] = Future()
             refused.set_exception(KvTransferError("tensor_parallel", refused_because))
@@ -468,15 +468,17 @@ class UcxKvConsumer(KvConsumer):
         every rank of this replica reads its heads from the producer ranks holding them,
         then the lease is confirmed here, once (one block pool, one lease, every rank)."""
         assert self._ranked is not None
-        if connection.ranks is None:  # listed only in version 4, to readers on shm
+        if connection.ranks is None:  # listed only in version 4, to readers
             raise KvTransferError(
                 "tensor_parallel", f"{handle.host}:{handle.port} offers no per-rank reads "
                 f"(protocol version {connection.version}, transport {connection.transport}): "
-                "per-rank pulls need version 4, host memory and shared memory")
+                "per-rank pulls need version 4 and host memory (over TCP, a producer that "
+                "answers per-rank wire-ups)")
         if len(connection.ranks) != handle.tensor_parallel_size:
             raise KvTransferError("protocol", f"the producer describes {len(connection.ranks)} "
                                   f"ranks; its handle says {handle.tensor_parallel_size}")
-        await self._ranked.pull(connection.ranks, remote, local)
+        await self._ranked.pull(connection.ranks, remote, local,
+                                tcp=connection.transport != "shm")
         await self._confirm_reads(connection, seq, handle, remote,
                                   self._ranked.nbytes(len(local), handle.tensor_parallel_size))
 

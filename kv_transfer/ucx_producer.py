@@ -28,6 +28,7 @@ from kv_transfer.layout import KvLayout
 from kv_transfer.leases import Lease, LeaseTable
 from kv_transfer.local_addresses import check_bind_address, is_local_address
 from kv_transfer.rank_layout import RankCache
+from kv_transfer.rank_wire_up import answer_wire_ups
 from kv_transfer.transfer_plan import TransferPlan
 from kv_transfer.ucx_io import (
     Posted,
@@ -110,8 +111,8 @@ class UcxKvProducer(KvProducer):
         self._served: set[asyncio.Task[Any]] = set()
         self._mapped: MappedMemory | None = None  # the cache, for consumers' reads
         # Tensor parallelism: this rank's KV heads (first, count) and the other ranks'
-        # caches (mapped by their own processes), offered to readers on shared memory so
-        # that each consumer rank reads its heads itself (``rank_reader``).
+        # caches (mapped by their own processes), offered to readers so that each consumer
+        # rank reads its heads itself (``rank_reader``).
         self.heads = (0, layout.num_kv_heads)
         self.other_ranks: list[RankCache] = []
 
@@ -123,6 +124,7 @@ class UcxKvProducer(KvProducer):
         self._runtime = UcxRuntime.shared(self.host)
         if not self._kv_cache.is_cuda:
             self._mapped = self._runtime.call(self._map_cache(), timeout=30)
+            answer_wire_ups(self._runtime)  # per-rank readers over TCP (``rank_wire_up``)
         self.port = self._runtime.call(self._listen(), timeout=30)
         return self.host, self.port
 
@@ -206,13 +208,13 @@ class UcxKvProducer(KvProducer):
 
     def _rank_caches(self, readable: ReadableCache | None, kind: TransportKind
                      ) -> tuple[RankCache, ...] | None:
-        """Every rank's cache (this one first), to a reader on shared memory: per-rank
-        pulls read each rank's memory by cma (``rank_reader``)."""
-        if readable is None or kind != "shm" or self._runtime is None:
+        """Every rank's cache (this one first), each at its worker's address for ``kind``,
+        to a reader: per-rank pulls read each rank's memory (``rank_reader``)."""
+        if readable is None or self._runtime is None:
             return None
-        own = RankCache(0, self.heads[0], self.heads[1], self._runtime.worker_address("shm"),
+        own = RankCache(0, self.heads[0], self.heads[1], self._runtime.worker_address(kind),
                         readable.rkey, readable.address, readable.num_blocks)
-        return (own, *self.other_ranks)
+        return (own, *(rank.reached_over(kind) for rank in self.other_ranks))
 
     async def _listen(self) -> int:
         self._server = await asyncio.start_server(

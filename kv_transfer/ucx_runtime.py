@@ -106,6 +106,7 @@ class UcxRuntime:
         self._copy_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-copy")
         self._addresses: dict[TransportKind, bytes] = {}
         self._connections = 0
+        self._services: dict[str, Future[Any]] = {}
         started: Future[None] = Future()
         self._thread = threading.Thread(
             target=self._run, args=(started,), name="tandem-ucx", daemon=True
@@ -155,6 +156,13 @@ class UcxRuntime:
         """A number for a new consumer connection, unique in this process (on the loop)."""
         self._connections += 1
         return self._connections
+
+    def start_service(self, name: str, run: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run ``run()`` on the loop for the runtime's life, once per ``name`` however many
+        connectors ask (a service of the process's worker, not of one connector)."""
+        with self._shared_lock:
+            if name not in self._services:
+                self._services[name] = self.submit(run())
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Schedule ``coro`` on the runtime's loop; thread-safe."""

@@ -190,8 +190,9 @@ class Welcome:
     readable: ReadableCache | None = None
     fingerprint: str = ""  # version 4: the producer's KvLayout fingerprint, once per peer
     version: int = PROTOCOL_VERSION
-    # Version 4, to a reader on shared memory: every rank's cache, for per-rank pulls
-    # (``rank_reader``); an older producer leaves it out.
+    # Version 4, to a reader: every rank's cache (at its worker's address for this
+    # transport), for per-rank pulls (``rank_reader``); an older producer leaves it out,
+    # and one from before per-rank TCP reads leaves it out on TCP.
     ranks: tuple[RankCache, ...] | None = None
 
     def encode(self) -> bytes:

@@ -124,6 +124,11 @@ class HostLab:
             directory = NETNS_ETC / host.netns
             directory.mkdir(parents=True, exist_ok=True)
             (directory / "hosts").write_text("\n".join(lines) + "\n")
+            # A name it does not know fails at once, as a cluster's DNS answers: this
+            # host's nameserver is unreachable from here, and each lookup would wait out
+            # its timeouts (torch's store looks up its peers' names: 15 s each, measured).
+            (directory / "resolv.conf").write_text(
+                "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
 
     def close(self) -> None:
         for host in self.hosts.values():

@@ -293,9 +293,9 @@ def test_exclusive_cpus_make_replica_pods_guaranteed() -> None:
 
 
 def test_a_tensor_parallel_replica_gets_its_devices_cpus_and_shared_memory() -> None:
-    """TP=2 decode, TP=1 prefill: on the CPU the decode pod asks for twice the CPUs and
-    memory (one engine process per rank), on GPUs for two GPUs; its /dev/shm is a
-    memory-backed emptyDir of a GiB per rank; its replica parses the flag."""
+    """TP=2 decode, TP=1 prefill, and the reverse: on the CPU the TP=2 pod asks for twice
+    the CPUs and memory (one engine process per rank), on GPUs for two GPUs; its /dev/shm
+    is a memory-backed emptyDir of a GiB per rank; its replica parses the flag."""
     def replica(options: K8sOptions, role: str) -> dict[str, Any]:
         return by_kind(render_k8s_manifests(options), "Deployment")[f"tandem-{role}"][
             "spec"]["template"]["spec"]
@@ -313,6 +313,15 @@ def test_a_tensor_parallel_replica_gets_its_devices_cpus_and_shared_memory() -> 
     assert "--tensor-parallel-size" not in prefill["containers"][0]["args"]
     parsed = replica_parser().parse_args(args)
     assert parsed.tensor_parallel_size == 2
+    # The reverse (the multi-host test runs it): a TP=2 prefill pod, a TP=1 decode pod.
+    reverse = K8sOptions(replica_cpu="3", replica_memory="8Gi", prefill_tensor_parallel_size=2)
+    prefill, decode = replica(reverse, "prefill"), replica(reverse, "decode")
+    assert prefill["containers"][0]["resources"]["requests"] == {"cpu": "6", "memory": "16Gi"}
+    assert {v["name"]: v for v in prefill["volumes"]}["dshm"]["emptyDir"]["sizeLimit"] == "2Gi"
+    assert {v["name"]: v for v in decode["volumes"]}["dshm"]["emptyDir"]["sizeLimit"] == "1Gi"
+    args = prefill["containers"][0]["args"]
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"
+    assert "--tensor-parallel-size" not in decode["containers"][0]["args"]
     gpu = replica(K8sOptions(gpus=1, tensor_parallel_size=4), "decode")
     assert gpu["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
     with pytest.raises(ValueError, match="one GPU per tensor-parallel rank"):

@@ -8,9 +8,14 @@ advertised 127.0.0.1 for its KV blocks, or bound only loopback, would be unreach
 names resolve to the pods' addresses as cluster DNS would. The test is the client outside the
 cluster: the `openai` SDK over HTTP and the gRPC SDK, both through Envoy.
 
-Checked: greedy text equal to the engine's (itself checked against Hugging Face); prompts the
-picker sends to P/D really run on the prefill pod and their KV moves to the decode pod
-(its ``tandem:kv_transfer_bytes_total`` grows, no fallback); killing the prefill pod's
+The prefill pod is a tensor-parallel replica of 2 ranks (``--prefill-tensor-parallel-size
+2``: a rank 0 and a worker process in the pod), the decode pod one rank: its KV moves per
+rank across hosts, the decode pod reading each prefill rank's heads over TCP.
+
+Checked: greedy text equal to the engine's (itself checked against Hugging Face); the
+prefill pod says it has 2 ranks (``GetInfo``); prompts the picker sends to P/D really run on
+the prefill pod and their KV moves to the decode pod (its ``tandem:kv_transfer_bytes_total``
+grows, no fallback: a TP=2 prefill's KV can only arrive per rank); killing the prefill pod's
 process makes the next request fall back (counted) and, once the picker has seen it go,
 requests route around it.
 """
@@ -34,6 +39,7 @@ from deploy.local_ca import make_suite_certificates
 from engine_common.config import CacheConfig, EngineConfig
 from engine_common.llm import LLM
 from engine_common.sampling_params import SamplingParams
+from protos.tandem.v1 import engine_pb2, engine_pb2_grpc
 from services.suite_tls import SuiteTls
 from services.suite_tls import channel as suite_channel
 from tandem import Client
@@ -80,7 +86,8 @@ def _render(model_dir: Path, out: Path) -> None:
     assert tandem_main([
         "render", "k8s", "-o", str(out), "--name", NAME, "--prefill", "1", "--decode", "1",
         "--model-pvc", MODEL_CLAIM, "--model", f"/models/{model_dir.name}",
-        "--served-model-name", "tiny", "--kv-cache-memory", "16MiB"]) == 0
+        "--served-model-name", "tiny", "--kv-cache-memory", "16MiB",
+        "--prefill-tensor-parallel-size", "2"]) == 0
 
 
 def _service_names(objects: list[dict], hosts: dict[str, Host]) -> dict[str, list[str]]:
@@ -201,6 +208,9 @@ def _expected(offline: LLM, prompt: str, max_tokens: int) -> str:
 
 
 def test_pd_through_envoy_and_the_picker_across_hosts(cluster: Cluster, offline: LLM) -> None:
+    with suite_channel(f"{cluster.address('prefill')}:{REPLICA_PORT}", cluster.tls) as ch:
+        info = engine_pb2_grpc.EngineStub(ch).GetInfo(engine_pb2.GetInfoRequest(), timeout=10)
+    assert (info.tensor_parallel_size, info.kv_layout.tensor_parallel_size) == (2, 2)
     before = {name: cluster.metric(pod, name) for pod, name in (
         ("decode", "tandem:kv_transfer_bytes_total"),
         ("decode", "tandem:kv_transfer_fallbacks_total"),

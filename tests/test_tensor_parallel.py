@@ -6,8 +6,9 @@ sliding-window layers), with chunked prefill, the prefix cache, prompt logprobs 
 sampling equal to one rank's; a Qwen2 whose 3 KV heads split 2 and 1; P/D between cores
 of different parallel sizes, TP=2 to TP=1 and TP=1 to TP=2, the KV pulled per rank (each
 decode rank reading its heads from the prefill ranks holding them) and decoded exactly,
-and a pairing per-rank pulls cannot serve refused with its reason. A killed worker
-is tested on a real replica (``test_replica_lifecycle``). The row-parallel all-reduce adds
+over shared memory and over TCP, a prefill rank killed before the pull (recomputed), and
+a pairing per-rank pulls cannot serve refused with its reason. A killed worker is tested on
+a real replica (``test_replica_lifecycle``). The row-parallel all-reduce adds
 the ranks' partial sums in another order than one matmul does; on these random float32
 models no greedy choice is close enough for that to matter (checked here, not assumed).
 
@@ -17,8 +18,10 @@ One engine per model and size, reused by the module's tests (each starts worker 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -181,6 +184,22 @@ def _run(core: EngineCore, request: EngineCoreRequest) -> list[EngineCoreOutput]
     return outputs
 
 
+def _kill(pid: int) -> None:
+    """SIGKILL a worker and wait until it is gone (its watcher thread reaps it)."""
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid):
+        assert time.monotonic() < deadline, f"worker {pid} outlived SIGKILL"
+        time.sleep(0.01)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0]
+    except (OSError, IndexError):
+        return "zombie"  # gone meanwhile
+
+
 def test_per_rank_reads_follow_each_sides_heads() -> None:
     """The plan: each consumer rank's heads from the producer rank holding them (uneven
     splits, replicated heads read once), strided per (block, layer, K/V) unless both sides
@@ -205,13 +224,15 @@ def test_per_rank_reads_follow_each_sides_heads() -> None:
 
 
 def _pd_request(tiny_llama_dir: Path, p: EngineCore, d: EngineCore, request_id: str,
-                prompt: list[int]) -> tuple[list[int], KvTransferReport]:
+                prompt: list[int], before_decode: Callable[[], None] = lambda: None
+                ) -> tuple[list[int], KvTransferReport]:
     one = replace(GREEDY, max_tokens=1, min_tokens=1)
     done = _run(p, EngineCoreRequest(request_id, GenerationRequest(prompt, one),
                                      time.monotonic(), hold_kv=True))
     final = next(o for o in done if o.finished)
     handle, first = final.kv_handle, final.new_token_ids[0]
     assert handle is not None and handle.tensor_parallel_size == p.config.tensor_parallel_size
+    before_decode()
     outputs = _run(d, EngineCoreRequest(request_id, GenerationRequest(prompt, GREEDY),
                                         time.monotonic(),
                                         remote_prefill=RemotePrefill(handle, first)))
@@ -222,41 +243,50 @@ def _pd_request(tiny_llama_dir: Path, p: EngineCore, d: EngineCore, request_id: 
 
 def test_pd_across_parallel_sizes_pulls_per_rank_and_equals_hf(tiny_llama_dir: Path):
     """TP=2 prefill feeding TP=1 decode, TP=1 prefill feeding TP=2 decode, and TP=2 to
-    TP=2: each decode rank reads the KV heads it owns from the prefill rank(s) holding them (the report says
-    every block was pulled, by ranks, none recomputed), and the output is Hugging Face's.
-    The tiny Llama's 2 KV heads: one per rank at TP=2, both in the single rank's cache. A
-    decode core kept on TCP cannot read per rank: refused (``tensor_parallel``, counted by
-    the engine's metrics), recomputed, still exact."""
+    TP=2, over shared memory and over TCP (decode cores kept on ``--kv-transport tcp``,
+    each rank's endpoint to each prefill rank wired up first, ``rank_wire_up``): each
+    decode rank reads the KV heads it owns from the prefill rank(s) holding them (the
+    report says every block was pulled, by ranks, none recomputed), and the output is
+    Hugging Face's. The tiny Llama's 2 KV heads: one per rank at TP=2, both in the single
+    rank's cache."""
     # 17 tokens (4 full blocks and a partial one); 33 for the TP=2 decode core's second
     # pull (another prompt: no prefix hits there).
     short, long = _prompts(tiny_llama_dir)[1:3]
     expected = dict(zip(("short", "long"), hf_greedy(tiny_llama_dir, [short, long], MAX_TOKENS),
                         strict=True))
     cores = {(role, tp, transport): _pd_core(tiny_llama_dir, role, tp, transport)
-             for role, tp, transport in (("producer", 2, "auto"), ("consumer", 1, "auto"),
-                                         ("producer", 1, "auto"), ("consumer", 2, "auto"),
-                                         ("consumer", 1, "tcp"))}
+             for role, tp, transport in (("producer", 2, "auto"), ("producer", 1, "auto"),
+                                         ("consumer", 1, "auto"), ("consumer", 2, "auto"),
+                                         ("consumer", 1, "tcp"), ("consumer", 2, "tcp"))}
     try:
-        # (2, 2): both sides hold the same heads, read straight into the caches.
-        for prefill_tp, decode_tp, name in ((2, 1, "short"), (1, 2, "short"), (2, 2, "long")):
-            p, d = cores["producer", prefill_tp, "auto"], cores["consumer", decode_tp, "auto"]
-            prompt = short if name == "short" else long
-            tokens, report = _pd_request(tiny_llama_dir, p, d, f"r{prefill_tp}{decode_tp}",
-                                         prompt)
-            blocks = -(-len(prompt) // 4)
-            assert report.fallback_reason is None, (prefill_tp, decode_tp, report)
-            assert report.blocks_pulled == blocks and report.transport == "shm", report
-            # Bytes of the decode side's cache: the whole prompt's KV arrived.
-            assert report.num_bytes == blocks * d.info.kv_layout.bytes_per_block * decode_tp
-            assert tokens == expected[name], (prefill_tp, decode_tp)
-        tokens, report = _pd_request(tiny_llama_dir, cores["producer", 2, "auto"],
-                                     cores["consumer", 1, "tcp"], "tcp", short)
-        assert report.fallback_reason == "tensor_parallel" and report.blocks_pulled == 0
-        assert tokens == expected["short"]
-        metrics = EngineMetrics("tiny", "d")
-        metrics.record_kv_transfer(report)
-        assert metrics.registry.get_sample_value("tandem:kv_transfer_failures_total", {
-            "model_name": "tiny", "engine": "d", "reason": "tensor_parallel"}) == 1
+        for transport in ("auto", "tcp"):
+            # (2, 2): both sides hold the same heads, read straight into the caches.
+            for prefill_tp, decode_tp, name in ((2, 1, "short"), (1, 2, "short"),
+                                                (2, 2, "long")):
+                p, d = cores["producer", prefill_tp, "auto"], cores["consumer", decode_tp,
+                                                                   transport]
+                prompt = short if name == "short" else long
+                tokens, report = _pd_request(tiny_llama_dir, p, d,
+                                             f"r{prefill_tp}{decode_tp}{transport}", prompt)
+                blocks = -(-len(prompt) // 4)
+                case = (prefill_tp, decode_tp, transport, report)
+                assert report.fallback_reason is None, case
+                assert report.blocks_pulled == blocks, case
+                assert report.transport == ("shm" if transport == "auto" else "tcp"), case
+                # Bytes of the decode side's cache: the whole prompt's KV arrived.
+                assert report.num_bytes == blocks * d.info.kv_layout.bytes_per_block * decode_tp
+                assert tokens == expected[name], case
+        # A prefill rank dies after computing a prompt: the TCP decode core's reads from it
+        # (on its endpoint wired up above) fail, the pull is "unreachable" and the prompt
+        # recomputed, exact; nothing waits out more than the reads' bound.
+        producer = cores["producer", 2, "auto"]
+        workers = producer.model_runner.workers
+        assert workers is not None
+        tokens, report = _pd_request(tiny_llama_dir, producer, cores["consumer", 1, "tcp"],
+                                     "dead-rank", long, before_decode=lambda: _kill(
+                                         workers.pids[0]))
+        assert report.fallback_reason == "unreachable" and report.blocks_pulled == 0, report
+        assert tokens == expected["long"]
     finally:
         for core in cores.values():
             assert core.remote_kv is not None
@@ -265,8 +295,9 @@ def test_pd_across_parallel_sizes_pulls_per_rank_and_equals_hf(tiny_llama_dir: P
 
 
 def test_a_pairing_per_rank_pulls_cannot_serve_is_refused_with_its_reason() -> None:
-    """Per-rank pulls read shared memory: a consumer kept on TCP refuses a TP=2 producer's
-    handle at once (reason ``tensor_parallel``, which the engine counts and recomputes)."""
+    """Per-rank pulls read host memory: a consumer whose cache is on a GPU, or one built
+    without per-rank reads, refuses a TP=2 producer's handle at once (reason
+    ``tensor_parallel``, which the engine counts and recomputes); TCP is no reason."""
     layout = KvLayout("m", "float32", num_layers=2, num_kv_heads=1, head_size=16, block_size=4)
     handle = KvHandle("p", "127.0.0.1", 1, "r", (0,), 4, time.time() + 30,
                       replace(layout, tensor_parallel_size=2).fingerprint(), 2)
@@ -275,15 +306,18 @@ def test_a_pairing_per_rank_pulls_cannot_serve_is_refused_with_its_reason() -> N
     cache = torch.zeros(8, 2, 2, 2, 4, 16)
     two = replace(layout, num_kv_heads=2)
     ranked = RankedPulls(two, 2, RankReader(cache, two, 0, "127.0.0.1"), None)
-    assert refusal(handle, ranked, "tcp", cuda=False) == (
-        "per-rank KV pulls need shared memory (same host); --kv-transport tcp forbids it")
-    assert "GPU" in (refusal(handle, ranked, "auto", cuda=True) or "")
-    assert refusal(handle, ranked, "auto", cuda=False) is None
-    assert "pulls only single-rank caches" in (refusal(handle, None, "auto", False) or "")
-    consumer = UcxKvConsumer(cache, two, transport="tcp", ranked=ranked)
+    assert "GPU" in (refusal(handle, ranked, cuda=True) or "")
+    assert refusal(handle, ranked, cuda=False) is None
+    assert "pulls only single-rank caches" in (refusal(handle, None, False) or "")
+    consumer = UcxKvConsumer(cache, two, transport="tcp", ranked=None)
     try:
         with pytest.raises(KvTransferError) as refused:
             consumer.pull(handle, [0], [0], timeout=5).result(5)
         assert refused.value.reason == "tensor_parallel"
     finally:
         consumer.close()
+    report = KvTransferReport("p", fallback_reason=refused.value.reason)
+    metrics = EngineMetrics("tiny", "d")
+    metrics.record_kv_transfer(report)
+    assert metrics.registry.get_sample_value("tandem:kv_transfer_failures_total", {
+        "model_name": "tiny", "engine": "d", "reason": "tensor_parallel"}) == 1

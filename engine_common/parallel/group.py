@@ -116,5 +116,11 @@ def _join(store: dist.TCPStore, rank: int, size: int, device: torch.device) -> T
         torch.cuda.set_device(device)
         group = dist.ProcessGroupNCCL(store, rank, size)
     else:
-        group = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
+        # Loopback: a replica's ranks are processes of one host (pod). gloo's default
+        # device resolves the host's name, which in a pod or network namespace whose name
+        # has no record waits out DNS (20-30 s measured in tests/test_k8s_multihost.py).
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = COLLECTIVE_TIMEOUT
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        group = dist.ProcessGroupGloo(store, rank, size, options)
     return TensorParallel(rank, size, group)

@@ -30,6 +30,7 @@ from kv_transfer.connector import KvTransferError
 from kv_transfer.layout import KvLayout
 from kv_transfer.rank_layout import RankCache, kv_head_range
 from kv_transfer.rank_reader import RankPull, RankReader
+from kv_transfer.rank_wire_up import answer_wire_ups
 from kv_transfer.ucx_rma import MappedMemory
 from kv_transfer.ucx_runtime import UcxRuntime
 
@@ -111,7 +112,9 @@ class WorkerKv:
             runtime = UcxRuntime.shared(host)
             self._mapped = runtime.call(_map(kv_cache), timeout=30)
             cache = RankCache(rank, heads[0], heads[1], runtime.worker_address("shm"),
-                              self._mapped.rkey, self._mapped.address, kv_cache.shape[0])
+                              self._mapped.rkey, self._mapped.address, kv_cache.shape[0],
+                              runtime.worker_address("tcp"))
+            answer_wire_ups(runtime)  # readers over TCP (``rank_wire_up``)
             self._store.set(_cache_key(rank), pickle.dumps(cache))
         else:
             self._reader = RankReader(kv_cache, layout, heads[0], host)

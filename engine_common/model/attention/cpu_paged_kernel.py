@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -81,13 +82,19 @@ def _build(compiler: str) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        proc = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)],
-                              capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {proc.stderr[-2000:]}")
-        os.replace(built, target)
+    # One build at a time per cache: a tensor-parallel replica's ranks start together, and
+    # N compilers at once cost N times the CPU; the others wait, then load its result.
+    with open(target.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():
+            return target
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            proc = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)],
+                                  capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {proc.stderr[-2000:]}")
+            os.replace(built, target)
     logger.info("built the CPU paged-attention kernel: %s", target)
     return target
 
