@@ -65,6 +65,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 
 from bench.report import machine as report_machine  # noqa: E402
 from engine_common.model.attention.kv_cache_layout import kv_cache_shape  # noqa: E402
+from engine_common.model.kv_cache_memory import allocate_host_cache, page_policy  # noqa: E402
 from kv_transfer.block_copy import BlockCopier, StagingBuffer  # noqa: E402
 from kv_transfer.connector import KvHandle  # noqa: E402
 from kv_transfer.layout import KvLayout  # noqa: E402
@@ -91,19 +92,26 @@ RAW_REQUEST_TAG = 7  # raw requests: [transport index, nbytes, messages, first t
 RESULTS = Path(__file__).resolve().parent / "results" / "kv_transfer_bandwidth.json"
 
 
-def make_cache(num_blocks: int, seed: int, device: str, huge_pages: bool = False) -> torch.Tensor:
-    """A random cache; ``huge_pages``: in host memory advised transparent huge pages before
-    first touch, as numpy's (the raw buffers') are (``bench/cma_page_probe.py``)."""
+def make_cache(num_blocks: int, seed: int, device: str, pages: str = "4k") -> torch.Tensor:
+    """A random cache; in host memory, ``pages`` is torch's 4 KiB pages ("4k") or a page
+    policy of the engine's allocation (``kv_cache_memory.allocate_host_cache``: "huge",
+    "huge-if-free")."""
     shape = kv_cache_shape(LAYOUT.num_layers, num_blocks, LAYOUT.block_size,
                            LAYOUT.num_kv_heads, LAYOUT.head_size)
     generator = torch.Generator().manual_seed(seed)
     bits = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=generator)
-    if huge_pages and device == "cpu":
-        from bench.cma_page_probe import huge_page_bytes
-
-        cache = huge_page_bytes(bits.numel() * 2).view(torch.int16).view(shape)
+    if pages != "4k" and device == "cpu":
+        cache, memory = allocate_host_cache(shape, torch.int16, pages)
+        print(f"cache of {num_blocks} blocks: {memory}", flush=True)
         return cache.copy_(bits).view(torch.bfloat16)
     return bits.view(torch.bfloat16).to(device)
+
+
+def cache_pages(setting: str, role: str) -> str:
+    """The page policy a ``role`` ("producer", "consumer") side's cache gets."""
+    if setting == "engine":
+        return page_policy("auto", role)
+    return setting
 
 
 def make_buffer(nbytes: int, device: str, fill: int) -> Any:
@@ -136,11 +144,11 @@ async def _open_raw(runtime: UcxRuntime, address: bytes, buffer: Any) -> asyncio
 
 
 def _producer_main(conn: Connection, kind: TransportKind, device: str,
-                   huge_pages: bool = False) -> None:
+                   pages: str = "4k") -> None:
     """A producer process for one transport (as a deployment reaches each producer one way),
     with a raw server beside its connector."""
     producer = UcxKvProducer(make_cache(CACHE_BLOCKS, seed=1, device=device,
-                                        huge_pages=huge_pages), LAYOUT,
+                                        pages=cache_pages(pages, "producer")), LAYOUT,
                              f"bench-{kind}", host=HOST)
     producer.start()
     runtime = UcxRuntime.shared(HOST)
@@ -320,9 +328,9 @@ def report_line(row: dict[str, Any]) -> str:
 
 
 def start_bench(producers: dict[TransportKind, Connection], device: str,
-                huge_pages: bool = False) -> Bench:
+                pages: str = "4k") -> Bench:
     runtime = UcxRuntime.shared(HOST)
-    kv = make_cache(CACHE_BLOCKS, seed=2, device=device, huge_pages=huge_pages)
+    kv = make_cache(CACHE_BLOCKS, seed=2, device=device, pages=cache_pages(pages, "consumer"))
     consumers = {
         # Each mode forced, to see both at every size (the default policy's choice is
         # recorded with the results).
@@ -352,12 +360,13 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="where both KV caches live: cpu or cuda")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)),
                         help="comma-separated pull sizes in blocks")
-    parser.add_argument("--cache-pages", choices=("4k", "huge"), default="4k",
-                        help="host KV caches on 4 KiB pages (as the engine's) or advised "
-                        "transparent huge pages (as the raw buffers, numpy's, are)")
+    parser.add_argument("--cache-pages", choices=("engine", "4k", "huge", "huge-if-free"),
+                        default="engine",
+                        help="host KV caches' pages: as the engine's (--kv-cache-pages auto: "
+                        "huge on the producer, huge-if-free on the consumer), torch's 4 KiB "
+                        "pages (the engine's before issue 34), or one policy for both")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    huge_pages = args.cache_pages == "huge"
     machine = report_machine()
     load_before = os.getloadavg()
 
@@ -367,13 +376,13 @@ def main() -> None:
     for kind in TRANSPORTS:
         producers[kind], child_conn = ctx.Pipe()
         children.append(ctx.Process(target=_producer_main,
-                                    args=(child_conn, kind, args.device, huge_pages),
+                                    args=(child_conn, kind, args.device, args.cache_pages),
                                     daemon=True))
         children[-1].start()
 
     import ucxx
 
-    bench = start_bench(producers, args.device, huge_pages)
+    bench = start_bench(producers, args.device, args.cache_pages)
     results = []
     try:
         for num_blocks in sizes:

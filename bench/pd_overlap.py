@@ -40,6 +40,7 @@ import grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.process_cpu import host_busy_seconds, tree_cpu_seconds  # noqa: E402
 from bench.report import machine, write_report  # noqa: E402
 from engine_common.default_model import ensure_default_model  # noqa: E402
 from protos.tandem.v1 import engine_pb2 as epb  # noqa: E402
@@ -167,9 +168,27 @@ def chunking_cost(model: str, lengths: list[int], chunks: list[int], rounds: int
     }
 
 
-def measure(lengths: list[int], rounds: int, vocab: int, pairs: dict[str, Replica]
-            ) -> dict[str, dict[str, list[float]]]:
-    """Every variant at every length, rounds interleaved; seconds by length and quantity."""
+def cpu_snapshot(pairs: dict[str, Replica]) -> dict[str, float]:
+    """CPU seconds so far of each replica (its processes) and of the whole host."""
+    return tree_cpu_seconds({name: r.process.pid for name, r in pairs.items()}) | {
+        "host": host_busy_seconds(), "wall": time.perf_counter()}
+
+
+def record_cpu(row: dict[str, list[float]], variant: str, before: dict[str, float],
+               after: dict[str, float]) -> None:
+    """The CPU seconds each replica and the host used during one request: where the cores
+    went while the prefill replica computed (``--cpu-profile``)."""
+    for name, seconds in after.items():
+        row.setdefault(f"{variant}_cpu_{name}", []).append(seconds - before[name])
+    replicas = sum(after[n] - before[n] for n in after if n not in ("host", "wall"))
+    row.setdefault(f"{variant}_cpu_not_replicas", []).append(
+        after["host"] - before["host"] - replicas)
+
+
+def measure(lengths: list[int], rounds: int, vocab: int, pairs: dict[str, Replica],
+            cpu_profile: bool = False) -> dict[str, dict[str, list[float]]]:
+    """Every variant at every length, rounds interleaved; seconds by length and quantity
+    (and with ``cpu_profile`` the CPU seconds of each replica and the host per request)."""
     rng = random.Random(0)
     variants = [*PD_VARIANTS, *COMPUTE_VARIANTS]
     results: dict[str, dict[str, list[float]]] = {}
@@ -179,15 +198,20 @@ def measure(lengths: list[int], rounds: int, vocab: int, pairs: dict[str, Replic
             row = results.setdefault(str(length), {})
             for variant in order:
                 prompt = [rng.randrange(3, vocab) for _ in range(length)]
+                before = cpu_snapshot(pairs) if cpu_profile else None
                 if variant in COMPUTE_VARIANTS:
                     prefill = pairs["p_overlap" if variant == "compute_chunked" else "p_plain"]
                     row.setdefault(variant, []).append(timed_prefill(prefill.target, prompt))
+                    if before is not None:
+                        record_cpu(row, variant, before, cpu_snapshot(pairs))
                     continue
                 decode, peer = {
                     "pd_overlap": (pairs["d_overlap"], pairs["p_overlap"].target),
                     "pd_no_overlap": (pairs["d_plain"], pairs["p_plain"].target),
                     "aggregated": (pairs["both"], None)}[variant]
                 ttft, gap, transfer = timed_generate(decode.target, prompt, peer)
+                if before is not None:
+                    record_cpu(row, variant, before, cpu_snapshot(pairs))
                 if transfer is not None and transfer.fallback_reason:
                     raise RuntimeError(f"{variant} fell back: {transfer.fallback_reason}")
                 row.setdefault(f"{variant}_ttft", []).append(ttft)
@@ -238,6 +262,9 @@ def main() -> None:
     parser.add_argument("--cost-rounds", type=int, default=3,
                         help="rounds of the offline chunking-cost measurement (0: skip it)")
     parser.add_argument("--base-port", type=int, default=50420)
+    parser.add_argument("--cpu-profile", action="store_true",
+                        help="also record each replica's and the host's CPU seconds per "
+                        "request (where the prefill replica's cores went)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "pd_overlap.json")
     args = parser.parse_args()
     model = args.model or str(ensure_default_model())
@@ -266,7 +293,7 @@ def main() -> None:
     try:
         wait_serving(list(replicas.values()))
         measure([256], 1, vocab, replicas)  # warm every path once
-        results = measure(lengths, args.rounds, vocab, replicas)
+        results = measure(lengths, args.rounds, vocab, replicas, args.cpu_profile)
     finally:
         stop(list(replicas.values()))
     summary = summarize(results)

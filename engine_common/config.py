@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, replace
 from engine_common.kv_tiers.config import KvTiersConfig
 
 DEFAULT_BLOCK_SIZE = 16
+# A CPU KV cache's page policies (engine_common.model.kv_cache_memory).
+KV_CACHE_PAGE_POLICIES = ("4k", "huge", "huge-if-free")
 
 
 @dataclass
@@ -19,6 +21,9 @@ class CacheConfig:
     # Bytes for the paged KV cache on CPU; on GPU, a fraction of free memory is used.
     kv_cache_memory_bytes: int = 1 << 30
     gpu_memory_utilization: float = 0.85
+    # A CPU cache's pages: "auto" (huge on a prefill replica, huge while free elsewhere),
+    # "huge", "huge-if-free" or "4k" (engine_common.model.kv_cache_memory says why).
+    kv_cache_pages: str = "auto"
     # When set, overrides the memory budget (tests use this to force preemption).
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True

@@ -36,6 +36,7 @@ from engine_common.model.arch_config import ModelArchConfig
 from engine_common.model.attention.backend import AttentionMetadata
 from engine_common.model.attention.kv_cache_layout import kv_cache_shape
 from engine_common.model.cpu_allocator import keep_large_temporaries_in_heap
+from engine_common.model.kv_cache_memory import CacheMemory, allocate_host_cache, page_policy
 from engine_common.model.loader import load_model, resolve_dtype
 from engine_common.outputs import ModelRunnerOutput
 from engine_common.parallel.group import (
@@ -141,11 +142,8 @@ class ModelRunner:
         self.kv_heads_per_rank = self.model.arch.num_kv_heads
         shape = kv_cache_shape(self.kv_groups.layers_per_block, self.num_blocks, self.block_size,
                                self.kv_heads_per_rank, arch.head_size)
-        # NOTE: not on transparent huge pages: 8-13% faster decode attention (a layer's
-        # blocks lie a block apart, a TLB miss each on 4 KiB pages), but faulting in a GiB
-        # of them took 2.6-3.3 s against 1.0-1.2 on a loaded host (direct compaction), at
-        # every engine start (docs/benchmarks.md).
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache_memory: CacheMemory | None = None  # a CPU cache's pages, once made
+        self.kv_cache = self._allocate_kv_cache(shape)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         self._grammar_bitmask: GrammarBitmask | None = None  # made by the first grammar
@@ -165,6 +163,24 @@ class ModelRunner:
                 logger.info("CUDA graphs off: the %s attention backend or this model's "
                             "layers (MoE, sinks, sliding windows) cannot be captured",
                             self.model.attention_backend.name)
+
+    def _allocate_kv_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """Zeros of ``shape``; on the CPU on transparent huge pages per
+        ``--kv-cache-pages``. NOTE: measured (docs/kv-transfer.md, "The KV cache on huge
+        pages"): 8-13% faster decode attention (a layer's blocks lie a block apart, a TLB
+        miss each on 4 KiB pages) and shared-memory KV reads about 3x cheaper in CPU from
+        the producer's cache; but where the kernel must compact memory for them a GiB of
+        them cost 2.3 s of CPU (5 s wall at load 6-9) against 0.64 s (1.4 s) for
+        torch.zeros. Hence huge on a prefill replica, huge while free elsewhere."""
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        policy = page_policy(self.config.cache.kv_cache_pages, self.config.kv_transfer.role)
+        cache, self.kv_cache_memory = allocate_host_cache(shape, self.dtype, policy)
+        memory = self.kv_cache_memory
+        logger.info("KV cache on %s pages (asked: %s) in %.2f s, %.2f s of CPU%s",
+                    memory.pages, policy, memory.seconds, memory.cpu_seconds,
+                    f": {memory.reason}" if memory.reason else "")
+        return cache
 
     def _start_workers(self, config: EngineConfig, arch: ModelArchConfig,
                        eos_token_ids: frozenset[int], max_model_len: int,
