@@ -35,8 +35,8 @@ import torch
 
 from engine_common.model.native_build import load_library
 
-_SOURCE = Path(__file__).with_name("cpu_kernels") / "fused_elementwise.cpp"
-_EXTRA_FLAGS = ("-ffp-contract=off", "-fno-trapping-math")
+SOURCE = Path(__file__).with_name("cpu_kernels") / "fused_elementwise.cpp"
+EXTRA_FLAGS = ("-ffp-contract=off", "-fno-trapping-math")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # The dtypes each kernel runs in: only where it stays exact enough (module docstring).
 _NORM_DTYPES = (torch.bfloat16,)
@@ -143,10 +143,13 @@ def _raise_on(code: int, what: str) -> None:
 @functools.cache
 def load_fused_ops() -> FusedCpuOps | None:
     """The kernels, built if needed; None (logged once) where they cannot be built or loaded."""
-    library = load_library(_SOURCE, "fused CPU kernels (norm, SiLU x up, rotary)",
-                           "the layers run their PyTorch ops (slower)", _EXTRA_FLAGS)
-    if library is None:
-        return None
+    library = load_library(SOURCE, "fused CPU kernels (norm, SiLU x up, rotary)",
+                           "the layers run their PyTorch ops (slower)", EXTRA_FLAGS)
+    return None if library is None else bind(library)
+
+
+def bind(library: ctypes.CDLL) -> FusedCpuOps:
+    """The entry points of a library built from ``SOURCE`` (tests build it for other CPUs)."""
     for name, argtypes in _ARGTYPES.items():
         function = getattr(library, name)
         function.argtypes = argtypes
