@@ -1,7 +1,7 @@
 """The pre-norm decoder stack every supported network shares: embeddings, layers of
 (RMSNorm, attention, residual, RMSNorm, feed-forward, residual), the final norm. Each
 residual add is done by the norm after it (``RMSNorm.add_forward``: one fused pass on the
-CPU in bf16), so a layer hands on its output and the residual stream unsummed.
+CPU), so a layer hands on its output and the residual stream unsummed.
 
 Owns the stack's wiring. The feed-forward of each layer (dense MLP or sparse MoE block) and
 its attribute name are the network's choice (``FeedForwardFactory``), so checkpoint names

@@ -3,18 +3,26 @@ up, and the rotary rotation of q/k in place (``cpu_kernels/fused_elementwise.cpp
 
 PyTorch runs each of these as three to eight ops, a dispatch and a pass over memory each
 (RMSNorm in bf16: a widening copy, pow, mean, add, rsqrt, two muls, a narrowing copy); in a
-batch-64 decode step on one core they took ~29 ms of 193 where their arithmetic needs ~2.
-The kernels round where those ops round (the model dtype's values at each op's output,
-float32 in between), so which ops run where is the only change:
+batch-64 bf16 decode step on one core they took ~29 ms of 193.
 
-- rotary (bf16 and float32) and the residual add are bit-identical to the torch ops;
-- the norm sums its squares in another order and SiLU's exp is another float32
-  approximation, so they are not bit-identical in float32 and run there only in bf16
-  (``fused_ops_for``), where they differ from torch by one bf16 ulp on rare elements.
+The kernels round where those ops round (the model dtype's values at each op's output,
+float32 in between) and compute what they compute in the same order, so they are
+bit-identical to the torch ops in float32 and bf16 (tested):
+
+- the residual add and the rotary: one rounding per op, as torch's;
+- RMSNorm's sum of squares: added in ATen's own order (its CPU sum's 8-float vectors,
+  4 accumulators and cascade), then ``/ n``, ``+ eps``, ``1 / sqrt`` like torch's mean and
+  rsqrt;
+- SiLU's exp: SLEEF's ``expf_u10`` op for op (torch's ``Vectorized<float>::exp``). Torch
+  takes that path for whole vectors only (its loop's tail calls ``std::exp``), so in float32
+  the kernel runs only where the intermediate size is a multiple of 32, as every model's is.
+
+Should a torch release change its kernels, the greedy tests against Hugging Face float32
+(tests/test_engine_greedy.py and others) and tests/test_cpu_fused.py would say so.
 
 Built once per machine (``model/native_build``, with ``-ffp-contract=off``: a multiply and
 an add fused into one rounding would break the rotary's bit-equality; and
-``-fno-trapping-math``, which changes no value but lets GCC vectorize the clamps of SiLU's
+``-fno-trapping-math``, which changes no value but lets GCC vectorize the selects of SiLU's
 exp for AVX2, where it otherwise ran scalar, 7x slower). Where it cannot be
 built, ``load_fused_ops`` returns None and the layers keep their torch ops.
 
@@ -38,10 +46,10 @@ from engine_common.model.native_build import load_library
 SOURCE = Path(__file__).with_name("cpu_kernels") / "fused_elementwise.cpp"
 EXTRA_FLAGS = ("-ffp-contract=off", "-fno-trapping-math")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-# The dtypes each kernel runs in: only where it stays exact enough (module docstring).
-_NORM_DTYPES = (torch.bfloat16,)
-_SILU_DTYPES = (torch.bfloat16,)
-_ROTARY_DTYPES = (torch.float32, torch.bfloat16)
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+# torch's SiLU computes whole vectors with SLEEF's exp and the rest with std::exp: the
+# kernel equals it in float32 where a row is whole vectors (32: bf16's AVX-512 vector).
+_SILU_EXACT_MULTIPLE = 32
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -165,14 +173,17 @@ def _ops_if(t: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> FusedCpuOps | N
 
 def norm_ops_for(t: torch.Tensor) -> FusedCpuOps | None:
     """The kernels for RMSNorm (and its residual add) of ``t``, or None: torch ops."""
-    return _ops_if(t, _NORM_DTYPES)
+    return _ops_if(t, _KERNEL_DTYPES)
 
 
-def silu_ops_for(t: torch.Tensor) -> FusedCpuOps | None:
-    """The kernels for SiLU x up of ``t``, or None: torch ops."""
-    return _ops_if(t, _SILU_DTYPES)
+def silu_ops_for(t: torch.Tensor, size: int) -> FusedCpuOps | None:
+    """The kernels for SiLU x up of ``t`` (gate and up of ``size`` each), or None: torch
+    ops (float32 rows of a size torch's SiLU finishes with ``std::exp``)."""
+    if t.dtype == torch.float32 and size % _SILU_EXACT_MULTIPLE:
+        return None
+    return _ops_if(t, _KERNEL_DTYPES)
 
 
 def rotary_ops_for(t: torch.Tensor) -> FusedCpuOps | None:
     """The kernels for the rotary rotation of ``t``, or None: torch ops."""
-    return _ops_if(t, _ROTARY_DTYPES)
+    return _ops_if(t, _KERNEL_DTYPES)

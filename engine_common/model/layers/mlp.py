@@ -1,5 +1,5 @@
 """The dense gated MLP: ``down(silu(gate(x)) * up(x))`` with gate and up fused, and SiLU x
-up one fused CPU kernel in bf16 (``cpu_fused``)."""
+up one fused CPU kernel (``cpu_fused``)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x, lora)
-        ops = silu_ops_for(gate_up) if gate_up.dim() == 2 and gate_up.stride(1) == 1 else None
+        fits = gate_up.dim() == 2 and gate_up.stride(1) == 1
+        ops = silu_ops_for(gate_up, self.intermediate_size) if fits else None
         if ops is not None:
             hidden = ops.silu_mul(gate_up, self.intermediate_size)
         else:

@@ -1,6 +1,6 @@
 """RMSNorm, rounded where each reference model rounds it, and its fused form with the
-residual add before it (``add_forward``): one pass of the fused CPU kernel in bf16
-(``cpu_fused``), the torch ops otherwise."""
+residual add before it (``add_forward``): one pass of the fused CPU kernel on the CPU
+(``cpu_fused``, bit-identical to the torch ops), the torch ops elsewhere."""
 
 from __future__ import annotations
 

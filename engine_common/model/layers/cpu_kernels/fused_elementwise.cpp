@@ -4,7 +4,7 @@
 //
 // Owns only the arithmetic. The Python side (engine_common/model/layers/cpu_fused.py) builds
 // this file (model/native_build.py, with -ffp-contract=off so that no multiply and add are
-// fused into one rounding, and -fno-trapping-math so that the clamps below vectorize with
+// fused into one rounding, and -fno-trapping-math so that the selects below vectorize with
 // AVX2 too), checks the tensors and passes raw pointers.
 //
 // Rounding follows the PyTorch ops the model would otherwise run (Hugging Face's order):
@@ -15,10 +15,9 @@
 //              (weight_first: bf16(w * (residual' * rsqrt(...))), GPT-OSS's order)
 //   silu_mul  = bf16(bf16(g / (1 + exp(-g))) * up)
 //   rotary    = bf16(bf16(a * cos) - bf16(b * sin)), bf16(bf16(b * cos) + bf16(a * sin))
-// The rotary and the residual add are bit-identical to torch's in both dtypes; the norm's
-// float32 sum of squares is summed in another order than torch's, and exp is a polynomial
-// (within ~2 float32 ulps of torch's), so those two can differ from torch by one bf16 ulp
-// where a float32 value lies within a few float32 ulps of a bf16 rounding boundary.
+// and each value is computed as torch computes it: RMSNorm's sum of squares in ATen's order
+// (sum_of_squares_in_torch_order), SiLU's exp as SLEEF's (exp_f32). So every kernel is
+// bit-identical to the torch ops in float32 and bf16 (tests/test_cpu_fused.py).
 //
 // The loops are plain C++ written to auto-vectorize (-O3 -march=native: AVX-512 or AVX2 or
 // whatever the CPU has, scalar otherwise); rows (tokens) are split among OpenMP threads
@@ -26,6 +25,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -37,7 +37,6 @@ enum DType : int { kFloat32 = 0, kBFloat16 = 1 };
 // Below this many elements a call runs on the calling thread: a decode step's rows are a
 // few microseconds of work, less than waking a thread team.
 constexpr int64_t kParallelMinElements = 1 << 16;
-constexpr int kLanes = 16;
 
 inline float bf16_to_f32(uint16_t x) {
   uint32_t bits = static_cast<uint32_t>(x) << 16;
@@ -84,36 +83,96 @@ template <> inline float round_to<uint16_t>(float v) {
   return f;
 }
 
-// exp(x) in float32 (Cephes' expf: range reduction by ln 2, a degree-6 polynomial, the
-// exponent set by integer arithmetic), without branches or selects so that it vectorizes
-// with AVX2 as well as AVX-512. x is clamped to [-86, 89]: above ~88.72 the result
-// overflows to +inf like expf's (2^(n-1) * 2, so that 2^128 is reached only by a doubling
-// that overflows); below -86 it stays at exp(-86) ~ 4e-38 (only exp(-g) of a large
-// positive g gets there, where g / (1 + exp(-g)) == g either way).
-inline float exp_f32(float x) {
-  float c = x < -86.0f ? -86.0f : x;
-  c = c > 89.0f ? 89.0f : c;
-  // Round to the nearest integer by adding and taking away 1.5 * 2^23 (|c * log2 e| < 2^22).
-  // The rounded value's low mantissa bits are n itself (0x4B400000 is 1.5 * 2^23's bits).
-  constexpr float kRound = 12582912.0f;
-  float shifted = c * 1.44269504088896341f + kRound;
-  float n = shifted - kRound;
-  float r = c - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float z = r * r;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  float y = p * z + r + 1.0f;
-  int32_t n_bits;
-  std::memcpy(&n_bits, &shifted, sizeof n_bits);
-  int32_t e = (n_bits - 0x4B400000 + 126) << 23;  // 2^(n - 1)
-  float scale;
-  std::memcpy(&scale, &e, sizeof scale);
-  return (y * scale) * 2.0f;
+// exp(d) in float32, SLEEF's expf_u10 (sleefsimdsp.c, xexpf) op for op: the function torch's
+// Vectorized<float>::exp() calls, and so torch's SiLU, in its vectorized loop (every element
+// of a row of a multiple of 32). The multiply-adds are fused (std::fma), as SLEEF's are on a
+// CPU with FMA; q is rounded to nearest even (the add-and-subtract of 1.5 * 2^23 below,
+// exact for |d * log2 e| < 2^22; larger |d| end in the selects at the end). Written without
+// branches so that it vectorizes (AVX2 and AVX-512 alike).
+inline float exp_f32(float d) {
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23, whose bits are 0x4B400000
+  float shifted = d * 1.442695040888963407359924681001892137426645954152985934135449406931f +
+                  kRound;
+  float q = shifted - kRound;
+  int32_t qi;
+  std::memcpy(&qi, &shifted, sizeof qi);
+  qi -= 0x4B400000;
+  float s = std::fma(q, -0.693145751953125f, d);
+  s = std::fma(q, -1.428606765330187045e-06f, s);
+  float u = 0.000198527617612853646278381f;
+  u = std::fma(u, s, 0.00139304355252534151077271f);
+  u = std::fma(u, s, 0.00833336077630519866943359f);
+  u = std::fma(u, s, 0.0416664853692054748535156f);
+  u = std::fma(u, s, 0.166666671633720397949219f);
+  u = std::fma(u, s, 0.5f);
+  u = 1.0f + std::fma(s * s, u, s);
+  // ldexp by two powers of two (q >> 1 and the rest), so that neither overflows early.
+  int32_t half = qi >> 1;
+  int32_t e1 = (half + 127) << 23, e2 = (qi - half + 127) << 23;
+  float p1, p2;
+  std::memcpy(&p1, &e1, sizeof p1);
+  std::memcpy(&p2, &e2, sizeof p2);
+  u = (u * p1) * p2;
+  u = d < -104.0f ? 0.0f : u;
+  return 100.0f < d ? INFINITY : u;
+}
+
+// ATen's CeilLog2 (aten/src/ATen/native/cpu/utils.h).
+inline int64_t ceil_log2(int64_t x) {
+  if (x <= 2) return 1;
+  return 64 - __builtin_clzll(static_cast<uint64_t>(x - 1));
+}
+
+// sum(v * v) over a row, added in exactly the order of ATen's CPU sum of a contiguous float
+// row (SumKernel.cpp: vectorized_inner_sum -> row_sum -> multi_row_sum, 8-float vectors,
+// 4 accumulators, a 4-level cascade of 16-vector blocks; the elements past the last whole
+// vector first, then the 8 lanes one by one), so that RMSNorm's mean(x^2) -- and with it
+// the whole norm -- is bit-identical to torch's in float32 and bf16 alike.
+template <typename T>
+float sum_of_squares_in_torch_order(const T* row, int64_t n) {
+  constexpr int kVec = 8, kIlp = 4, kLevels = 4;
+  const int64_t vectors = n / kVec;
+  const int64_t size = vectors / kIlp;  // multi_row_sum's rows of kIlp vectors
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2(size) / kLevels);
+  const int64_t level_step = int64_t{1} << level_power;
+  const int64_t level_mask = level_step - 1;
+  float acc[kLevels][kIlp][kVec] = {};
+  auto add_vector = [&](float* into, int64_t vector) {
+    const int64_t base = vector * kVec;
+    for (int l = 0; l < kVec; ++l) {
+      float v = load(row, base + l);
+      into[l] += v * v;
+    }
+  };
+  int64_t i = 0;
+  while (i + level_step <= size) {
+    for (int64_t j = 0; j < level_step; ++j, ++i)
+      for (int k = 0; k < kIlp; ++k) add_vector(acc[0][k], i * kIlp + k);
+    for (int j = 1; j < kLevels; ++j) {
+      for (int k = 0; k < kIlp; ++k)
+        for (int l = 0; l < kVec; ++l) {
+          acc[j][k][l] += acc[j - 1][k][l];
+          acc[j - 1][k][l] = 0.0f;
+        }
+      if ((i & (level_mask << (j * level_power))) != 0) break;
+    }
+  }
+  for (; i < size; ++i)
+    for (int k = 0; k < kIlp; ++k) add_vector(acc[0][k], i * kIlp + k);
+  for (int j = 1; j < kLevels; ++j)
+    for (int k = 0; k < kIlp; ++k)
+      for (int l = 0; l < kVec; ++l) acc[0][k][l] += acc[j][k][l];
+  // row_sum: the vectors past the last whole group of kIlp, then the accumulators in turn.
+  for (int64_t v = size * kIlp; v < vectors; ++v) add_vector(acc[0][0], v);
+  for (int k = 1; k < kIlp; ++k)
+    for (int l = 0; l < kVec; ++l) acc[0][0][l] += acc[0][k][l];
+  float total = 0.0f;
+  for (int64_t c = vectors * kVec; c < n; ++c) {
+    float v = load(row, c);
+    total += v * v;
+  }
+  for (int l = 0; l < kVec; ++l) total += acc[0][0][l];
+  return total;
 }
 
 template <typename T>
@@ -133,20 +192,7 @@ void add_rms_norm_rows(const T* x, int64_t x_stride, const T* residual, int64_t 
       for (int64_t c = 0; c < cols; ++c) store(ro, c, load(xr, c) + load(rr, c));
       sr = ro;
     }
-    float partial[kLanes] = {};
-    int64_t c = 0;
-    for (; c + kLanes <= cols; c += kLanes) {
-      for (int j = 0; j < kLanes; ++j) {
-        float v = load(sr, c + j);
-        partial[j] += v * v;
-      }
-    }
-    for (; c < cols; ++c) {
-      float v = load(sr, c);
-      partial[0] += v * v;
-    }
-    float sum = 0.0f;
-    for (int j = 0; j < kLanes; ++j) sum += partial[j];
+    const float sum = sum_of_squares_in_torch_order(sr, cols);
     const float inv = 1.0f / std::sqrt(sum / static_cast<float>(cols) + eps);
     T* o = out + row * out_stride;
     if (weight_first) {
