@@ -51,19 +51,20 @@ def compiler() -> str | None:
 
 
 def build(compiler: str, source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
-    """The library's path, built now unless a build with the same key exists."""
-    flags = (*FLAGS, *extra_flags)
+    """The library's path, built now unless a build with the same key exists
+    (``extra_flags``: the source's own flags, include paths and libraries, after it on the
+    command line so that libraries link)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
-    key = hashlib.sha256("\0".join(
-        [source.read_text(), compiler, version, *flags, _cpu_flags()]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([source.read_text(), compiler, version, *FLAGS,
+                                    *extra_flags, _cpu_flags()]).encode()).hexdigest()
     target = kernel_cache_dir() / f"{source.stem}-{key[:20]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        proc = subprocess.run([compiler, *flags, str(source), "-o", str(built)],
+        proc = subprocess.run([compiler, *FLAGS, str(source), *extra_flags, "-o", str(built)],
                               capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr[-2000:]}")
