@@ -51,6 +51,9 @@ _PARTS = (
     ("aten::_softmax", "attention: softmax"),
     ("aten::softmax", "attention: softmax"),
     ("aten::_scaled_dot_product", "attention: SDPA"),
+    ("tandem::add_rms_norm", "RMSNorm"),  # the fused kernels (model/layers/cpu_fused.py)
+    ("tandem::silu_mul", "elementwise (mul/add/silu/...)"),
+    ("tandem::rotary", "rotary"),
     ("tandem::", "attention: paged kernel"),
     ("aten::index_select", "gather (index_select)"),
     ("aten::index_copy_", "KV cache write"),

@@ -1,5 +1,7 @@
 """The pre-norm decoder stack every supported network shares: embeddings, layers of
-(RMSNorm, attention, residual, RMSNorm, feed-forward, residual), the final norm.
+(RMSNorm, attention, residual, RMSNorm, feed-forward, residual), the final norm. Each
+residual add is done by the norm after it (``RMSNorm.add_forward``: one fused pass on the
+CPU), so a layer hands on its output and the residual stream unsummed.
 
 Owns the stack's wiring. The feed-forward of each layer (dense MLP or sparse MoE block) and
 its attribute name are the network's choice (``FeedForwardFactory``), so checkpoint names
@@ -56,16 +58,20 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         rotary: RotaryEmbedding,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         lora: LoraBatch | None = None,
-    ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(hidden), rotary, cos_sin, kv_cache, metadata,
-                              lora)
-        hidden = hidden + attn
-        return hidden + self.ffn(self.post_attention_layernorm(hidden), lora)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, residual)``: the layer's output is ``residual + out``, left unsummed so
+        that the next norm adds it in the same pass (``RMSNorm.add_forward``); ``residual``
+        None on the first layer, whose input is ``hidden`` alone."""
+        normed, residual = self.input_layernorm.add_forward(hidden, residual)
+        attn = self.self_attn(normed, rotary, cos_sin, kv_cache, metadata, lora)
+        normed, residual = self.post_attention_layernorm.add_forward(attn, residual)
+        return self.ffn(normed, lora), residual
 
 
 class DecoderModel(nn.Module):
@@ -100,14 +106,15 @@ class DecoderModel(nn.Module):
         lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         cos_sin = self.rotary.cos_sin(positions)
         views = metadata.layer_views
         for i, layer in enumerate(self.layers):
             if views is None:
-                hidden = layer(hidden, self.rotary, cos_sin, layer_cache(kv_cache, i), metadata,
-                               lora)
+                hidden, residual = layer(hidden, residual, self.rotary, cos_sin,
+                                         layer_cache(kv_cache, i), metadata, lora)
             else:  # KV cache groups: the layer's slot and its group's block tables
                 slot, group_metadata = views[i]
-                hidden = layer(hidden, self.rotary, cos_sin, layer_cache(kv_cache, slot),
-                               group_metadata, lora)
-        return self.norm(hidden)
+                hidden, residual = layer(hidden, residual, self.rotary, cos_sin,
+                                         layer_cache(kv_cache, slot), group_metadata, lora)
+        return self.norm.add_forward(hidden, residual)[0]

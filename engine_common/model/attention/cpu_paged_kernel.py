@@ -6,17 +6,12 @@ padded copy first (what the PyTorch ops path must do, every layer of every step)
 with AVX2/FMA intrinsics where the CPU has them (a scalar loop otherwise), split among
 OpenMP threads.
 
-Built once per machine with the system C++ compiler, like torch's inductor builds its
-kernels: ``-march=native`` for the CPU it runs on, linked against the libgomp torch has
-already loaded (the same soname), so ``torch.set_num_threads`` also bounds the kernel's
-threads and no second thread pool spins. The library is cached under
-``$TANDEM_CACHE_DIR/kernels`` (default ``~/.cache/tandem/kernels``) by a hash of the source,
-the compiler, its flags and the CPU's feature flags, written atomically, so concurrent
-engines build it at most once each and never load a half-written file. Without a
-compiler, or if the build fails, ``load_paged_decode`` returns None (logged once) and the
-backend keeps its PyTorch path.
+Built once per machine with the system C++ compiler (``model/native_build``: ``-march=native``,
+torch's libgomp, cached by a hash of the source, compiler and CPU). Without a compiler, or
+if the build fails, ``load_paged_decode`` returns None (logged once) and the backend keeps
+its PyTorch path.
 
-Owns the build, the load and the argument checks of one call; it does not own deciding
+Owns the load and the argument checks of one call; it does not own deciding
 which tokens are decodes (``torch_backend``) or the cache layout (``kv_cache_layout``).
 """
 
@@ -24,26 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-logger = logging.getLogger(__name__)
+from engine_common.model.native_build import load_library
 
 _SOURCE = Path(__file__).with_name("cpu_kernels") / "paged_decode.cpp"
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_BUILD_TIMEOUT_S = 300
 _PROFILE_NAME = "tandem::paged_decode_attention"
 
 _P = ctypes.c_void_p
@@ -51,52 +37,6 @@ _I64 = ctypes.c_int64
 _I32 = ctypes.c_int
 _ARGTYPES: list[Any] = [_I32, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _P,
                        _I32, _P, _I64, _I64, _I32, _I32, _I32, _I32, ctypes.c_float]
-
-
-def kernel_cache_dir() -> Path:
-    root = os.environ.get("TANDEM_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "tandem") / "kernels"
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-
-
-def _build(compiler: str) -> Path:
-    """The library's path, built now unless a build with the same key exists."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                             timeout=30).stdout
-    key = hashlib.sha256("\0".join(
-        [_SOURCE.read_text(), compiler, version, *_FLAGS, _cpu_flags()]).encode()).hexdigest()
-    target = kernel_cache_dir() / f"paged_decode-{key[:20]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # One build at a time per cache: a tensor-parallel replica's ranks start together, and
-    # N compilers at once cost N times the CPU; the others wait, then load its result.
-    with open(target.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if target.exists():
-            return target
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            proc = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)],
-                                  capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {proc.stderr[-2000:]}")
-            os.replace(built, target)
-    logger.info("built the CPU paged-attention kernel: %s", target)
-    return target
 
 
 @dataclass(frozen=True)
@@ -171,16 +111,9 @@ def kernel_supports(dtype: torch.dtype, device: torch.device) -> bool:
 @functools.cache
 def load_paged_decode() -> PagedDecodeKernel | None:
     """The kernel, built if needed; None (logged once) where it cannot be built or loaded."""
-    compiler = _compiler()
-    if compiler is None:
-        logger.warning("no C++ compiler found: CPU decode attention gathers K/V with PyTorch "
-                       "ops (slower); install g++ or set CXX for the paged kernel")
-        return None
-    try:
-        library = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("CPU paged-attention kernel unavailable (%s): decode attention gathers "
-                       "K/V with PyTorch ops (slower)", str(exc)[:500])
+    library = load_library(_SOURCE, "CPU paged-attention kernel",
+                           "decode attention gathers K/V with PyTorch ops (slower)")
+    if library is None:
         return None
     function = library.tandem_paged_decode
     function.argtypes = _ARGTYPES

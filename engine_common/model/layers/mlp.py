@@ -1,4 +1,5 @@
-"""The dense gated MLP: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
+"""The dense gated MLP: ``down(silu(gate(x)) * up(x))`` with gate and up fused, and SiLU x
+up one fused CPU kernel (``cpu_fused``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_common.lora.step_batch import LoraBatch
+from engine_common.model.layers.cpu_fused import silu_ops_for
 from engine_common.model.layers.linear import Linear
 from engine_common.parallel.group import SINGLE, TensorParallel
 
@@ -23,6 +25,12 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x, lora)
-        gate = gate_up[:, : self.intermediate_size]
-        up = gate_up[:, self.intermediate_size :]
-        return self.parallel.all_reduce(self.down_proj(F.silu(gate) * up, lora))
+        fits = gate_up.dim() == 2 and gate_up.stride(1) == 1
+        ops = silu_ops_for(gate_up, self.intermediate_size) if fits else None
+        if ops is not None:
+            hidden = ops.silu_mul(gate_up, self.intermediate_size)
+        else:
+            gate = gate_up[:, : self.intermediate_size]
+            up = gate_up[:, self.intermediate_size :]
+            hidden = F.silu(gate) * up
+        return self.parallel.all_reduce(self.down_proj(hidden, lora))

@@ -1,7 +1,8 @@
 """Rotary position embeddings: the inverse frequencies of each scaling type (default,
 linear, llama3, YaRN) and the neox-style rotation over precomputed cos/sin.
 
-Owns the frequencies and the rotation. The scaling parameters come from ``arch_config``.
+Owns the frequencies and the rotation (one fused CPU kernel pass where ``cpu_fused`` has
+one, bit-identical to the torch ops). The scaling parameters come from ``arch_config``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from engine_common.model.arch_config import ModelArchConfig
+from engine_common.model.layers.cpu_fused import rotary_ops_for
 
 
 def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict[str, float]) -> torch.Tensor:
@@ -116,6 +118,12 @@ class RotaryEmbedding(nn.Module):
     def rotate_(self, qk: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Rotates ``qk`` [num_tokens, num_heads, head_size] in place."""
         cos, sin = cos_sin
+        fits = (qk.dim() == 3 and qk.stride(2) == 1 and cos.dtype == qk.dtype
+                and cos.is_contiguous() and sin.is_contiguous())
+        ops = rotary_ops_for(qk) if fits else None
+        if ops is not None:
+            ops.rotate_(qk, cos, sin)
+            return
         x1 = qk[..., : self.half_size]
         x2 = qk[..., self.half_size :]
         first = x1 * cos - x2 * sin
