@@ -16,6 +16,10 @@ bench-cpu-dtype``: SmolLM2-135M on 2 AVX2 cores, the same greedy tokens). A
 float32 checkpoint, or ``--dtype float32``, keeps plain weights: that is the dtype the
 token-for-token tests against Hugging Face run in.
 
+In bf16, where oneDNN's own library is installed, projections and the LM head skip torch's
+per-call dispatch (~14 us a call) through ``onednn_gemm``: the same kind of kernel and
+layout, a primitive kept per weight shape and batch size (``pack_projection``).
+
 Owns only the packing decision and the packed matmul; the layers that hold the weights are
 in ``llama``.
 """
@@ -25,6 +29,11 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from engine_common.model.onednn_gemm import OnednnGemm, pack_for_onednn
+
+# A weight packed by ``pack`` (torch's) or ``pack_projection`` (maybe the direct path).
+PackedWeight = torch.Tensor | OnednnGemm
 
 
 @functools.cache
@@ -57,7 +66,16 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
 
 
-def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor,
+def pack_projection(weight: torch.Tensor) -> PackedWeight:
+    """``weight`` packed for ``packed_linear``: for the direct oneDNN path in bf16 where it
+    is available (``onednn_gemm``), else as ``pack`` does."""
+    direct = pack_for_onednn(weight) if weight.dtype == torch.bfloat16 else None
+    return direct if direct is not None else pack(weight)
+
+
+def packed_linear(x: torch.Tensor, packed_weight: PackedWeight,
                   bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` with the weight ``pack`` made."""
+    """``F.linear(x, weight, bias)`` with the weight ``pack`` or ``pack_projection`` made."""
+    if isinstance(packed_weight, OnednnGemm):
+        return packed_weight(x, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")

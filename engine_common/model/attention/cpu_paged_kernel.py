@@ -71,25 +71,36 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-def _build(compiler: str) -> Path:
-    """The library's path, built now unless a build with the same key exists."""
+def _build(compiler: str, source: Path = _SOURCE, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The library's path, built now unless a build with the same key exists
+    (``extra_flags``: include paths and libraries of ``source``, after it on the line)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
-    key = hashlib.sha256("\0".join(
-        [_SOURCE.read_text(), compiler, version, *_FLAGS, _cpu_flags()]).encode()).hexdigest()
-    target = kernel_cache_dir() / f"paged_decode-{key[:20]}.so"
+    key = hashlib.sha256("\0".join([source.read_text(), compiler, version, *_FLAGS,
+                                    *extra_flags, _cpu_flags()]).encode()).hexdigest()
+    target = kernel_cache_dir() / f"{source.stem}-{key[:20]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        proc = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)],
+        proc = subprocess.run([compiler, *_FLAGS, str(source), *extra_flags, "-o", str(built)],
                               capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr[-2000:]}")
         os.replace(built, target)
-    logger.info("built the CPU paged-attention kernel: %s", target)
+    logger.info("built a CPU kernel library: %s", target)
     return target
+
+
+def build_kernel_library(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
+    """Another kernel source of this folder built the same way (cached, atomic), for the
+    modules that load their own (``engine_common.model.onednn_gemm``); raises OSError,
+    RuntimeError or SubprocessError where it cannot be built."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
+    return _build(compiler, source, extra_flags)
 
 
 @dataclass(frozen=True)
