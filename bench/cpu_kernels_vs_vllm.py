@@ -3,8 +3,10 @@
 Owns one comparison, for the default model's shapes at a decode batch (SmolLM2-135M: hidden
 576, 9 query and 3 KV heads of 64, MLP 1536, vocabulary 49,152; 64 sequences of 135 tokens):
 
-- linear layers: each projection and the LM head, Tandem's oneDNN-packed weight
-  (``torch.ops.mkldnn._linear_pointwise``, ``engine_common/model/packed_linear.py``) against
+- linear layers: each projection and the LM head, Tandem's direct oneDNN path (a matmul
+  primitive kept per weight shape and M, ``engine_common/model/onednn_gemm.py``, the engine's
+  bf16 default where oneDNN's wheel is installed) and torch's packed linear it replaced
+  (``torch.ops.mkldnn._linear_pointwise``, ``packed_linear.py``, still the fallback) against
   vLLM-CPU's ``onednn_mm`` handler and plain ``F.linear``, at M = 1 and M = 64;
 - decode attention over 30 layers' paged caches: Tandem's kernel (``cpu_paged_kernel``;
   the engine's one cache ``[blocks, 30 layers, 2, kv_heads, 16, head]``, each layer's view
@@ -31,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.peer import peer_available, run_peer_script  # noqa: E402
 from bench.report import write_report  # noqa: E402
+from engine_common.model.onednn_gemm import build_onednn_gemm  # noqa: E402
 
 PEER_SCRIPT = r"""
 import json, os, sys, time
@@ -40,6 +43,8 @@ import torch
 import torch.nn.functional as F
 import vllm._custom_ops as ops
 from engine_common.model.attention.cpu_paged_kernel import load_paged_decode
+from engine_common.model.onednn_gemm import OnednnGemm, open_library
+gemm_library = open_library(cfg["gemm_library"]) if cfg["gemm_library"] else None
 torch.set_num_threads(1)
 dtype = getattr(torch, cfg["dtype"])
 rounds = cfg["rounds"]
@@ -69,11 +74,15 @@ for m in (1, 64):
         packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
         handler = ops.create_onednn_mm(w.t(), 32)
         reps = max(5, int(2e8 // (m * n * k + 1)) // 4)
-        linear[f"M{m}_{name}"] = best({
-            "tandem_packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+        fns = {
+            "tandem_torch_packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
             "vllm_onednn_mm": lambda: ops.onednn_mm(handler, x, None),
             "torch_F_linear": lambda: F.linear(x, w),
-        }, reps)
+        }
+        if gemm_library is not None and dtype == torch.bfloat16:
+            direct = OnednnGemm(gemm_library, w)
+            fns["tandem_direct"] = lambda: direct(x, None)
+        linear[f"M{m}_{name}"] = best(fns, reps)
 
 layers, seqs, ctx, kv_heads, heads, hs = 30, 64, 135, 3, 9, 64
 lens = torch.full((seqs,), ctx, dtype=torch.int32)
@@ -133,12 +142,16 @@ def main() -> int:
         print("make bench-peer-setup first: vLLM-CPU's kernels come from .venv-peer",
               file=sys.stderr)
         return 2
+    # Built here: the peer's interpreter has no oneDNN wheels, but can open the library.
+    library = build_onednn_gemm()
     result = run_peer_script(PEER_SCRIPT, {"root": str(ROOT), "dtype": args.dtype,
-                                           "rounds": args.rounds},
+                                           "rounds": args.rounds,
+                                           "gemm_library": library and str(library)},
                              "the kernel comparison", cpus=[args.cpu])
     if result is None:
         return 1
-    ratios = {key: round(times["vllm_onednn_mm"] / times["tandem_packed"], 3)
+    tandem = "tandem_direct" if library is not None else "tandem_torch_packed"
+    ratios = {key: round(times["vllm_onednn_mm"] / times[tandem], 3)
               for key, times in result["linear_us"].items()}
     attention = result["attention_30_layers_us"]
     ratios |= {f"attention_{name}": round(time / attention["tandem_paged_kernel"], 3)

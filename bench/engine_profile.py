@@ -54,6 +54,7 @@ _PARTS = (
     ("tandem::add_rms_norm", "RMSNorm"),  # the fused kernels (model/layers/cpu_fused.py)
     ("tandem::silu_mul", "elementwise (mul/add/silu/...)"),
     ("tandem::rotary", "rotary"),
+    ("tandem::onednn_linear", "linear (projections + LM head)"),
     ("tandem::", "attention: paged kernel"),
     ("aten::index_select", "gather (index_select)"),
     ("aten::index_copy_", "KV cache write"),

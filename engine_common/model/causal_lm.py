@@ -28,7 +28,12 @@ from engine_common.model.layers.linear import Embedding, Linear
 from engine_common.model.layers.mlp import GatedMLP
 from engine_common.model.layers.moe import SparseMoeBlock
 from engine_common.model.logit_ties import resolve_near_ties
-from engine_common.model.packed_linear import can_pack, pack, packed_linear
+from engine_common.model.packed_linear import (
+    PackedWeight,
+    can_pack,
+    pack_projection,
+    packed_linear,
+)
 from engine_common.model.weight_memory import WeightMemory
 from engine_common.parallel.group import SINGLE, TensorParallel
 from engine_common.parallel.sharding import rank_arch, shard_tensor
@@ -99,7 +104,7 @@ class CausalLM(nn.Module):
             if arch.tie_word_embeddings
             else Embedding(arch.vocab_size, arch.hidden_size, dtype, device)
         )
-        self.packed_lm_head: torch.Tensor | None = None  # see ``pack_linear_weights``
+        self.packed_lm_head: PackedWeight | None = None  # see ``pack_linear_weights``
         self.weight_memory: WeightMemory | None = None  # set by the loader
 
     @property
@@ -148,7 +153,7 @@ class CausalLM(nn.Module):
                 module.pack_weight(float32)
         # A copy: the embedding keeps its plain rows for the lookup (the head is the
         # embedding when they are tied).
-        self.packed_lm_head = pack(self.lm_head.weight.data)
+        self.packed_lm_head = pack_projection(self.lm_head.weight.data)
         return True
 
     # -- checkpoint names -------------------------------------------------------------

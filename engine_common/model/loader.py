@@ -99,7 +99,7 @@ def load_model(
 ) -> CausalLM:
     """The model in ``dtype`` on ``device``, its weights read from ``model_dir``; on the CPU in
     bf16 its projections are packed for oneDNN unless ``pack_weights`` is False (see
-    ``packed_linear``: the outputs are the same, bitwise), and in float32 too with
+    ``packed_linear``: the same outputs up to rare last-bit near-ties), and in float32 too with
     ``pack_float32`` (float32 standing in for a bf16 checkpoint). ``model.weight_memory``
     says what the weights take. Under tensor parallelism (``parallel``) the model is this
     rank's part of it (``engine_common.parallel.sharding``)."""

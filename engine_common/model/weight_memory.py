@@ -9,6 +9,13 @@ import torch
 from torch import nn
 
 from engine_common.model.layers.moe import SparseMoeBlock
+from engine_common.model.onednn_gemm import OnednnGemm
+
+
+def _packed_bytes(packed: object) -> int:
+    if isinstance(packed, torch.Tensor):
+        return packed.numel() * packed.element_size()
+    return packed.nbytes if isinstance(packed, OnednnGemm) else 0
 
 
 @dataclass(frozen=True)
@@ -31,15 +38,11 @@ class WeightMemory:
             else:
                 dense += size
         for module in model.modules():  # packed copies replace plain weights
-            packed = getattr(module, "packed_weight", None)
-            if isinstance(packed, torch.Tensor):
-                dense += packed.numel() * packed.element_size()
+            dense += _packed_bytes(getattr(module, "packed_weight", None))
             if isinstance(module, SparseMoeBlock) and module.packed is not None:
                 experts += sum(w.numel() * w.element_size()
                                for w in module.packed.w13 + module.packed.w2)
-        packed_head = getattr(model, "packed_lm_head", None)
-        if isinstance(packed_head, torch.Tensor):
-            dense += packed_head.numel() * packed_head.element_size()
+        dense += _packed_bytes(getattr(model, "packed_lm_head", None))
         return cls(dense, experts, mxfp4_packed_bytes)
 
     def describe(self) -> str:

@@ -17,7 +17,12 @@ from engine_common.lora.linear_delta import (
     add_lora_deltas,
 )
 from engine_common.lora.step_batch import LoraBatch
-from engine_common.model.packed_linear import can_pack, pack, packed_linear
+from engine_common.model.packed_linear import (
+    PackedWeight,
+    can_pack,
+    pack_projection,
+    packed_linear,
+)
 
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -42,7 +47,7 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.weight = empty_param(out_features, in_features, dtype=dtype, device=device)
         self.bias = empty_param(out_features, dtype=dtype, device=device) if bias else None
-        self.packed_weight: torch.Tensor | None = None  # see ``pack_weight``
+        self.packed_weight: PackedWeight | None = None  # see ``pack_weight``
         # LoRA adapters' weights by adapter slot; plain tensors, not parameters, as the
         # checkpoint holds none of them.
         self.lora: dict[int, LoraLinearWeights] = {}
@@ -54,7 +59,7 @@ class Linear(nn.Module):
         dropped, or the model would take twice the memory. Call after the checkpoint is
         loaded."""
         if can_pack(self.weight, float32):
-            self.packed_weight = pack(self.weight.data)
+            self.packed_weight = pack_projection(self.weight.data)
             self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
