@@ -73,6 +73,20 @@ def test_prefix_cache_hits_match_hf(model_and_prompts):
     assert hits == 24 * 3
 
 
+def test_a_prefix_hit_shorter_than_the_new_part_matches_hf(model_and_prompts):
+    """The torch backend pads the queries instead of masking when no more is cached than
+    computed (``torch_backend._plan_prefill``): both sides of that rule, against HF."""
+    model_dir, _, _, prefixed, _ = model_and_prompts
+    llm = engine(model_dir)
+    vocab = llm.core.arch.vocab_size
+    shared = prefixed[0][:24]
+    long_tails = [shared + tail for tail in random_prompts(vocab, [40, 24, 23], seed=4)]
+    llm.generate([shared + [1]], GREEDY)  # caches the 24-token prefix
+    results = llm.generate(long_tails, GREEDY)
+    assert [r.num_cached_tokens for r in results] == [24, 24, 24]
+    assert [r.token_ids for r in results] == hf_greedy(model_dir, long_tails, MAX_TOKENS)
+
+
 def test_preemption_matches_hf(model_and_prompts):
     model_dir, _, prompts, _, expected = model_and_prompts
     # 8 prompts need far more than 24 blocks of 4 tokens together: the scheduler must

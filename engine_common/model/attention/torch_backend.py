@@ -96,8 +96,12 @@ class _PrefillSeq:
     # [num_kv_heads * num_context_blocks] int64 (block, KV head) rows, head-major; None when
     # the whole context is in this step.
     block_ids: torch.Tensor | None
-    # [query_len, seq_len] causal mask offset by the cached prefix; None when no prefix.
+    # [query_len, seq_len] causal mask offset by the cached prefix; None when no prefix, or
+    # when the queries are padded instead (``padded_queries``).
     mask: torch.Tensor | None
+    # Zero query rows put before this step's queries so that a plain causal pass lines them
+    # up with their positions (the cached prefix's length), or 0.
+    padded_queries: int = 0
 
 
 @dataclass
@@ -248,10 +252,14 @@ class TorchAttentionBackend(AttentionBackend):
             keys = head_rows(k_cache).index_select(0, seq.block_ids).view(shape)[:, : seq.seq_len]
             values = head_rows(v_cache).index_select(0, seq.block_ids).view(shape)
             values = values[:, : seq.seq_len]
+        queries = query[start:end]
+        if seq.padded_queries:
+            queries = torch.cat([queries.new_zeros((seq.padded_queries, *queries.shape[1:])),
+                                 queries])
         # -> [1, heads, tokens, head_size]: SDPA's fused CPU kernel (the one HF's LlamaModel
         # uses) needs 4-D inputs; 3-D falls back to the slower, differently rounded math path.
         out = F.scaled_dot_product_attention(
-            query[None, start:end].transpose(1, 2),
+            queries[None].transpose(1, 2),
             keys[None],
             values[None],
             attn_mask=seq.mask,
@@ -259,7 +267,7 @@ class TorchAttentionBackend(AttentionBackend):
             scale=self.scale,
             enable_gqa=self.num_queries_per_kv > 1,
         )
-        return out[0].transpose(0, 1)
+        return out[0, :, seq.padded_queries:].transpose(0, 1)
 
     def _plan_step(
         self, metadata: AttentionMetadata, geometry: _Geometry, device: torch.device,
@@ -333,6 +341,15 @@ class TorchAttentionBackend(AttentionBackend):
             return _PrefillSeq(query_start, query_start + query_len, seq_len, None, None)
         num_context_blocks = -(-seq_len // geometry.block_size)
         block_ids = geometry.rows(metadata.block_tables[seq, :num_context_blocks])
+        if cached <= query_len:
+            # NOTE: with an explicit mask SDPA's CPU flash kernel computes every (query, key)
+            # block and then masks, about twice a causal pass: a 1,664-token prompt with 128
+            # tokens cached cost 5.45 CPU-s against 4.13 with none cached. Zero queries for
+            # the cached positions make it a causal pass over the whole sequence (each real
+            # row computed as a full prompt's would be), at cached^2/2 wasted products:
+            # cheaper than the mask while the cached part is at most this step's.
+            return _PrefillSeq(query_start, query_start + query_len, seq_len, block_ids, None,
+                               padded_queries=cached)
         # Query j sits at position cached + j and sees keys 0 .. cached + j.
         query_positions = torch.arange(cached, seq_len, device=device)
         mask = torch.arange(seq_len, device=device)[None, :] <= query_positions[:, None]
