@@ -98,7 +98,7 @@ class UpSuite:
             if name == "gateway" and "\0-m\0gateway\0" in argv:
                 return pid
             if name == "envoy" and "deploy.envoy_runner" in argv:
-                return next(child for child, grand, _ in processes() if grand == pid)
+                return children(pid)[0]
         raise LookupError(f"no {name} under the supervisor")
 
 
@@ -113,6 +113,10 @@ def processes() -> list[tuple[int, int, str]]:
                 continue
             found.append((int(entry.name), int(stat.rsplit(")", 1)[1].split()[1]), argv))
     return found
+
+
+def children(pid: int) -> list[int]:
+    return [child for child, parent, _ in processes() if parent == pid]
 
 
 def wait_for(condition: Callable[[], bool], timeout: float,
@@ -258,21 +262,28 @@ def test_a_killed_decode_replica_resumes_its_streams_restarts_and_rejoins(
     victims: list[str] = []
 
     def kill_the_busier_decode_replica() -> None:
-        # NOTE: at the first stream's first text, not once every stream has its own: a tiny
-        # model streams 450 tokens in well under a second, and a fresh make test once saw
-        # one replica's three streams finish while the other's were still starting; its
-        # running gauge, last set while they ran, made it the victim of a kill that then
-        # had nothing to resume. At the first text, the replica serving that stream has 449
-        # tokens of it to go.
-        running: dict[str, float] = {}
-        deadline = time.monotonic() + 10
-        while not any(running.values()) and time.monotonic() < deadline:
-            # The gauge follows the step that sent the first token: read until it shows.
+        # NOTE: the decode replicas' engine cores are frozen (SIGSTOP) at the first stream's
+        # first text, before their running gauges are read: a tiny model streams 450 tokens
+        # in about a second, and a fresh make test once read the gauges so slowly (the
+        # frontends busy streaming) that the victim's streams had all finished 5 ms before
+        # the kill, leaving nothing to resume. A frozen core finishes nothing, so a gauge
+        # read after the frontend has taken the core's last outputs counts streams the kill
+        # surely cuts.
+        decodes = ("decode-2", "decode-3")
+        cores = [child for name in decodes for child in children(suite.pid(name))]
+        for core in cores:
+            os.kill(core, signal.SIGSTOP)
+        try:
+            time.sleep(0.5)  # the frontends take the outputs the cores sent before
             running = {name: suite.metric(name, "vllm:num_requests_running")
-                       for name in ("decode-2", "decode-3")}
-        busier = max(running, key=running.__getitem__)
-        victims.append(busier)
-        os.kill(suite.pid(busier), signal.SIGKILL)
+                       for name in decodes}
+            busier = max(running, key=running.__getitem__)
+            assert running[busier] > 0, running
+            victims.append(busier)
+            os.kill(suite.pid(busier), signal.SIGKILL)
+        finally:
+            for core in cores:  # the victim's core too: it ends once it sees its parent gone
+                os.kill(core, signal.SIGCONT)
 
     got = stream_all(suite.gateway, prompts, 450, kill_the_busier_decode_replica, once=1)
     assert got == want
