@@ -235,6 +235,9 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection,
     outbox.send(core.info)
     writer = _OutboxWriter(outbox)
     writers.append(writer)
+    opened_with = core.take_kv_events()
+    if opened_with:  # a disk tier's blocks: routers hear of them before the first request
+        writer.send(EngineCoreOutputs(kv_events=opened_with, timestamp=time.time()))
 
     def handle(message: CoreMessage) -> bool:
         if isinstance(message, AddRequest):

@@ -388,7 +388,15 @@ class EngineCore:
         """Every block hash in the prefix cache, with the KV events recorded but not emitted
         yet (normally none between steps). The hashes are the state those events lead to, so
         the caller must deliver the events first, on the same ordered channel as the steps'."""
-        return self.kv_cache_manager.take_events(), self.kv_cache_manager.get_cached_block_hashes()
+        return self.take_kv_events(), self.kv_cache_manager.get_cached_block_hashes()
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The KV events recorded since the last call: the prefix cache's, then the tiers'.
+        Before the first step these are what the tiers opened with (a restarted replica's
+        disk tier), which the core process sends at once so routers know them before any
+        request comes (``core_process``)."""
+        return self.kv_cache_manager.take_events() + (
+            self.kv_tiers.take_events() if self.kv_tiers is not None else [])
 
     def step(self) -> EngineCoreOutputs:
         outputs: list[EngineCoreOutput] = []
@@ -426,7 +434,6 @@ class EngineCore:
         return EngineCoreOutputs(
             outputs=outputs,
             stats=stats,
-            kv_events=self.kv_cache_manager.take_events() + (
-                self.kv_tiers.take_events() if self.kv_tiers is not None else []),
+            kv_events=self.take_kv_events(),
             timestamp=time.time(),
         )

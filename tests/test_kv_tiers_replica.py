@@ -1,7 +1,8 @@
 """KV tiers in real replica processes: the disk tier survives a restarted replica, and
 the shared tier (a real loopback redis-server) serves one replica what another computed.
 
-Turn 1 of a conversation runs on one replica; turn 2 (turn 1's prompt, its answer and more)
+Turn 1 of a conversation runs on one replica (a restarted one first announces what its disk
+holds, before any request); turn 2 (turn 1's prompt, its answer and more)
 then runs on the restarted replica, or on the other one, whose KV pool has never seen it:
 its prefix must come from the tier (cached tokens and the tier's hit counter asserted) and
 its greedy tokens must equal an engine's without tiers.
@@ -19,6 +20,8 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.kv_store import free_port, redis_server
+from engine_common.block_hash import hash_prompt_blocks
+from gateway.prefix_index import PrefixIndex
 from protos.tandem.v1 import engine_pb2 as epb
 from protos.tandem.v1 import engine_pb2_grpc as epb_grpc
 from tests.kv_tiers_workload import BLOCK, MAX_TOKENS, TURN2_TIER_BLOCKS, conversation, engine
@@ -46,6 +49,18 @@ def generate(target: str, prompt: list[int]) -> tuple[list[int], int]:
             output_options=epb.OutputOptions(return_token_ids=True)), timeout=60))
     assert responses[-1].finish_reason == "length"
     return [t for r in responses for t in r.new_token_ids], responses[-1].cached_tokens
+
+
+def first_batch_tiers(replica: ReplicaProcess, hashes: list[bytes]) -> list[str]:
+    """The tiers a prefix index fed the replica's first KV event batch gives ``hashes``."""
+    with grpc.insecure_channel(replica.target) as channel:
+        stream = epb_grpc.EngineStub(channel).WatchKvEvents(
+            epb.WatchKvEventsRequest(since_seq=0), timeout=30)
+        batch = next(iter(stream))
+        stream.cancel()
+    index = PrefixIndex()
+    assert index.apply("replica", batch)
+    return index.prefix_tiers("replica", hashes)
 
 
 def tier_metric(replica: ReplicaProcess, name: str, medium: str) -> float:
@@ -87,7 +102,11 @@ def test_disk_tier_is_read_again_by_a_restarted_replica(tiny_llama_dir, tmp_path
         wait_for(lambda: disk_entries(directory) >= TURN2_TIER_BLOCKS, "turn 1's blocks on disk")
         # SIGKILL and a new process on the same ports: nothing but the disk carries over.
         replica = restart_replica(replica, tiny_llama_dir, tmp_path, "disk-a", args)
-        second, cached = generate(replica.target, turn1 + first + more)
+        # Before any request, a router watching the new process hears what its disk holds.
+        turn2 = turn1 + first + more
+        hashes = hash_prompt_blocks(turn2, BLOCK)[:(len(turn2) - 1) // BLOCK]
+        assert first_batch_tiers(replica, hashes) == ["disk"] * TURN2_TIER_BLOCKS
+        second, cached = generate(replica.target, turn2)
         assert second == second_expected
         assert cached == TURN2_TIER_BLOCKS * BLOCK
         assert tier_metric(replica, "tandem:kv_tier_hits_total", "disk") == TURN2_TIER_BLOCKS

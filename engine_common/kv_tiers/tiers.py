@@ -82,8 +82,9 @@ class KvTiers:
         self._announce_found_blocks()
 
     def _announce_found_blocks(self) -> None:
-        """A disk tier opened with blocks in it (a restarted replica): say so in the first
-        step's KV events, so the router knows them before any is stored again."""
+        """A disk tier opened with blocks in it (a restarted replica): say so in the next KV
+        events taken (a replica's core process sends them at its start, an offline engine
+        with its first step), so the router knows them before any is stored again."""
         for tier in self.tiers:
             if isinstance(tier, DiskTier):
                 found = [key[NAMESPACE_BYTES:] for key in tier.keys()
