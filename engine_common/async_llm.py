@@ -104,17 +104,8 @@ class AsyncLLM:
         self._lora_lock = asyncio.Lock()
         self._lora_replies: deque[asyncio.Future[LoraAdapterReply]] = deque()
         self._lora_names = sorted(config.model_settings.lora_modules)
-        # Every callback hops onto the loop from the client's one receiver thread, so they
-        # run in the order the core sent their messages.
         self.core = core
-        self.info = core.connect(
-            on_outputs=lambda outs: self._loop.call_soon_threadsafe(self._on_outputs, outs),
-            on_dead=lambda why: self._loop.call_soon_threadsafe(self._on_dead, why),
-            on_kv_snapshot=lambda snap: self._loop.call_soon_threadsafe(
-                self._on_kv_snapshot, snap),
-            on_lora_reply=lambda reply: self._loop.call_soon_threadsafe(
-                self._on_lora_reply, reply),
-        )
+        self.info = core.wait_started()
         self.stats.num_total_blocks = self.stats.num_free_blocks = self.info.num_blocks
         settings = config.model_settings
         self.inputs = InputProcessor(
@@ -133,6 +124,18 @@ class AsyncLLM:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_preemptions = 0
+        # Last: a callback may run on the loop as soon as the receiver starts (a restarted
+        # replica's first KV events come right after EngineInfo), so everything it uses
+        # exists by then. Every callback hops onto the loop from the client's one receiver
+        # thread, so they run in the order the core sent their messages.
+        core.connect(
+            on_outputs=lambda outs: self._loop.call_soon_threadsafe(self._on_outputs, outs),
+            on_dead=lambda why: self._loop.call_soon_threadsafe(self._on_dead, why),
+            on_kv_snapshot=lambda snap: self._loop.call_soon_threadsafe(
+                self._on_kv_snapshot, snap),
+            on_lora_reply=lambda reply: self._loop.call_soon_threadsafe(
+                self._on_lora_reply, reply),
+        )
 
     @classmethod
     async def create(cls, config: EngineConfig, fork: bool = False,

@@ -348,15 +348,14 @@ class EngineCoreClient:
         self._send_queue: queue.Queue[CoreMessage | None] = queue.Queue()
         self._closed = False
         self._sender: threading.Thread | None = None
+        self.info: EngineInfo | None = None  # once the core has started (wait_started)
 
-    def connect(self, on_outputs: Callable[[EngineCoreOutputs], object],
-                on_dead: Callable[[str], object],
-                on_kv_snapshot: Callable[[KvCacheSnapshotReply], object] | None = None,
-                on_lora_reply: Callable[[LoraAdapterReply], object] | None = None
-                ) -> EngineInfo:
-        """Wait until the core has started; raise RuntimeError (the process ended) if it
-        could not. ``on_outputs``, ``on_kv_snapshot`` and ``on_lora_reply`` are then called
-        from one receiver thread, in the order the core sent the messages."""
+    def wait_started(self) -> EngineInfo:
+        """Wait until the core has started (seconds: the model loads) and return its
+        ``EngineInfo``; raise RuntimeError (the process ended) if it could not. Messages the
+        core sends after it wait in the pipe until ``connect``."""
+        if self.info is not None:
+            return self.info
         first: Any
         try:
             first = self._outbox.recv()
@@ -366,7 +365,20 @@ class EngineCoreClient:
             self.process.join(timeout=5)
             self._closed = True
             raise RuntimeError(f"engine core failed to start: {getattr(first, 'message', 'died')}")
-        self.info: EngineInfo = first
+        self.info = first
+        return first
+
+    def connect(self, on_outputs: Callable[[EngineCoreOutputs], object],
+                on_dead: Callable[[str], object],
+                on_kv_snapshot: Callable[[KvCacheSnapshotReply], object] | None = None,
+                on_lora_reply: Callable[[LoraAdapterReply], object] | None = None
+                ) -> EngineInfo:
+        """``wait_started``, then start the threads that move messages: ``on_outputs``,
+        ``on_kv_snapshot`` and ``on_lora_reply`` are called from one receiver thread, in the
+        order the core sent the messages (the first may come at once: the KV events a
+        restarted replica's disk tier opened with)."""
+        self.wait_started()
+        assert self.info is not None
         self._on_outputs = on_outputs
         self._on_dead = on_dead
         self._on_kv_snapshot = on_kv_snapshot
