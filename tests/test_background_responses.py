@@ -12,6 +12,8 @@ apply is a 400 that says why, a missing response a 404.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from engine_common.sampling_params import SamplingParams
 from protos.tandem.v1 import engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
 from tandem import Client, InvalidRequestError
 from tests.openai_http import Stack, offline_engine
+from tests.replica_process import ReplicaProcess
 
 QUESTION = "Tell me a story about a lighthouse"
 LONG = 400  # output tokens: still running when the test acts on it
@@ -55,9 +58,10 @@ def finished(response: Any) -> bool:
     return response.status not in ("queued", "in_progress")
 
 
-def running_requests(openai_stack: Stack) -> int:
+def running_requests(openai_stack: Stack, only: ReplicaProcess | None = None) -> int:
+    """Requests the replicas' engines run (``only``'s, when given)."""
     total = 0
-    for replica in openai_stack.replicas.values():
+    for replica in [only] if only is not None else openai_stack.replicas.values():
         with grpc.insecure_channel(replica.target) as channel:
             load = engine_pb2_grpc.EngineStub(channel).GetLoad(engine_pb2.GetLoadRequest(),
                                                                timeout=10)
@@ -100,9 +104,20 @@ def test_cancel_stops_it_and_frees_the_replica(openai_stack: Stack) -> None:
 
 def test_a_response_the_replica_refuses_ends_failed_with_the_reason(openai_stack: Stack) -> None:
     client = openai_stack.client()
+    decode = openai_stack.replicas["decode"]
     busy = client.responses.create(model="tiny", input=QUESTION, max_output_tokens=LONG,
                                    temperature=0, background=True)
-    until(client, busy.id, lambda r: r.status == "in_progress")
+    # NOTE: the decode replica's engine core is frozen (SIGSTOP) once it runs the busy
+    # response, so that the busy one holds the replica's one slot until the end: "in
+    # progress" is said before the request reaches the decode replica, and a fresh make test
+    # under load once saw all 400 tokens finish before the next request came, which was then
+    # served ("incomplete", not refused). Once the core runs it, it has most tokens to go.
+    deadline = time.monotonic() + 60
+    while running_requests(openai_stack, decode) == 0:
+        assert time.monotonic() < deadline, f"the busy response never ran: {busy.status}"
+        time.sleep(0.02)
+    core = decode.engine_core_pid()
+    os.kill(core, signal.SIGSTOP)
     try:
         # The decode replica runs one request and queues none: this one is refused.
         refused = client.responses.create(model="tiny", input="and another",
@@ -113,6 +128,7 @@ def test_a_response_the_replica_refuses_ends_failed_with_the_reason(openai_stack
         assert failed.error.code == "resource_exhausted", failed.error
         assert failed.error.message
     finally:
+        os.kill(core, signal.SIGCONT)
         client.responses.cancel(busy.id)
 
 
