@@ -183,19 +183,29 @@ void score_chunk(const Args& a, Rows& rows, int r0, int kt0, const uint32_t* kp)
   }
   const __m512 scale = _mm512_set1_ps(a.scale);
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 masks[kChunk][2];
+  alignas(64) float new_max[16];
   for (int r = 0; r < kChunk; ++r) {
     const int visible = rows.limit[r0 + r] - kt0 + 1;  // keys 0 .. visible - 1 of the tile
     const uint32_t bits = visible >= kTile ? 0xffffffffu
                           : visible <= 0   ? 0u
                                            : (1u << visible) - 1u;
-    const __mmask16 m0 = static_cast<__mmask16>(bits), m1 = static_cast<__mmask16>(bits >> 16);
-    const __m512 s0 = _mm512_mask_mul_ps(minus_inf, m0, s[r][0], scale);
-    const __m512 s1 = _mm512_mask_mul_ps(minus_inf, m1, s[r][1], scale);
-    const float old_max = rows.max[r0 + r];
-    const float new_max = std::max(old_max, _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
-    const __m512 vmax = _mm512_set1_ps(new_max);
-    const __m512 p0 = _mm512_maskz_mov_ps(m0, exp16(_mm512_sub_ps(s0, vmax)));
-    const __m512 p1 = _mm512_maskz_mov_ps(m1, exp16(_mm512_sub_ps(s1, vmax)));
+    masks[r][0] = static_cast<__mmask16>(bits);
+    masks[r][1] = static_cast<__mmask16>(bits >> 16);
+    s[r][0] = _mm512_mask_mul_ps(minus_inf, masks[r][0], s[r][0], scale);
+    s[r][1] = _mm512_mask_mul_ps(minus_inf, masks[r][1], s[r][1], scale);
+    new_max[r] = _mm512_reduce_max_ps(_mm512_max_ps(s[r][0], s[r][1]));
+  }
+  // The 8 rows' new maxima and rescale factors at once (exp(-inf) of a first tile: ~0).
+  const __m512 old_max = _mm512_maskz_loadu_ps(0xff, rows.max.data() + r0);
+  const __m512 vmax = _mm512_max_ps(old_max, _mm512_maskz_loadu_ps(0xff, new_max));
+  _mm512_mask_storeu_ps(rows.max.data() + r0, 0xff, vmax);
+  _mm512_mask_storeu_ps(rows.alpha.data() + r0, 0xff, exp16(_mm512_sub_ps(old_max, vmax)));
+  _mm512_store_ps(new_max, vmax);
+  for (int r = 0; r < kChunk; ++r) {
+    const __m512 m = _mm512_set1_ps(new_max[r]);
+    const __m512 p0 = _mm512_maskz_mov_ps(masks[r][0], exp16(_mm512_sub_ps(s[r][0], m)));
+    const __m512 p1 = _mm512_maskz_mov_ps(masks[r][1], exp16(_mm512_sub_ps(s[r][1], m)));
     const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
     _mm512_storeu_si512(rows.weights.data() + r * kTile, w);
     // The sum of the rounded weights, so that they are normalised exactly as used.
@@ -203,11 +213,8 @@ void score_chunk(const Args& a, Rows& rows, int r0, int kt0, const uint32_t* kp)
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)), 16));
     const __m512 w1 = _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)), 16));
-    const float alpha = old_max == -std::numeric_limits<float>::infinity()
-                            ? 0.0f : std::exp(old_max - new_max);
-    rows.sum[r0 + r] = rows.sum[r0 + r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(w0, w1));
-    rows.max[r0 + r] = new_max;
-    rows.alpha[r0 + r] = alpha;
+    rows.sum[r0 + r] = rows.sum[r0 + r] * rows.alpha[r0 + r] +
+                       _mm512_reduce_add_ps(_mm512_add_ps(w0, w1));
   }
 }
 
