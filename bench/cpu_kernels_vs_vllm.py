@@ -11,7 +11,16 @@ Owns one comparison, for the default model's shapes at a decode batch (SmolLM2-1
 - decode attention over 30 layers' paged caches: Tandem's kernel (``cpu_paged_kernel``;
   the engine's one cache ``[blocks, 30 layers, 2, kv_heads, 16, head]``, each layer's view
   strided over blocks) against vLLM-CPU's ``cpu_attention_with_kv_cache``
-  (its layout ``[blocks, kv_heads, 128, head]``, its ISAs ``vec`` and ``vec16``).
+  (its layout ``[blocks, kv_heads, 128, head]``, its ISAs ``vec`` and ``vec16``);
+- prefill attention of one layer (``--section prefill``), (cached, new) = (0, 512),
+  (0, 2048), (256, 256), (2048, 512): Tandem's bf16 prefill kernel (``cpu_prefill_kernel``,
+  the raw call and the backend's forward around it) against today's SDPA path (the backend
+  with ``use_paged_kernel=False``: SDPA's flash kernel, causal when nothing is cached, the
+  queries zero-padded or an explicit mask otherwise, after a gather from the paged cache)
+  and vLLM-CPU's ``cpu_attention_with_kv_cache`` called as its CPU backend calls it for a
+  prefill (query_len > 1, causal, its scheduler metadata). The backend forwards include
+  writing the step's K/V into the cache; vLLM's call does not (its write is a separate op).
+  Each result's max-abs error against float32 attention of the same bf16 inputs is reported.
 
 It runs in ``.venv-peer``'s interpreter (vLLM's ops are there; the same torch as the
 project's), with this tree on the path for Tandem's kernel, pinned to one CPU with one torch
@@ -20,6 +29,7 @@ minimum over interleaved repeats, since a shared machine's caches still make the
 Written to ``bench/results/cpu_kernels_vs_vllm.json`` with the machine.
 
     python bench/cpu_kernels_vs_vllm.py --cpu 1 --dtype bfloat16
+    python bench/cpu_kernels_vs_vllm.py --cpu 1 --section prefill   # bf16 only
 """
 
 from __future__ import annotations
@@ -130,11 +140,146 @@ print("PEER_RESULT " + json.dumps({"linear_us": linear, "attention_30_layers_us"
 """
 
 
+PREFILL_SCRIPT = r"""
+import json, sys, time
+cfg = json.loads(sys.argv[1])
+sys.path.insert(0, cfg["root"])
+import torch
+import torch.nn.functional as F
+import vllm._custom_ops as ops
+from engine_common.model.attention.backend import AttentionMetadata
+from engine_common.model.attention.cpu_prefill_kernel import load_paged_prefill, workspace_bytes
+from engine_common.model.attention.kv_cache_layout import key_value, kv_cache_shape, layer_cache
+from engine_common.model.attention.torch_backend import TorchAttentionBackend
+torch.set_num_threads(1)
+dtype, rounds = torch.bfloat16, cfg["rounds"]
+heads, kv_heads, hs, layers = 9, 3, 64, 30
+scale = hs ** -0.5
+kernel = load_paged_prefill()
+assert kernel is not None and kernel.vectorized, "no avx512_bf16 build of the prefill kernel"
+
+def cpu_ms(fn):
+    start = time.thread_time()
+    fn()
+    return (time.thread_time() - start) * 1e3
+
+def best(fns):
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(cpu_ms(fn))
+    return {name: round(min(v), 3) for name, v in times.items()}
+
+def paged(ctx, bs, gen):
+    n = -(-ctx // bs)
+    table = torch.randperm(n + 4, generator=gen)[:n].to(torch.int32)
+    return n + 4, table
+
+results = {}
+for cached, new in cfg["shapes"]:
+    gen = torch.Generator().manual_seed(cached + new)
+    ctx = cached + new
+    k = torch.randn(ctx, kv_heads, hs, generator=gen).to(dtype)
+    v = torch.randn(ctx, kv_heads, hs, generator=gen).to(dtype)
+    width = (heads + 2 * kv_heads) * hs  # the query: a strided view of a fused projection
+    query = (3 * torch.randn(new, width, generator=gen)).to(dtype)[:, : heads * hs]
+    query = query.view(new, heads, hs)
+    # Tandem: the engine's cache, 16-token blocks, shuffled table; this step's K/V written by
+    # the forward (slot_mapping), the cached prefix written here.
+    nblk, table = paged(ctx, 16, gen)
+    whole = torch.zeros(kv_cache_shape(layers, nblk, 16, kv_heads, hs), dtype=dtype)
+    layer_kv = layer_cache(whole, layers // 2)
+    k_cache, v_cache = key_value(layer_kv)
+    pos = torch.arange(ctx)
+    slots = table[pos // 16].long() * 16 + pos % 16
+    k_cache[slots // 16, :, slots % 16] = k
+    v_cache[slots // 16, :, slots % 16] = v
+    meta = AttentionMetadata(
+        slot_mapping=slots[cached:], query_start_loc=torch.tensor([0, new], dtype=torch.int32),
+        seq_lens=torch.tensor([ctx], dtype=torch.int32), block_tables=table[None].contiguous(),
+        max_query_len=new, max_seq_len=ctx, query_lens_cpu=[new], seq_lens_cpu=[ctx])
+    ours, sdpa = (TorchAttentionBackend(heads, kv_heads, hs, scale, use_paged_kernel=use)
+                  for use in (True, False))
+    outs = {name: torch.empty_like(query) for name in ("tandem_kernel", "vllm_vec", "vllm_vec16")}
+    workspace = torch.empty(workspace_bytes([ctx], kv_heads, hs), dtype=torch.uint8)
+    seqs = torch.tensor([0], dtype=torch.int32)
+    fns = {
+        "tandem_kernel": lambda: kernel(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                        meta.query_start_loc, seqs, outs["tandem_kernel"], scale,
+                                        workspace),
+        "tandem_backend": lambda: outs.__setitem__("tandem_backend", ours.forward(
+            query, k[cached:], v[cached:], layer_kv, meta)),
+        "sdpa_backend": lambda: outs.__setitem__("sdpa_backend", sdpa.forward(
+            query, k[cached:], v[cached:], layer_kv, meta)),
+    }
+    # vLLM: [blocks, kv_heads, 2 * 128, head] (K, then V, per head), in each ISA's own
+    # order within a block: written by its cache op, one cache per ISA.
+    vblk, vtable = paged(ctx, 128, gen)
+    vslots = vtable[pos // 128].long() * 128 + pos % 128
+    for isa in ("vec", "vec16"):
+        theirs = torch.zeros(vblk, kv_heads, 2 * 128, hs, dtype=dtype)
+        vk, vv = theirs.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(k, v, vk, vv, vslots, isa)
+        try:
+            md = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=hs,
+                seq_lens=meta.seq_lens, dtype=dtype, query_start_loc=meta.query_start_loc,
+                causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
+        except Exception:
+            continue
+        def vllm_attention(md=md, out=outs[f"vllm_{isa}"], vk=vk, vv=vv):
+            ops.cpu_attention_with_kv_cache(
+                query=query, key_cache=vk, value_cache=vv, output=out,
+                query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens, scale=scale,
+                causal=True, alibi_slopes=None, sliding_window=-1,
+                block_table=vtable[None].contiguous(), softcap=0.0, scheduler_metadata=md,
+                s_aux=None)
+        fns[f"vllm_{isa}"] = vllm_attention
+    times = best(fns)
+    mask = pos[None, :] <= pos[cached:, None]
+    expected = F.scaled_dot_product_attention(
+        query.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None],
+        v.float().transpose(0, 1)[None], attn_mask=mask, scale=scale, enable_gqa=True)
+    expected = expected[0].transpose(0, 1)
+    errors = {name: round((outs[name].float() - expected).abs().max().item(), 5)
+              for name in fns}
+    flops = 4 * heads * hs * sum(cached + j + 1 for j in range(new))
+    results[f"cached{cached}_new{new}"] = {
+        "cpu_ms": times, "max_abs_error": errors,
+        "tandem_kernel_gflops": round(flops / times["tandem_kernel"] / 1e6, 1)}
+print("PEER_RESULT " + json.dumps({"prefill_attention_one_layer": results}))
+"""
+PREFILL_SHAPES = [(0, 512), (0, 2048), (256, 256), (2048, 512)]
+
+
+def prefill_section(args: argparse.Namespace) -> int:
+    result = run_peer_script(PREFILL_SCRIPT, {"root": str(ROOT), "rounds": args.rounds,
+                                              "shapes": PREFILL_SHAPES},
+                             "the prefill-attention comparison", cpus=[args.cpu])
+    if result is None:
+        return 1
+    ratios = {}
+    for shape, row in result["prefill_attention_one_layer"].items():
+        times = row["cpu_ms"]
+        ratios[shape] = {name: round(time / times["tandem_kernel"], 3)
+                         for name, time in times.items() if name != "tandem_kernel"}
+        print(f"{shape:20s} CPU ms {times}  errors {row['max_abs_error']}")
+    write_report(args.out.with_name("cpu_prefill_attention_vs_vllm.json"),
+                 "cpu_prefill_attention_vs_vllm", settings=vars(args) | {"out": str(args.out)},
+                 **result, time_over_tandem_kernel_time=ratios)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--cpu", type=int, default=1, help="the CPU to pin to")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--section", default="decode", choices=("decode", "prefill"),
+                        help="decode: linear layers and decode attention; prefill: prefill "
+                             "attention (bf16)")
     parser.add_argument("--out", type=Path,
                         default=ROOT / "bench" / "results" / "cpu_kernels_vs_vllm.json")
     args = parser.parse_args()
@@ -142,6 +287,8 @@ def main() -> int:
         print("make bench-peer-setup first: vLLM-CPU's kernels come from .venv-peer",
               file=sys.stderr)
         return 2
+    if args.section == "prefill":
+        return prefill_section(args)
     # Built here: the peer's interpreter has no oneDNN wheels, but can open the library.
     library = build_onednn_gemm()
     result = run_peer_script(PEER_SCRIPT, {"root": str(ROOT), "dtype": args.dtype,

@@ -616,10 +616,16 @@ def test_default_model_conversion(smollm2_dir):
     _run_step(model, kv_cache, [seq], [len(prompt)])
     ours = seq.logits[len(prompt) - 1]
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).eval()
+    hf32 = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
         ref = hf(torch.tensor([prompt])).logits[0, -1].float()
+        ref32 = hf32(torch.tensor([prompt])).logits[0, -1]
     assert int(ours.argmax()) == int(ref.argmax())
-    assert (ours - ref).abs().max() < 0.5
+    # bf16 prefill attention is our CPU kernel, not HF's SDPA: its rounding differs (it is no
+    # larger, test_cpu_prefill_kernel), and 30 layers amplify any difference, so the logits
+    # are held to the float32 model: no farther from it than ~1.5x HF-bf16's own distance
+    # (measured 0.71 against 0.64 on this prompt; SDPA's path is HF-bf16 to 0.02).
+    assert (ours - ref32).abs().max() <= 1.5 * (ref - ref32).abs().max()
 
     # A few greedy decode steps (the batched decode path, in bf16) give HF's tokens.
     new_tokens = 8

@@ -16,8 +16,12 @@ kept: ``num_kv_heads`` times the useful FLOPs, but one well-shaped GEMM per sequ
 K/V is repeated. With many KV heads that waste grows, so those models use one SDPA call
 with each KV head's query heads folded into the query length.
 
-Sequences with several query tokens (prefill, chunked prefill, prefix-cache hits) are
-attended one at a time with SDPA and a causal mask offset by the cached prefix.
+Sequences with several query tokens (prefill, chunked prefill, prefix-cache hits): in bf16
+on the CPU, where the paged prefill kernel is built with avx512_bf16
+(``cpu_prefill_kernel``), all of a step's are attended in one call, K/V read in place
+through the block tables; otherwise (float32, whose SDPA path is bit-exact with Hugging
+Face's; another device; no compiler; ``use_paged_kernel=False``) one at a time with SDPA and
+a causal mask offset by the cached prefix.
 
 On the gather path, padding positions read cache slots that no sequence of the step wrote;
 the cache must hold finite values there (the model runner allocates it with zeros), since
@@ -37,6 +41,12 @@ from engine_common.model.attention.cpu_paged_kernel import (
     PagedDecodeKernel,
     kernel_supports,
     load_paged_decode,
+)
+from engine_common.model.attention.cpu_prefill_kernel import (
+    PagedPrefillKernel,
+    load_paged_prefill,
+    prefill_kernel_supports,
+    workspace_bytes,
 )
 from engine_common.model.attention.kv_cache_layout import (
     head_rows,
@@ -105,9 +115,18 @@ class _PrefillSeq:
 
 
 @dataclass
+class _KernelPrefill:
+    """What the paged prefill kernel needs: which sequences, and its workspace's size."""
+
+    seqs: torch.Tensor  # [n] int32 indices of the step's prefill sequences
+    workspace_bytes: int
+
+
+@dataclass
 class _StepPlan:
     decode: _DecodePlan | None
-    prefills: list[_PrefillSeq]
+    prefills: list[_PrefillSeq]  # for SDPA, when the prefill kernel does not run
+    kernel_prefill: _KernelPrefill | None = None
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -125,14 +144,26 @@ class TorchAttentionBackend(AttentionBackend):
         self._plans: dict[int, _StepPlan] = {}  # by id() of a metadata of that step
         # The last metadata asked for and its plan: one group's steps stop here, as before.
         self._last: tuple[AttentionMetadata, _StepPlan] | None = None
-        # Reused buffers for gathered K and V (layers run one after another).
+        # Reused buffers for gathered K and V (layers run one after another), and for the
+        # prefill kernel's packed K and V.
         self._gather_workspace: torch.Tensor | None = None
+        self._prefill_workspace: torch.Tensor | None = None
 
     def paged_kernel(self, dtype: torch.dtype, device: torch.device) -> PagedDecodeKernel | None:
         """The paged decode kernel for this dtype and device, if it runs here."""
         if not (self.use_paged_kernel and kernel_supports(dtype, device)):
             return None
         return load_paged_decode()
+
+    def prefill_kernel(self, dtype: torch.dtype, device: torch.device
+                       ) -> PagedPrefillKernel | None:
+        """The paged prefill kernel where it runs here: bf16 only (float32 keeps SDPA, bit-exact
+        with Hugging Face), and only its avx512_bf16 build (the scalar one is slower than SDPA)."""
+        if not (self.use_paged_kernel
+                and prefill_kernel_supports(dtype, device, self.head_size)):
+            return None
+        kernel = load_paged_prefill()
+        return kernel if kernel is not None and kernel.vectorized else None
 
     def forward(
         self,
@@ -147,7 +178,9 @@ class TorchAttentionBackend(AttentionBackend):
         geometry = _Geometry(kv_cache.shape[3], self.num_kv_heads, rows_per_block(k_cache))
 
         kernel = self.paged_kernel(kv_cache.dtype, kv_cache.device)
-        plan = self._plan_step(metadata, geometry, query.device, kernel is None)
+        prefill_kernel = self.prefill_kernel(kv_cache.dtype, kv_cache.device)
+        plan = self._plan_step(metadata, geometry, query.device, kernel is None,
+                               prefill_kernel is not None)
         decode = plan.decode
         if kernel is None and decode is not None and decode.token_indices is None:
             return self._decode(query, k_cache, v_cache, decode)  # every row decodes
@@ -161,11 +194,23 @@ class TorchAttentionBackend(AttentionBackend):
         elif decode is not None:
             indices = decode.token_indices
             out[indices] = self._decode(query[indices], k_cache, v_cache, decode)
+        if plan.kernel_prefill is not None and prefill_kernel is not None:
+            prefill_kernel(query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
+                           metadata.query_start_loc, plan.kernel_prefill.seqs, out,
+                           self.scale, self._prefill_buffer(plan.kernel_prefill))
         for seq in plan.prefills:
             out[seq.query_start : seq.query_end] = self._prefill(
                 query, key, value, k_cache, v_cache, seq
             )
         return out
+
+    def _prefill_buffer(self, plan: _KernelPrefill) -> torch.Tensor:
+        """The prefill kernel's workspace, grown when a step needs more (layers share it)."""
+        workspace = self._prefill_workspace
+        if workspace is None or workspace.numel() < plan.workspace_bytes:
+            workspace = torch.empty(plan.workspace_bytes, dtype=torch.uint8)
+            self._prefill_workspace = workspace
+        return workspace
 
     def _decode(
         self,
@@ -271,7 +316,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _plan_step(
         self, metadata: AttentionMetadata, geometry: _Geometry, device: torch.device,
-        gather: bool
+        gather: bool, prefill_kernel: bool
     ) -> _StepPlan:
         last = self._last
         if last is not None and last[0] is metadata:
@@ -289,14 +334,22 @@ class TorchAttentionBackend(AttentionBackend):
         if decode_seqs:
             decode = self._plan_decode(metadata, decode_seqs, geometry, device, gather)
         prefills = []
-        start = 0
-        for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
-            if query_len > 1:
-                prefills.append(
-                    self._plan_prefill(metadata, i, start, query_len, seq_len, geometry, device)
-                )
-            start += query_len
-        plan = self._plans[id(metadata)] = _StepPlan(decode, prefills)
+        kernel_prefill = None
+        if prefill_kernel:
+            seqs = [i for i, n in enumerate(query_lens) if n > 1]
+            if seqs:
+                kernel_prefill = _KernelPrefill(
+                    torch.tensor(seqs, dtype=torch.int32, device=device),
+                    workspace_bytes([seq_lens[i] for i in seqs], self.num_kv_heads,
+                                    self.head_size))
+        else:
+            start = 0
+            for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+                if query_len > 1:
+                    prefills.append(self._plan_prefill(metadata, i, start, query_len, seq_len,
+                                                       geometry, device))
+                start += query_len
+        plan = self._plans[id(metadata)] = _StepPlan(decode, prefills, kernel_prefill)
         self._last = (metadata, plan)
         return plan
 
