@@ -1,10 +1,10 @@
 """Building the engine's C++ CPU kernels once per machine with the system compiler.
 
-Each kernel library is one C++ file, compiled like torch's inductor compiles its kernels:
+Each kernel library is one C++ file (with the shared headers of ``cpu_kernels/``), compiled like torch's inductor compiles its kernels:
 ``-march=native`` for the CPU it runs on, linked against the libgomp torch has already
 loaded (the same soname), so ``torch.set_num_threads`` also bounds the kernel's threads and
 no second thread pool spins. A library is cached under ``$TANDEM_CACHE_DIR/kernels``
-(default ``~/.cache/tandem/kernels``) by a hash of the source, the compiler, its flags and
+(default ``~/.cache/tandem/kernels``) by a hash of the source, the shared headers, the compiler, its flags and
 the CPU's feature flags, written atomically, so concurrent engines build it at most once
 each (one at a time, under a file lock) and never load a half-written file. Without a compiler, or if the build fails,
 ``load_library`` returns None (logged) and the caller keeps its PyTorch path.
@@ -29,6 +29,9 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# Headers every kernel may include (``#include "bf16.h"``): on the include path, their
+# text part of every library's build key (not their path: checkouts share builds).
+INCLUDE_DIR = Path(__file__).with_name("cpu_kernels")
 _BUILD_TIMEOUT_S = 300
 
 
@@ -57,7 +60,8 @@ def build(compiler: str, source: Path, extra_flags: tuple[str, ...] = ()) -> Pat
     command line so that libraries link)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), compiler, version, *FLAGS,
+    headers = [h.read_text() for h in sorted(INCLUDE_DIR.glob("*.h"))]
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, compiler, version, *FLAGS,
                                     *extra_flags, _cpu_flags()]).encode()).hexdigest()
     target = kernel_cache_dir() / f"{source.stem}-{key[:20]}.so"
     if target.exists():
@@ -71,8 +75,9 @@ def build(compiler: str, source: Path, extra_flags: tuple[str, ...] = ()) -> Pat
             return target
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            proc = subprocess.run([compiler, *FLAGS, str(source), *extra_flags, "-o",
-                                   str(built)], capture_output=True, text=True,
+            command = [compiler, *FLAGS, f"-I{INCLUDE_DIR}", str(source), *extra_flags,
+                       "-o", str(built)]
+            proc = subprocess.run(command, capture_output=True, text=True,
                                   timeout=_BUILD_TIMEOUT_S)
             if proc.returncode != 0:
                 raise RuntimeError(f"{compiler} failed: {proc.stderr[-2000:]}")

@@ -29,10 +29,12 @@
 // the same roundings: correct but slower than SDPA, so the loader reports which was built
 // (tandem_paged_prefill_vectorized) and the backend keeps SDPA for a scalar build.
 //
-// bf16 helpers (bf16_to_f32, f32_to_bf16, the exp polynomial) are duplicated from
-// paged_decode.cpp rather than shared: each kernel is one self-contained source file.
+// bf16_to_f32 and f32_to_bf16 come from the shared bf16.h (model/cpu_kernels/); the exp
+// polynomial is this kernel's own.
 
 #include <omp.h>
+
+#include "bf16.h"
 
 #include <algorithm>
 #include <cmath>
@@ -52,21 +54,8 @@ constexpr int kTile = 32;         // keys per packed tile
 constexpr int kChunk = 8;         // query rows scored together (8 x 2 accumulators)
 constexpr int kTargetRows = 96;   // query rows (tokens x heads of a group) per work item
 
-inline float bf16_to_f32(uint16_t x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// Round to nearest even, as torch rounds float32 to bf16.
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
+using tandem::bf16_to_f32;
+using tandem::f32_to_bf16;
 
 inline uint32_t load_pair(const uint16_t* p) {
   uint32_t v;

@@ -25,6 +25,8 @@
 
 #include <omp.h>
 
+#include "bf16.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -38,22 +40,8 @@ enum DType : int { kFloat32 = 0, kBFloat16 = 1 };
 // few microseconds of work, less than waking a thread team.
 constexpr int64_t kParallelMinElements = 1 << 16;
 
-inline float bf16_to_f32(uint16_t x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// Round to nearest even, as torch rounds float32 to bf16 (NaN stays a quiet NaN); written
-// without branches so that loops over it vectorize.
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  uint32_t nan = (bits >> 16) | 0x40u;
-  return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-}
+using tandem::bf16_to_f32;
+using tandem::f32_to_bf16;
 
 template <typename T> inline float load(const T* p, int64_t i);
 template <> inline float load<float>(const float* p, int64_t i) { return p[i]; }
