@@ -176,7 +176,8 @@ def main() -> int:
                              "the kernel comparison", cpus=[args.cpu])
     if result is None:
         return 1
-    tandem = "tandem_direct" if library is not None else "tandem_torch_packed"
+    direct = library is not None and args.dtype == "bfloat16"  # the direct path is bf16 only
+    tandem = "tandem_direct" if direct else "tandem_torch_packed"
     ratios = {key: round(times["vllm_onednn_mm"] / times[tandem], 3)
               for key, times in result["linear_us"].items()}
     attention = result["attention_30_layers_us"]
