@@ -2,7 +2,7 @@
 
 Random caches with shuffled block tables, contexts that end mid-block and span many blocks
 (and several of the kernel's 256-token chunks, merged), group sizes 1 to 8, head sizes on
-the vector paths (64, 128, 80, 96) and off them (36, 8), block sizes 4, 5, 16 and 32,
+the vector paths (64, 128, 80, 96, 256) and off them (36, 8), block sizes 4, 5, 16 and 32,
 strided query rows (a view of the fused q/k/v projection, as the model passes them), a
 subset of a step's sequences (a mixed prefill/decode step), float32 and bf16, one thread
 and two, one long sequence. Each instruction set the kernel has that this CPU runs is
@@ -47,7 +47,7 @@ def other_build(request: pytest.FixtureRequest) -> PagedDecodeKernel:
 
 # (num_heads, num_kv_heads, head_size, block_size)
 SHAPES = [(9, 3, 64, 16), (4, 2, 128, 16), (8, 8, 80, 4), (6, 2, 36, 16), (2, 1, 8, 4),
-          (4, 1, 64, 32), (8, 1, 64, 16), (8, 2, 96, 5)]
+          (4, 1, 64, 32), (8, 1, 64, 16), (8, 2, 96, 5), (7, 1, 256, 16)]
 # The other builds: each of their tiles, tails and scalar fallbacks.
 OTHER_SHAPES = [(9, 3, 64, 16), (4, 2, 128, 16), (6, 2, 36, 16), (8, 2, 96, 5)]
 SEQ_LENS = [1, 5, 16, 17, 100, 300, 33, 600]

@@ -19,8 +19,9 @@
 // the softmax weights in float32. A sequence of one chunk (up to 256 tokens) is then done;
 // the chunks of a longer one are merged as flash-decoding does (each chunk's output
 // weighted by exp(its max - the overall max) * its sum of exponentials, over their total).
-// In bf16, scores and weights are rounded to bf16 where PyTorch's bf16 matmuls round their
-// outputs; accumulation is float32 throughout.
+// Accumulation is float32 throughout. In bf16 the scores stay float32 and only the softmax
+// weights (before they multiply V, as torch's CPU flash-attention kernel rounds its
+// exponentials) and the outputs are rounded to bf16.
 //
 // Three instruction sets, chosen at build time (-march=native):
 // - AVX512 (F/BW/VL/DQ): one pass over each block, K rows then V rows of a KV head, with an
@@ -41,8 +42,8 @@
 //   token, hadd trees), the chunk's softmax, then a value pass (FMAs over rows).
 // - Scalar loops for any other CPU, and for head sizes the AVX2 path does not tile.
 // The bf16 weights' rounding differs between the two: of exp(s - running max) in the
-// online pass, of the normalized weight in the two-pass one (torch's): the same relative
-// error, 2^-9 of each weight.
+// online pass, of the normalized weight in the two-pass one: the same relative error, at
+// most 2^-8 of each weight.
 
 #include <omp.h>
 
