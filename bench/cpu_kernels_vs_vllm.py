@@ -22,6 +22,10 @@ Owns one comparison, for the default model's shapes at a decode batch (SmolLM2-1
   writing the step's K/V into the cache; vLLM's call does not (its write is a separate op).
   Each result's max-abs error against float32 attention of the same bf16 inputs is reported.
 
+Decode attention is also compared at batch 1 with long contexts (``--long-contexts``,
+default 1,024 and 4,096 tokens), and against an earlier version of the kernel
+(``--baseline-kernel``: a ``paged_decode.cpp``, e.g. from ``git show``), built the same way.
+
 It runs in ``.venv-peer``'s interpreter (vLLM's ops are there; the same torch as the
 project's), with this tree on the path for Tandem's kernel, pinned to one CPU with one torch
 thread. Times are thread CPU time (so another process on the core does not count), the
@@ -30,6 +34,8 @@ Written to ``bench/results/cpu_kernels_vs_vllm.json`` with the machine.
 
     python bench/cpu_kernels_vs_vllm.py --cpu 1 --dtype bfloat16
     python bench/cpu_kernels_vs_vllm.py --cpu 1 --section prefill   # bf16 only
+    git show main:engine_common/model/attention/cpu_kernels/paged_decode.cpp > /tmp/old.cpp
+    python bench/cpu_kernels_vs_vllm.py --cpu 1 --baseline-kernel /tmp/old.cpp
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from engine_common.model.onednn_gemm import build_onednn_gemm  # noqa: E402
 
 PEER_SCRIPT = r"""
 import json, os, sys, time
+from pathlib import Path
 cfg = json.loads(sys.argv[1])
 sys.path.insert(0, cfg["root"])
 import torch
@@ -94,49 +101,61 @@ for m in (1, 64):
             fns["tandem_direct"] = lambda: direct(x, None)
         linear[f"M{m}_{name}"] = best(fns, reps)
 
-layers, seqs, ctx, kv_heads, heads, hs = 30, 64, 135, 3, 9, 64
-lens = torch.full((seqs,), ctx, dtype=torch.int32)
-query = torch.randn(seqs, heads, hs, generator=gen).to(dtype)
-# Tandem: the engine's cache [blocks, layers, 2, kv_heads, 16, head], shuffled tables.
 from engine_common.model.attention.kv_cache_layout import key_value, kv_cache_shape, layer_cache
-bs = 16
-per_seq = -(-ctx // bs)
-nblk = seqs * per_seq + 4
-whole = torch.randn(kv_cache_shape(layers, nblk, bs, kv_heads, hs), generator=gen).to(dtype)
-ours = [key_value(layer_cache(whole, layer)) for layer in range(layers)]
-table = torch.randperm(nblk, generator=gen)[: seqs * per_seq].view(seqs, per_seq).to(torch.int32).contiguous()
-kernel = load_paged_decode()
-out = torch.empty_like(query)
-def tandem_attention():
-    for k_cache, v_cache in ours:
-        kernel(query, k_cache, v_cache, table, lens, None, None, seqs, out, hs ** -0.5)
-fns = {"tandem_paged_kernel": tandem_attention}
-# vLLM: [blocks, kv_heads, 2 * 128, head] (K rows, then V rows, per head), its scheduler metadata.
-vbs = 128
-vper = -(-ctx // vbs)
-vblk = seqs * vper + 4
-theirs = [torch.randn(vblk, kv_heads, 2 * vbs, hs, generator=gen).to(dtype) for _ in range(layers)]
-vtable = torch.randperm(vblk, generator=gen)[: seqs * vper].view(seqs, vper).to(torch.int32).contiguous()
-qsl = torch.arange(seqs + 1, dtype=torch.int32)
-for isa in ("vec", "vec16"):
-    try:
-        md = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=seqs, num_heads=heads, num_kv_heads=kv_heads, head_dim=hs, seq_lens=lens,
-            dtype=dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa,
-            enable_kv_split=False)
-    except Exception:
-        continue
-    def vllm_attention(md=md):
-        for cache in theirs:
-            k, v = cache.chunk(2, dim=2)
-            ops.cpu_attention_with_kv_cache(
-                query=query, key_cache=k, value_cache=v, output=out, query_start_loc=qsl,
-                seq_lens=lens, scale=hs ** -0.5, causal=True, alibi_slopes=None,
-                sliding_window=-1, block_table=vtable, softcap=0.0, scheduler_metadata=md,
-                s_aux=None)
-    fns[f"vllm_{isa}"] = vllm_attention
-attention = best(fns, 3)
-print("PEER_RESULT " + json.dumps({"linear_us": linear, "attention_30_layers_us": attention}))
+kernels = {"tandem_paged_kernel": load_paged_decode()}
+if cfg["baseline_kernel"]:
+    kernels["tandem_baseline_kernel"] = load_paged_decode(Path(cfg["baseline_kernel"]))
+layers, kv_heads, heads, hs = 30, 3, 9, 64
+
+def attention_fns(seqs, ctx):
+    lens = torch.full((seqs,), ctx, dtype=torch.int32)
+    query = torch.randn(seqs, heads, hs, generator=gen).to(dtype)
+    out = torch.empty_like(query)
+    # Tandem: the engine's cache [blocks, layers, 2, kv_heads, 16, head], shuffled tables.
+    bs = 16
+    per_seq = -(-ctx // bs)
+    nblk = seqs * per_seq + 4
+    whole = torch.randn(kv_cache_shape(layers, nblk, bs, kv_heads, hs), generator=gen).to(dtype)
+    ours = [key_value(layer_cache(whole, layer)) for layer in range(layers)]
+    table = torch.randperm(nblk, generator=gen)[: seqs * per_seq].view(seqs, per_seq).to(torch.int32).contiguous()
+    fns = {}
+    for name, kernel in kernels.items():
+        def tandem_attention(kernel=kernel):
+            for k_cache, v_cache in ours:
+                kernel(query, k_cache, v_cache, table, lens, None, None, seqs, out, hs ** -0.5)
+        fns[name] = tandem_attention
+    # vLLM: [blocks, kv_heads, 2 * 128, head] (K rows, then V rows, per head), its scheduler metadata.
+    vbs = 128
+    vper = -(-ctx // vbs)
+    vblk = seqs * vper + 4
+    theirs = [torch.randn(vblk, kv_heads, 2 * vbs, hs, generator=gen).to(dtype) for _ in range(layers)]
+    vtable = torch.randperm(vblk, generator=gen)[: seqs * vper].view(seqs, vper).to(torch.int32).contiguous()
+    qsl = torch.arange(seqs + 1, dtype=torch.int32)
+    for isa in ("vec", "vec16"):
+        try:
+            md = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=seqs, num_heads=heads, num_kv_heads=kv_heads, head_dim=hs, seq_lens=lens,
+                dtype=dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa,
+                enable_kv_split=False)
+        except Exception:
+            continue
+        def vllm_attention(md=md):
+            for cache in theirs:
+                k, v = cache.chunk(2, dim=2)
+                ops.cpu_attention_with_kv_cache(
+                    query=query, key_cache=k, value_cache=v, output=out, query_start_loc=qsl,
+                    seq_lens=lens, scale=hs ** -0.5, causal=True, alibi_slopes=None,
+                    sliding_window=-1, block_table=vtable, softcap=0.0, scheduler_metadata=md,
+                    s_aux=None)
+        fns[f"vllm_{isa}"] = vllm_attention
+    return fns
+
+attention = {}
+for seqs, ctx in [(64, 135)] + [(1, n) for n in cfg["long_contexts"]]:
+    attention[f"batch{seqs}_ctx{ctx}"] = best(attention_fns(seqs, ctx), 3)
+attention_30 = attention.pop("batch64_ctx135")
+print("PEER_RESULT " + json.dumps({"linear_us": linear, "attention_30_layers_us": attention_30,
+                                  "attention_batch1_30_layers_us": attention}))
 """
 
 
@@ -280,6 +299,10 @@ def main() -> int:
     parser.add_argument("--section", default="decode", choices=("decode", "prefill"),
                         help="decode: linear layers and decode attention; prefill: prefill "
                              "attention (bf16)")
+    parser.add_argument("--long-contexts", type=int, nargs="*", default=[1024, 4096],
+                        help="batch-1 decode attention at these context lengths too")
+    parser.add_argument("--baseline-kernel", type=Path,
+                        help="another paged_decode.cpp to time beside this tree's")
     parser.add_argument("--out", type=Path,
                         default=ROOT / "bench" / "results" / "cpu_kernels_vs_vllm.json")
     args = parser.parse_args()
@@ -293,21 +316,30 @@ def main() -> int:
     library = build_onednn_gemm()
     result = run_peer_script(PEER_SCRIPT, {"root": str(ROOT), "dtype": args.dtype,
                                            "rounds": args.rounds,
+                                           "long_contexts": args.long_contexts,
+                                           "baseline_kernel": args.baseline_kernel
+                                           and str(args.baseline_kernel.resolve()),
                                            "gemm_library": library and str(library)},
                              "the kernel comparison", cpus=[args.cpu])
     if result is None:
         return 1
-    tandem = "tandem_direct" if library is not None else "tandem_torch_packed"
+    direct = library is not None and args.dtype == "bfloat16"  # the direct path is bf16 only
+    tandem = "tandem_direct" if direct else "tandem_torch_packed"
     ratios = {key: round(times["vllm_onednn_mm"] / times[tandem], 3)
               for key, times in result["linear_us"].items()}
     attention = result["attention_30_layers_us"]
     ratios |= {f"attention_{name}": round(time / attention["tandem_paged_kernel"], 3)
                for name, time in attention.items() if name != "tandem_paged_kernel"}
+    for case, times in result["attention_batch1_30_layers_us"].items():
+        ratios |= {f"attention_{case}_{name}": round(time / times["tandem_paged_kernel"], 3)
+                   for name, time in times.items() if name != "tandem_paged_kernel"}
     write_report(args.out, "cpu_kernels_vs_vllm",
-                 settings=vars(args) | {"out": str(args.out)},
-                 **result, vllm_time_over_tandem_time=ratios)
+                 settings=vars(args) | {"out": str(args.out),
+                                                "baseline_kernel": args.baseline_kernel
+                                                and str(args.baseline_kernel)},
+                 **result, other_time_over_tandem_time=ratios)
     for key, value in ratios.items():
-        print(f"{key:24s} vLLM / Tandem CPU time {value:.2f}")
+        print(f"{key:40s} other / Tandem CPU time {value:.2f}")
     return 0
 
 

@@ -1,7 +1,8 @@
 """Decode-attention test inputs over a paged cache, and their float64 reference output.
 
 Owns building a random decode step (shuffled block tables, strided query rows as the model
-passes them) and the reference it must produce; the tests that use them own the checks.
+passes them), the reference it must produce and how far from it a float32-accumulating
+kernel may be; the tests that use them own the checks.
 """
 
 from __future__ import annotations
@@ -51,19 +52,46 @@ def random_decode_step(num_heads: int, num_kv_heads: int, head_size: int, block_
 
 def decode_reference(step: DecodeStep, scale: float) -> torch.Tensor:
     """[n, num_heads, head_size] float64: each query row against its whole context."""
-    num_heads = step.query.shape[1]
-    num_kv_heads = step.k_cache.shape[1]
-    group = num_heads // num_kv_heads
     outs = []
-    for i, table in enumerate(step.tables):
-        n = int(step.seq_lens[i])
-        # [blocks, heads, block_size, head] -> [tokens, heads, head]
-        k = step.k_cache[table].transpose(1, 2).flatten(0, 1)[:n].double()
-        v = step.v_cache[table].transpose(1, 2).flatten(0, 1)[:n].double()
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        weights = torch.einsum("hd,thd->ht", step.query[i].double(), k) * scale
-        outs.append(torch.einsum("ht,thd->hd", weights.softmax(-1), v))
+    for i in range(len(step.tables)):
+        k, v = _context(step, i)
+        q = step.query[i].double().view(k.shape[1], -1, k.shape[2])  # [kv_heads, group, hs]
+        weights = torch.einsum("hgd,thd->hgt", q, k) * scale
+        outs.append(torch.einsum("hgt,thd->hgd", weights.softmax(-1), v).flatten(0, 1))
     return torch.stack(outs)
+
+
+def _context(step: DecodeStep, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence i's K and V, [tokens, num_kv_heads, head_size] float64."""
+    n, table = int(step.seq_lens[i]), step.tables[i]
+    # [blocks, heads, block_size, head] -> [tokens, heads, head]
+    k = step.k_cache[table].transpose(1, 2).flatten(0, 1)[:n].double()
+    v = step.v_cache[table].transpose(1, 2).flatten(0, 1)[:n].double()
+    return k, v
+
+
+def decode_error_bound(step: DecodeStep, reference: torch.Tensor) -> torch.Tensor:
+    """[n, num_heads, head_size]: how far a kernel that accumulates in float32 and rounds the
+    softmax weights and its outputs to the cache's dtype may be from ``reference``
+    (``decode_reference``'s).
+
+    To first order, with u the dtype's unit roundoff (2^-24 in float32, 2^-8 in bf16) and
+    |v|max a head's largest value over its context: rounding each weight and the output to
+    the dtype moves the output by at most u * (|out| + |v|max); float32 sums (head_size
+    products per score, a term per token in the softmax's and the values' sums) add rounding
+    errors that grow like the square root of their terms (Higham's probabilistic bound),
+    taken 4 times over: 4 * sqrt(head_size + tokens) * u32 * (|out| + |v|max)."""
+    u = torch.finfo(step.k_cache.dtype).eps / 2
+    u32 = torch.finfo(torch.float32).eps / 2
+    num_heads, head_size = step.query.shape[1:]
+    bounds = []
+    for i in range(len(step.tables)):
+        _, v = _context(step, i)
+        group = num_heads // v.shape[1]
+        v_max = v.abs().amax(dim=(0, 2)).repeat_interleave(group)[:, None]  # [heads, 1]
+        relative = u + 4 * (head_size + v.shape[0]) ** 0.5 * u32
+        bounds.append(relative * (reference[i].abs() + v_max))
+    return torch.stack(bounds)
 
 
 def decode_metadata(step: DecodeStep, block_size: int) -> AttentionMetadata:

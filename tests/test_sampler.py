@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine_common.sampler import Sampler, SamplingBatch, SamplingRow
+from engine_common.sampler import Sampler, SamplingBatch, SamplingRow, greedy_argmax
 from engine_common.sampling_params import SamplingParams
 
 sampler = Sampler()
@@ -73,6 +73,28 @@ def test_greedy_is_argmax_in_fast_path_and_mixed_batches() -> None:
     rows = [row(temperature=0.0) if i % 2 else row(temperature=1.5, top_k=50) for i in range(16)]
     out = sample(logits, rows).sampled_token_ids
     assert [out[i] for i in range(1, 16, 2)] == [expected[i] for i in range(1, 16, 2)]
+
+
+@pytest.mark.parametrize("vocab", [49152, 1536, 384, 1000])  # blocks of 512, 256, 128; none
+def test_greedy_argmax_is_torch_argmax_exactly(vocab: int) -> None:
+    """Ties (in one block and across blocks: the first wins), NaN (the first one, as torch
+    takes it), rows of -inf, signed zeros, a max in the last position; through the sampler's
+    fast greedy path too."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(12, vocab, generator=gen)
+    logits[0, [5, 7]] = 9.0  # a tie inside the first block
+    logits[1, [vocab - 1, 3]] = 9.0  # a tie across blocks: the first block's wins
+    logits[2, [vocab // 2, vocab - 2]] = float("nan")
+    logits[3] = float("-inf")
+    logits[4] = 0.0
+    logits[4, vocab // 3] = -0.0
+    logits[5, vocab - 1] = 50.0
+    logits[6, [1, vocab // 2]] = float("nan")
+    logits[6, 0] = float("inf")
+    expected = logits.argmax(dim=-1)
+    assert torch.equal(greedy_argmax(logits), expected)
+    fast = SamplingBatch.build([row(temperature=0.0) for _ in range(12)], vocab, "cpu")
+    assert sampler(logits, fast).sampled_token_ids == expected.tolist()
 
 
 def test_same_seed_same_tokens_different_seed_differs() -> None:

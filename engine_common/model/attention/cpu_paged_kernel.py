@@ -3,8 +3,8 @@
 The kernel (``cpu_kernels/paged_decode.cpp``) reads each decode sequence's K and V where
 they lie in the paged cache, through its block table, instead of gathering them into a
 padded copy first (what the PyTorch ops path must do, every layer of every step). It is C++
-with AVX2/FMA intrinsics where the CPU has them (a scalar loop otherwise), split among
-OpenMP threads.
+with AVX512 intrinsics where the CPU has them (``vdpbf16ps`` with AVX512_BF16), else AVX2/FMA,
+else scalar loops, split among OpenMP threads.
 
 Built once per machine with the system C++ compiler (``model/native_build``: ``-march=native``,
 torch's libgomp, cached by a hash of the source, compiler and CPU). Without a compiler, or
@@ -109,10 +109,13 @@ def kernel_supports(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 @functools.cache
-def load_paged_decode() -> PagedDecodeKernel | None:
-    """The kernel, built if needed; None (logged once) where it cannot be built or loaded."""
-    library = load_library(_SOURCE, "CPU paged-attention kernel",
-                           "decode attention gathers K/V with PyTorch ops (slower)")
+def load_paged_decode(source: Path = _SOURCE,
+                      extra_flags: tuple[str, ...] = ()) -> PagedDecodeKernel | None:
+    """The kernel, built if needed; None (logged once) where it cannot be built or loaded.
+    ``source`` and ``extra_flags`` (after ``-march=native``: ``-mno-avx512f`` builds the
+    AVX2 path here) are for tests and benchmarks; the engine takes the defaults."""
+    library = load_library(source, "CPU paged-attention kernel",
+                           "decode attention gathers K/V with PyTorch ops (slower)", extra_flags)
     if library is None:
         return None
     function = library.tandem_paged_decode
