@@ -54,6 +54,7 @@ from engine_common.sampler import (
     SamplingBatch,
     SamplingRow,
     TokenLogprobs,
+    greedy_argmax,
     is_greedy,
     takes_argmax,
     token_logprobs,
@@ -403,7 +404,7 @@ class ModelRunner:
             bitmask = self._apply_grammars(logits, grammars)
         if all(takes_argmax(scheduled[i].request.sampling_params,
                             scheduled[i].request.num_output_tokens) for i in sample_items):
-            tokens: list[int] = logits.argmax(dim=-1).tolist()
+            tokens: list[int] = greedy_argmax(logits).tolist()
             output.sampled.update({scheduled[i].request.request_id: (token, None)
                                    for i, token in zip(sample_items, tokens, strict=True)})
             return output
@@ -463,7 +464,7 @@ class ModelRunner:
         rewinds: dict[str, tuple[torch.Generator, torch.Tensor]] = {}
         if all(takes_argmax(scheduled[i].request.sampling_params,
                             scheduled[i].request.num_output_tokens) for i in speculated):
-            predicted: list[int] = logits.argmax(dim=-1).tolist()
+            predicted: list[int] = greedy_argmax(logits).tolist()
             logprobs: list[TokenLogprobs | None] = [None] * len(predicted)
         else:
             masked_rows = {row for row, _ in grammars}

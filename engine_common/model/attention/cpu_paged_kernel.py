@@ -84,15 +84,7 @@ def _check(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            query_start_loc: torch.Tensor | None, seqs: torch.Tensor | None,
            out: torch.Tensor) -> None:
     """The kernel trusts its pointers: every layout it assumes is checked here."""
-    for name, t in (("query", query), ("out", out)):
-        if t.dim() != 3 or t.stride(2) != 1 or t.dtype != k_cache.dtype:
-            raise ValueError(f"{name}: expected [tokens, heads, head_size] rows of the "
-                             f"cache's dtype with unit stride, got {tuple(t.shape)} "
-                             f"{t.dtype} strides {t.stride()}")
-    if not (k_cache.dim() == 4 and k_cache.shape == v_cache.shape
-            and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1):
-        raise ValueError("k_cache and v_cache must be of one 4-D shape and strides, with "
-                         "unit-stride rows")
+    check_rows_and_cache(query, out, k_cache, v_cache)
     if k_cache.dtype not in _DTYPES or k_cache.device.type != "cpu":
         raise ValueError(f"the kernel runs float32 or bfloat16 on the CPU, not "
                          f"{k_cache.dtype} on {k_cache.device}")
@@ -102,6 +94,21 @@ def _check(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     for name, index in indices.items():
         if index is not None and (index.dtype != torch.int32 or index.stride(-1) != 1):
             raise ValueError(f"{name} must be int32 with unit stride in its last dimension")
+
+
+def check_rows_and_cache(query: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor) -> None:
+    """What every CPU attention kernel (decode, ``cpu_prefill_kernel``'s prefill) assumes of
+    its query and output rows and of a layer's K and V caches, or ValueError."""
+    for name, t in (("query", query), ("out", out)):
+        if t.dim() != 3 or t.stride(2) != 1 or t.dtype != k_cache.dtype:
+            raise ValueError(f"{name}: expected [tokens, heads, head_size] rows of the "
+                             f"cache's dtype with unit stride, got {tuple(t.shape)} "
+                             f"{t.dtype} strides {t.stride()}")
+    if not (k_cache.dim() == 4 and k_cache.shape == v_cache.shape
+            and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1):
+        raise ValueError("k_cache and v_cache must be of one 4-D shape and strides, with "
+                         "unit-stride rows")
 
 
 def kernel_supports(dtype: torch.dtype, device: torch.device) -> bool:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from engine_common.model.attention.cpu_paged_kernel import check_rows_and_cache
 from engine_common.model.native_build import load_library
 
 _SOURCE = Path(__file__).with_name("cpu_kernels") / "paged_prefill.cpp"
@@ -99,15 +100,7 @@ def _check(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"the prefill kernel runs bfloat16 on the CPU with a head size "
                          f"that is a multiple of 16, not {k_cache.dtype} on "
                          f"{k_cache.device}, head {k_cache.shape[-1]}")
-    for name, t in (("query", query), ("out", out)):
-        if t.dim() != 3 or t.stride(2) != 1 or t.dtype != k_cache.dtype:
-            raise ValueError(f"{name}: expected [tokens, heads, head_size] rows of the "
-                             f"cache's dtype with unit stride, got {tuple(t.shape)} "
-                             f"{t.dtype} strides {t.stride()}")
-    if not (k_cache.dim() == 4 and k_cache.shape == v_cache.shape
-            and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1):
-        raise ValueError("k_cache and v_cache must be of one 4-D shape and strides, with "
-                         "unit-stride rows")
+    check_rows_and_cache(query, out, k_cache, v_cache)
     for index in indices:
         if index.dtype != torch.int32 or index.stride(-1) != 1:
             raise ValueError("block_tables, seq_lens, query_start_loc and seqs must be int32 "

@@ -47,6 +47,9 @@
 
 #include <omp.h>
 
+#include "bf16.h"
+#include "simd_exp.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -77,21 +80,8 @@ constexpr int kChunkTokens = 256;
 
 // How many blocks ahead of the one being read the AVX512 pass prefetches.
 constexpr int kPrefetchBlocks = 2;
-inline float bf16_to_f32(uint16_t x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// Round to nearest even, as torch rounds float32 to bf16.
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
+using tandem::bf16_to_f32;
+using tandem::f32_to_bf16;
 
 inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
@@ -179,23 +169,7 @@ inline __m512 round_bf16_16(__m512 x) {
   return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(0xffff0000u)));
 }
 
-// exp for x <= 0 (Cephes' polynomial, as avx_mathfun): about 1 ulp.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f));
-  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
-  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-  __m512i n = _mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127));
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(n, 23)));
-}
+using tandem::exp16;
 
 // The lane sums of four vectors: lane 4 * L + j of the result holds a partial sum of a_j
 // (over lanes 4 * L .. 4 * L + 3 of it), for each 128-bit lane L.

@@ -29,12 +29,13 @@
 // the same roundings: correct but slower than SDPA, so the loader reports which was built
 // (tandem_paged_prefill_vectorized) and the backend keeps SDPA for a scalar build.
 //
-// bf16_to_f32 and f32_to_bf16 come from the shared bf16.h (model/cpu_kernels/); the exp
-// polynomial is this kernel's own.
+// bf16_to_f32, f32_to_bf16 (bf16.h) and exp16 (simd_exp.h) come from the shared headers of
+// model/cpu_kernels/.
 
 #include <omp.h>
 
 #include "bf16.h"
+#include "simd_exp.h"
 
 #include <algorithm>
 #include <cmath>
@@ -137,22 +138,7 @@ struct Rows {
 #ifdef TANDEM_AVX512BF16
 inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }  // the same 512 bits
 
-// exp for x <= 0 (Cephes' polynomial, as paged_decode.cpp's exp8): about 1 ulp.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f));
-  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
-  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(y, fx);
-}
+using tandem::exp16;
 
 // Scores of rows [r0, r0 + 8) against one K tile, then their softmax update: weights (bf16)
 // into rows.weights, rescale factors into rows.alpha.
