@@ -9,6 +9,7 @@ time to first token and the routing work itself. It does not own serving them ov
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -68,6 +69,7 @@ class GatewayMetrics:
         self.replicas = Gauge(
             "tandem:gateway_replicas", "Known replicas by role and health.",
             ["role", "healthy"], registry=reg)
+        self._replica_series: set[tuple[str, str]] = set()  # (role, healthy) ever set
         self.prefill_outcomes = Counter(
             "tandem:gateway_prefill_outcomes",
             "P/D picks by how the decode replica got the prompt's KV (remote, or the fallback "
@@ -84,8 +86,16 @@ class GatewayMetrics:
             registry=reg)
 
     def set_replicas(self, replicas: Iterable[Replica]) -> None:
-        """The known replicas, by role and health, as the registry sees them now."""
-        self.replicas.clear()
-        for replica in replicas:
-            self.replicas.labels(replica.role or "unknown",
-                                 str(replica.healthy).lower()).inc()
+        """The known replicas, by role and health, as the registry sees them now.
+
+        NOTE: each series is set to its new count (0 for one that emptied), never cleared and
+        counted up again: a scrape runs on the metrics server's thread, and one that fell
+        between a clear and the counting saw replicas missing (a test waiting for one fewer
+        healthy replica waited forever after reading such a transient count)."""
+        counts = collections.Counter((replica.role or "unknown", str(replica.healthy).lower())
+                                     for replica in replicas)
+        for labels in self._replica_series - counts.keys():
+            self.replicas.labels(*labels).set(0)
+        for labels, count in counts.items():
+            self.replicas.labels(*labels).set(count)
+        self._replica_series |= counts.keys()
