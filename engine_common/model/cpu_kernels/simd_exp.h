@@ -1,7 +1,8 @@
-// exp of 16 float32 lanes with AVX512F, for the attention kernels' softmax (x <= 0 there):
-// Cephes' polynomial (as avx_mathfun's exp256_ps), about 1 ulp; 2^n applied by vscalefps,
-// so results below 2^-126 stay denormal rather than flushed. Shared by every kernel source
-// (native_build puts this directory on the include path and hashes its headers).
+// exp of float32 lanes for the attention kernels' softmax (x <= 0 there): Cephes'
+// polynomial (as avx_mathfun's exp256_ps), about 1 ulp. exp16 (AVX512F) applies 2^n by
+// vscalefps, so results below 2^-126 stay denormal; exp8 (AVX2/FMA) builds 2^n from its
+// exponent bits, flushing them. Shared by every kernel source (native_build puts this
+// directory on the include path and hashes its headers).
 
 #pragma once
 
@@ -29,3 +30,29 @@ inline __m512 exp16(__m512 x) {
 }  // namespace tandem
 
 #endif  // __AVX512F__
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace tandem {
+
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i n = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
+}
+
+}  // namespace tandem
+
+#endif  // __AVX2__ && __FMA__
