@@ -19,6 +19,7 @@
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include <cstdint>
+#include <exception>
 #include <list>
 #include <memory>
 #include <unordered_map>
@@ -162,9 +163,7 @@ int tandem_gemm_create(int dtype, int64_t n, int64_t k, const void* weight,
     thread_stream().wait();
     *out = g.release();
     return 0;
-  } catch (const dnnl::error&) {
-    return 2;
-  } catch (const std::bad_alloc&) {
+  } catch (const std::exception&) {  // dnnl::error, std::bad_alloc: none may cross the C ABI
     return 2;
   }
 }
@@ -195,9 +194,7 @@ int tandem_gemm_run(void* handle, const void* x, int64_t m, void* y, const void*
     entry.matmul.execute(thread_stream(), args);
     thread_stream().wait();
     return 0;
-  } catch (const dnnl::error&) {
-    return 2;
-  } catch (const std::bad_alloc&) {
+  } catch (const std::exception&) {  // dnnl::error, std::bad_alloc: none may cross the C ABI
     return 2;
   }
 }
