@@ -55,6 +55,7 @@ _PARTS = (
     ("tandem::silu_mul", "elementwise (mul/add/silu/...)"),
     ("tandem::rotary", "rotary"),
     ("tandem::onednn_linear", "linear (projections + LM head)"),
+    ("tandem::kv_write", "KV cache write"),
     ("tandem::", "attention: paged kernel"),
     ("aten::index_select", "gather (index_select)"),
     ("aten::index_copy_", "KV cache write"),

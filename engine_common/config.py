@@ -46,19 +46,16 @@ class SchedulerConfig:
     max_prefill_tokens_while_decoding: int = 512
     # 0: the token cap alone.
     max_prefill_time_per_decode_step: float = 1.0
-    # With more than one prompt queued (waiting to start or being computed): the token cap
-    # times their number (up to max_num_batched_tokens) and no time cap. On an aggregated
-    # replica past its capacity prompts queue behind the decodes: with fixed caps they
-    # trickled in (the time cap's chunks shrink to one block a step when no step is
-    # decode-only, see Scheduler._prefill_room) while the queue grew, and TTFT and throughput
-    # fell far below vLLM's, which fills the budget with prompts after the decodes (issue
-    # 27: TTFT p99 3.3x vLLM's). Scaled, one prompt at a time (light load) still costs a
-    # stream about one decode step, and a queue gets up to the whole budget, as vLLM gives
-    # it: the running streams then wait a longer step, the price of the queue's TTFT.
-    # A decode replica keeps the fixed caps: a prompt it computes is a P/D fallback, and its
-    # streams must not stall behind a queue of them.
-    # None: by the engine's role (EngineConfig: fixed on a KV consumer, scaled elsewhere);
-    # a Scheduler built without an EngineConfig takes None as fixed.
+    # An aggregated replica's caps: the token cap times the prompts queued (waiting to start
+    # or being computed), up to max_num_batched_tokens, and no time cap. Past its capacity
+    # prompts queue behind the decodes: with fixed caps they trickled in (the time cap's
+    # chunks shrink to one block a step when no step is decode-only, see
+    # Scheduler._prefill_room) while the queue grew, and TTFT and throughput fell far below
+    # vLLM's, which fills the budget with prompts after the decodes (issue 27: TTFT p99 3.3x
+    # vLLM's); a lone long prompt, chunked by time, waited 1.8x vLLM's TTFT (issue 39). Its
+    # running streams then wait at most one token cap's chunk a step, the price of the
+    # prompts' TTFT. A decode replica keeps the fixed caps, time cap included: a prompt it
+    # computes is a P/D fallback, and its streams must not stall behind it.
     prefill_caps_scale_with_queue: bool | None = None
     # Fraction of blocks kept free when admitting new requests, so running ones can grow.
     watermark: float = 0.01

@@ -8,7 +8,7 @@ request is decoding, the prompt tokens of a step are capped apart, in tokens and
 (``max_prefill_tokens_while_decoding``, ``max_prefill_time_per_decode_step``, timed with
 ``StepCosts``): a long prompt computed here then runs in chunks between the decodes, and a
 running stream waits for at most one such chunk beside its own step. On an aggregated replica
-(``prefill_caps_scale_with_queue``) a queue of prompts lifts the time cap and multiplies the
+(``prefill_caps_scale_with_queue``) there is no time cap and a queue of prompts multiplies the
 token cap by its length, up to the whole budget, so that a queue past capacity is not starved
 by the decodes. A waiting request is admitted only into blocks the running ones are not
 expected to need for their own prompts and output (``OutputRoom``, with
@@ -588,28 +588,31 @@ class Scheduler:
 
     def _prefill_room(self) -> int:
         """Prompt tokens this step may compute, over every prefilling request together.
-        While a running request is decoding: ``max_prefill_tokens_while_decoding``, and no
-        more than take ``max_prefill_time_per_decode_step`` decode steps by the measured
-        costs (at least one block, so the prompt moves on), so that the decodes' next token
-        waits for about that much beside their own step. With ``prefill_caps_scale_with_queue``
-        and more than one prompt queued (waiting or being computed): the token cap times
-        their number, up to the budget, without the time cap. Else the whole
-        budget; without chunked prefill a prompt runs whole, so there is no such cap."""
+        While a running request is decoding: ``max_prefill_tokens_while_decoding``. On a
+        decode replica (fixed caps), also no more than take ``max_prefill_time_per_decode_step``
+        decode steps by the measured costs (at least one block, so the prompt moves on), so
+        that the decodes' next token waits for about that much beside their own step. On an
+        aggregated replica (``prefill_caps_scale_with_queue``): the token cap times the
+        prompts queued (waiting or being computed), up to the budget, without the time cap.
+        Else the whole budget; without chunked prefill a prompt runs whole, so there is no
+        such cap."""
         cap = self.config.max_prefill_tokens_while_decoding
         prefilling = sum(1 for r in self.running if _is_prefilling(r))
         if (cap <= 0 or not self.config.enable_chunked_prefill
                 or prefilling == len(self.running)):
             return self.config.max_num_batched_tokens
-        # With prefill_caps_scale_with_queue (an aggregated replica), each queued prompt adds
-        # a token cap: a queue past capacity drains instead of trickling in. The time cap
-        # holds for one prompt only: under a queue the steps carry decodes and prompts alike,
-        # so StepCosts never sees a decode-only step to measure the decodes' share by (its
-        # estimate stays the warm-up's batch of one), charges the growing decode batch to the
-        # prompt tokens, and its chunks shrank to one block a step (the 107 s TTFT tail).
-        queued = max(1, prefilling + len(self.waiting)) \
-            if self.config.prefill_caps_scale_with_queue else 1
-        cap *= queued
-        ratio = self.config.max_prefill_time_per_decode_step if queued == 1 else 0.0
+        if self.config.prefill_caps_scale_with_queue:
+            # NOTE: an aggregated replica serves prompts and streams alike, and its users
+            # wait for both: each queued prompt adds a token cap, so a queue past capacity
+            # drains instead of trickling in, and no time cap. Under a queue the time cap
+            # starved prompts (no decode-only step for StepCosts to measure the decodes by,
+            # so the growing decode batch was charged to the prompt tokens and chunks shrank
+            # to a block a step: the 107 s TTFT tail of issue 27); for a lone prompt it
+            # spread a 1,024-token prompt over many steps, TTFT 1.8x vllm serve's, which
+            # computes it in one (issue 39). The token cap alone still bounds a stream's gap.
+            queued = max(1, prefilling + len(self.waiting))
+            return min(cap * queued, self.config.max_num_batched_tokens)
+        ratio = self.config.max_prefill_time_per_decode_step
         if ratio > 0:
             # Costs not seen yet (a decode replica's first fallback: its prompts came as
             # KV so far): one block, to measure by.

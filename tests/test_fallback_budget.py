@@ -131,8 +131,10 @@ def engine(model_dir: Path, cap: int, time_cap: float = 0.0) -> LLM:
     return LLM(EngineConfig(
         model=str(model_dir), dtype="float32",
         cache=CacheConfig(block_size=16, num_gpu_blocks_override=256),
+        # A decode replica's caps (the time cap is theirs alone): its prompts are fallbacks.
         scheduler=SchedulerConfig(max_prefill_tokens_while_decoding=cap,
-                                  max_prefill_time_per_decode_step=time_cap)))
+                                  max_prefill_time_per_decode_step=time_cap,
+                                  prefill_caps_scale_with_queue=False)))
 
 
 def join_running_decodes(llm: LLM, decodes: list[list[int]], long_prompt: list[int],

@@ -13,6 +13,8 @@ Face's greedy output, in fewer steps than with fixed caps.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from hypothesis import given, settings
@@ -28,6 +30,7 @@ from engine_common.config import (
 from engine_common.kv_cache_manager import KVCacheManager
 from engine_common.llm import LLM
 from engine_common.outputs import ModelRunnerOutput
+from engine_common.prefill_outlook import prefill_outlook
 from engine_common.request import Request
 from engine_common.sampling_params import SamplingParams
 from engine_common.scheduler import Scheduler, SchedulerOutput
@@ -165,9 +168,11 @@ def test_prompts_queued_behind_decodes_match_hf_in_fewer_steps(tiny_llama_dir: P
     assert fixed_steps >= 30 and scaled_steps < fixed_steps - 15, (scaled_steps, fixed_steps)
 
 
-def test_a_queue_lifts_the_time_cap_one_prompt_keeps_it():
+def test_only_a_decode_replica_caps_prompt_chunks_by_time():
     """Measured costs that allow less than a block (a stale decode-step estimate does that
-    under load): one prompt queued moves on by a block a step, a queue takes its token caps."""
+    under load): a decode replica's prompt moves on by a block a step, queue or not; an
+    aggregated replica's takes its token caps, a lone prompt too (issue 39: a lone long
+    prompt chunked by time waited 1.8x vllm serve's TTFT)."""
     def chunks(scale: bool, queued_prompts: int) -> list[int]:
         kv = KVCacheManager(num_blocks=256, block_size=BLOCK, max_model_len=200)
         sched = Scheduler(SchedulerConfig(max_num_batched_tokens=200,
@@ -183,8 +188,9 @@ def test_a_queue_lifts_the_time_cap_one_prompt_keeps_it():
                                       max_model_len=200, block_size=BLOCK))
         return [s.num_new_tokens for s in sched.schedule().scheduled[1:]]
 
-    assert chunks(scale=True, queued_prompts=1) == [BLOCK]
+    assert chunks(scale=False, queued_prompts=1) == [BLOCK]
     assert chunks(scale=False, queued_prompts=3) == [BLOCK]
+    assert chunks(scale=True, queued_prompts=1) == [64]
     assert chunks(scale=True, queued_prompts=2) == [100, 28]
     assert chunks(scale=True, queued_prompts=3) == [100, 92]
 
@@ -217,3 +223,15 @@ def test_what_a_scheduler_publishes_for_time_to_first_token_estimates():
     assert stats.prefill_tokens_per_s == 1000.0
     # Beside the decode, a chunk of 10 tokens (one decode step's time): half of each step.
     assert stats.prefill_share == 0.5
+
+
+def test_an_aggregated_replica_publishes_its_token_cap_share():
+    """No time cap on an aggregated replica: a new prompt's share beside the decodes is the
+    token cap's chunk, as its scheduler will give it, not a decode step's worth."""
+    costs = StepCosts(decode_step_s=0.01, prefill_token_s=0.001)
+    fixed = SchedulerConfig(max_num_batched_tokens=200, max_prefill_tokens_while_decoding=64,
+                            max_prefill_time_per_decode_step=1.0)
+    scaled = replace(fixed, prefill_caps_scale_with_queue=True)
+    outlook = partial(prefill_outlook, costs, queued_tokens=0, decoding=True, block_size=BLOCK)
+    assert outlook(fixed).share == 0.5  # 10 tokens, one decode step's time
+    assert outlook(scaled).share == 0.064 / (0.01 + 0.064)  # the 64-token cap

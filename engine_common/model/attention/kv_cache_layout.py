@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import torch
 
+from engine_common.model.attention.cpu_kv_write import load_kv_write
+
 
 def kv_cache_shape(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                    head_size: int) -> tuple[int, int, int, int, int, int]:
@@ -51,11 +53,22 @@ def key_value(layer_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def write_kv(layer_kv: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Stores token ``i``'s K and V (``[tokens, num_kv_heads, head_size]``) at flat slot
-    ``slot_mapping[i]`` of the layer's cache, in place (PyTorch ops, any device)."""
-    block_size = layer_kv.shape[3]
+    ``slot_mapping[i]`` of the layer's cache, in place: a copy kernel on the CPU
+    (``cpu_kv_write``), PyTorch indexing elsewhere or without it."""
+    k_cache, v_cache = key_value(layer_kv)
+    kernel = load_kv_write() if layer_kv.device.type == "cpu" else None
+    if kernel is not None:
+        kernel(k_cache, v_cache, key, value, slot_mapping)
+    else:
+        write_kv_indexed(k_cache, v_cache, key, value, slot_mapping)
+
+
+def write_kv_indexed(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``write_kv`` by PyTorch ops, any device."""
+    block_size = k_cache.shape[2]
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping - blocks * block_size
-    k_cache, v_cache = key_value(layer_kv)
     # Advanced indices on dims 0 and 2, split by the heads' slice: the indexed view is
     # [tokens, num_kv_heads, head_size], the shape of key and value.
     k_cache[blocks, :, offsets] = key
