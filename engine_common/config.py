@@ -44,7 +44,7 @@ class SchedulerConfig:
     # about (1 + that) decode steps for its next token (docs/reliability.md). 0: no cap,
     # prompts take whatever the decodes leave of max_num_batched_tokens.
     max_prefill_tokens_while_decoding: int = 512
-    # 0: the token cap alone.
+    # Fixed caps only (a decode replica's); 0: the token cap alone.
     max_prefill_time_per_decode_step: float = 1.0
     # An aggregated replica's caps: the token cap times the prompts queued (waiting to start
     # or being computed), up to max_num_batched_tokens, and no time cap. Past its capacity
@@ -56,6 +56,8 @@ class SchedulerConfig:
     # running streams then wait at most one token cap's chunk a step, the price of the
     # prompts' TTFT. A decode replica keeps the fixed caps, time cap included: a prompt it
     # computes is a P/D fallback, and its streams must not stall behind it.
+    # None: by the engine's role (EngineConfig: fixed on a KV consumer, scaled elsewhere);
+    # a Scheduler built without an EngineConfig takes None as fixed.
     prefill_caps_scale_with_queue: bool | None = None
     # Fraction of blocks kept free when admitting new requests, so running ones can grow.
     watermark: float = 0.01

@@ -1,7 +1,7 @@
 """The CPU KV-write kernel (``engine_common.model.attention.cpu_kv_write``) against PyTorch
 indexing (``kv_cache_layout.write_kv_indexed``): the same bytes in every slot, for each
-dtype, a layer's strided view of the engine cache, K and V strided out of one projection,
-padding slots skipped, and bad arguments refused before anything is written."""
+dtype and row width, a layer's strided view of the engine cache, K and V strided out of one
+projection, padding slots skipped, and bad arguments refused before anything is written."""
 
 from __future__ import annotations
 
@@ -80,3 +80,16 @@ def test_bad_arguments_are_refused_before_any_write(kernel):
     with pytest.raises(ValueError, match="value"):
         kernel(k_cache, v_cache, key, value[:3], slots)
     assert not cache.any()
+
+
+def test_rows_that_are_not_whole_cache_lines(kernel):
+    """A 40-wide bf16 head (80-byte rows, not 64-byte aligned) takes the plain copy."""
+    g = torch.Generator().manual_seed(5)
+    key = torch.randn(20, KV_HEADS, 40, generator=g).bfloat16()
+    value = torch.randn(20, KV_HEADS, 40, generator=g).bfloat16()
+    slots = torch.randperm(BLOCKS * BLOCK, generator=g)[:20]
+    expected = torch.randn(kv_cache_shape(2, BLOCKS, BLOCK, KV_HEADS, 40)).bfloat16()
+    written = expected.clone()
+    write_kv_indexed(*key_value(layer_cache(expected, 1)), key, value, slots)
+    kernel(*key_value(layer_cache(written, 1)), key, value, slots)
+    assert torch.equal(written.view(torch.uint8), expected.view(torch.uint8))

@@ -9,9 +9,9 @@ the CPU's feature flags, written atomically, so concurrent engines build it at m
 each (one at a time, under a file lock) and never load a half-written file. Without a compiler, or if the build fails,
 ``load_library`` returns None (logged) and the caller keeps its PyTorch path.
 
-Owns the compiler, the flags every library shares, the cache and the load. It does not own
-any kernel's entry points or argument checks (``attention/cpu_paged_kernel``,
-``layers/cpu_fused``).
+Owns the compiler, the flags every library shares, the cache, the load and the declaration
+of an entry point's C signature. It does not own any kernel's entry points or argument
+checks (``attention/cpu_paged_kernel``, ``layers/cpu_fused``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -100,3 +101,12 @@ def load_library(source: Path, what: str, fallback: str,
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning("%s unavailable (%s): %s", what, str(exc)[:500], fallback)
         return None
+
+
+def entry_point(library: ctypes.CDLL, name: str, argtypes: list[Any]) -> Any:
+    """``library``'s C function ``name``, declared to take ``argtypes`` and to return an int
+    (every kernel's status: 0, or a negative code for arguments it refused)."""
+    function = getattr(library, name)
+    function.argtypes = argtypes
+    function.restype = ctypes.c_int
+    return function

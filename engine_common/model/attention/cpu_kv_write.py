@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from engine_common.model.native_build import load_library
+from engine_common.model.native_build import entry_point, load_library
 
 _SOURCE = Path(__file__).with_name("cpu_kernels") / "kv_write.cpp"
 _PROFILE_NAME = "tandem::kv_write"
@@ -84,7 +84,4 @@ def load_kv_write() -> KvWriteKernel | None:
                            "KV is written by PyTorch indexing (slower)")
     if library is None:
         return None
-    function = library.tandem_write_kv
-    function.argtypes = _ARGTYPES
-    function.restype = ctypes.c_int
-    return KvWriteKernel(function)
+    return KvWriteKernel(entry_point(library, "tandem_write_kv", _ARGTYPES))

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from engine_common.model.native_build import load_library
+from engine_common.model.native_build import entry_point, load_library
 
 _SOURCE = Path(__file__).with_name("cpu_kernels") / "paged_decode.cpp"
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -125,7 +125,4 @@ def load_paged_decode(source: Path = _SOURCE,
                            "decode attention gathers K/V with PyTorch ops (slower)", extra_flags)
     if library is None:
         return None
-    function = library.tandem_paged_decode
-    function.argtypes = _ARGTYPES
-    function.restype = ctypes.c_int
-    return PagedDecodeKernel(function)
+    return PagedDecodeKernel(entry_point(library, "tandem_paged_decode", _ARGTYPES))

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from engine_common.model.attention.cpu_paged_kernel import check_rows_and_cache
-from engine_common.model.native_build import load_library
+from engine_common.model.native_build import entry_point, load_library
 
 _SOURCE = Path(__file__).with_name("cpu_kernels") / "paged_prefill.cpp"
 _PROFILE_NAME = "tandem::paged_prefill_attention"
@@ -117,7 +117,5 @@ def load_paged_prefill(extra_flags: tuple[str, ...] = ()) -> PagedPrefillKernel 
                            "bf16 prefill attention runs SDPA", extra_flags)
     if library is None:
         return None
-    function = library.tandem_paged_prefill
-    function.argtypes = _ARGTYPES
-    function.restype = ctypes.c_int
-    return PagedPrefillKernel(function, bool(library.tandem_paged_prefill_vectorized()))
+    return PagedPrefillKernel(entry_point(library, "tandem_paged_prefill", _ARGTYPES),
+                              bool(library.tandem_paged_prefill_vectorized()))

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from engine_common.model.native_build import load_library
+from engine_common.model.native_build import entry_point, load_library
 
 SOURCE = Path(__file__).with_name("cpu_kernels") / "fused_elementwise.cpp"
 EXTRA_FLAGS = ("-ffp-contract=off", "-fno-trapping-math")
@@ -159,9 +159,7 @@ def load_fused_ops() -> FusedCpuOps | None:
 def bind(library: ctypes.CDLL) -> FusedCpuOps:
     """The entry points of a library built from ``SOURCE`` (tests build it for other CPUs)."""
     for name, argtypes in _ARGTYPES.items():
-        function = getattr(library, name)
-        function.argtypes = argtypes
-        function.restype = ctypes.c_int
+        entry_point(library, name, argtypes)
     return FusedCpuOps(library)
 
 
