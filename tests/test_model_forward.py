@@ -55,6 +55,8 @@ class Seq:
     num_computed: int = 0
     # position -> our logits for the token after that position
     logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    # position -> the last hidden state there (the LM head's input)
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def _make_seqs(vocab_size: int, seed: int) -> list[Seq]:
@@ -111,6 +113,7 @@ def _run_step(
         seq.num_computed += n
         for k in range(n):
             seq.logits[seq.num_computed - n + k] = logits[end - n + k]
+            seq.hidden[seq.num_computed - n + k] = hidden[end - n + k]
 
 
 def _new_cache(model: LlamaForCausalLM) -> torch.Tensor:
@@ -272,9 +275,12 @@ def test_float32_standing_in_for_bf16_is_packed_and_tracks_plain_float32(tmp_pat
 
 
 @pytest.mark.parametrize("model_fixture", ARCH_FIXTURES)
-def test_packed_bf16_weights_give_bitwise_the_same_logits(model_fixture, request):
+def test_packed_bf16_weights_give_bitwise_the_same_hidden_states(model_fixture, request):
     """oneDNN-packed projections (the CPU bf16 default) change the layout, not the result:
-    ragged prefill, chunked steps and decodes give the very logits of plain ``F.linear``."""
+    ragged prefill, chunked steps and decodes give the very hidden states of plain
+    ``F.linear``. The packed LM head writes its float32 sums unrounded: the float32 product
+    of those hidden states and the head, where the plain head's bf16 logits are that
+    rounded to bf16 (near-ties recomputed: the same argmax)."""
     if not bf16_packing_supported():
         pytest.skip("this CPU has no oneDNN bf16 matmul (AVX512 or AVX-NE-CONVERT): bf16 "
                     "weights stay plain here (the other bf16 tests cover them, and "
@@ -294,10 +300,17 @@ def test_packed_bf16_weights_give_bitwise_the_same_logits(model_fixture, request
         _run_step(model, kv_cache, seqs, [2, 0, 0, 24, 0])
         _decode_steps(model, kv_cache, seqs)
         results.append(seqs)
+    head = plain.lm_head.weight.float()
     for ours, reference in zip(*results, strict=True):
         assert ours.logits.keys() == reference.logits.keys()
         for pos, logits in ours.logits.items():
-            assert torch.equal(logits, reference.logits[pos]), pos
+            assert torch.equal(ours.hidden[pos], reference.hidden[pos]), pos
+            exact = ours.hidden[pos].float() @ head.t()
+            torch.testing.assert_close(logits, exact, rtol=1e-5, atol=1e-5)
+            rounded = reference.logits[pos]
+            assert not torch.equal(logits, rounded)  # the test can fail: bf16 rounds them
+            torch.testing.assert_close(rounded, logits, rtol=2 ** -8, atol=1e-6)
+            assert int(logits.argmax()) == int(rounded.argmax()), pos
 
 
 def test_config_reading(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_mistral_dir):

@@ -65,6 +65,25 @@ def test_matches_torch_within_one_bf16_step(library, m, n, k, bias):
     assert gemm.nbytes >= n * k * 2
 
 
+@pytest.mark.parametrize(("m", "n", "k", "bias"), CASES[:3])
+def test_float32_output_is_the_unrounded_sum(library, m, n, k, bias):
+    """``out_dtype=torch.float32`` (the LM head's logits): the float32 sums of the bf16
+    products, within float32 noise of the reference, finer than any bf16 output; the same
+    primitive cache serves both output types of one shape."""
+    gen = torch.Generator().manual_seed(m + n)
+    weight = (0.05 * torch.randn(n, k, generator=gen)).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    gemm = OnednnGemm(library, weight)
+    rounded = gemm(x, b)
+    ours = gemm(x, b, out_dtype=torch.float32)
+    assert ours.dtype == torch.float32 and ours.shape == (m, n)
+    reference = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(ours, rounded.float())  # bf16 would round them
+    assert torch.equal(gemm(x, b), rounded)
+
+
 def test_shapes_views_and_bad_input(library):
     """3-D and strided inputs (a view of a fused projection's output), no rows, and the
     arguments the C side would trust are checked here."""
@@ -82,6 +101,8 @@ def test_shapes_views_and_bad_input(library):
         gemm(torch.randn(3, 31).bfloat16(), None)
     with pytest.raises(ValueError, match="bias"):
         gemm(x, torch.zeros(47, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="out_dtype"):
+        gemm(x, None, out_dtype=torch.float16)
     with pytest.raises(ValueError, match="2-D bf16"):
         OnednnGemm(library, weight.float())
 

@@ -28,6 +28,7 @@ from engine_common.model.layers.linear import Embedding, Linear
 from engine_common.model.layers.mlp import GatedMLP
 from engine_common.model.layers.moe import SparseMoeBlock
 from engine_common.model.logit_ties import resolve_near_ties
+from engine_common.model.onednn_gemm import OnednnGemm
 from engine_common.model.packed_linear import (
     PackedWeight,
     can_pack,
@@ -127,17 +128,21 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, kv_cache, metadata, lora)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden_size] -> [N, vocab_size] float32 (computed in the model dtype, as HF;
-        on the CPU the logits that dtype rounds level with the top are float32's: see
-        ``logit_ties``)."""
-        if self.packed_lm_head is not None:
-            logits = packed_linear(hidden, self.packed_lm_head, None).float()
+        """[N, hidden_size] -> [N, vocab_size] float32. A bf16 head on oneDNN's direct path
+        writes its float32 sums unrounded; otherwise the logits are computed in the model
+        dtype, as HF, and on the CPU those that dtype rounds level with the top are
+        recomputed in float32 (``logit_ties``): greedy picks float32's argmax either way."""
+        if isinstance(self.packed_lm_head, OnednnGemm):
+            # NOTE: bf16 logits cost three more passes over [N, vocab] (the float copy and
+            # the tie search's two): ~2.5 ms of a 135 ms decode step at batch 64, one core.
+            logits = self.packed_lm_head(hidden, None, out_dtype=torch.float32)
         else:
-            logits = F.linear(hidden, self.lm_head.weight).float()
-        if hidden.device.type == "cpu":
-            # On a rank's slice, against the slice's own maximum: a superset of the
-            # candidates the full row's maximum would pick, so no true tie is missed.
-            resolve_near_ties(logits, hidden, self.lm_head.weight)
+            logits = (F.linear(hidden, self.lm_head.weight) if self.packed_lm_head is None
+                      else packed_linear(hidden, self.packed_lm_head, None)).float()
+            if hidden.device.type == "cpu":
+                # On a rank's slice, against the slice's own maximum: a superset of the
+                # candidates the full row's maximum would pick, so no true tie is missed.
+                resolve_near_ties(logits, hidden, self.lm_head.weight)
         if not self.parallel.is_parallel:
             return logits
         return self.parallel.all_gather_last_dim(logits)[:, :self.full_arch.vocab_size]

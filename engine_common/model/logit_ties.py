@@ -19,8 +19,10 @@ are compared one by one: about 2 ms for a batch of 64 over a 49,152-token vocabu
 core (1% of that decode step), where a mask of the whole batch costs 5.
 
 Owns only that correction. It does not own the head's matmul (the model) or sampling; float32
-logits need none of it. The model applies it on the CPU only: on a GPU the candidates'
-count would synchronise the stream, and the step's logits may be a CUDA graph's.
+logits need none of it, nor does a head on oneDNN's direct path, which writes its float32
+sums unrounded (``CausalLM.compute_logits``). The model applies it on the CPU only: on a GPU
+the candidates' count would synchronise the stream, and the step's logits may be a CUDA
+graph's.
 """
 
 from __future__ import annotations

@@ -45,7 +45,8 @@ from engine_common.model import native_build
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_kernels") / "onednn_gemm.cpp"
-_BF16 = 1  # the source's DType
+_F32, _BF16 = 0, 1  # the source's DType
+_OUT_DTYPES = {torch.bfloat16: _BF16, torch.float32: _F32}
 # The M oneDNN picks the weight layout for; a primitive for any other M takes that layout.
 # A decode batch's order of magnitude (vLLM-CPU probes with 128; 1-128 gave the same
 # layout and speed here).
@@ -125,7 +126,7 @@ def open_library(path: Path | str) -> OnednnLibrary:
     create, run = library.tandem_gemm_create, library.tandem_gemm_run
     create.argtypes = [ctypes.c_int, _I64, _I64, _P, _I64, _I64, ctypes.POINTER(_P)]
     create.restype = ctypes.c_int
-    run.argtypes = [_P, _P, _I64, _P, _P]
+    run.argtypes = [_P, _P, _I64, _P, _P, ctypes.c_int]
     run.restype = ctypes.c_int
     destroy, packed_bytes = library.tandem_gemm_destroy, library.tandem_gemm_packed_bytes
     destroy.argtypes = [_P]
@@ -156,14 +157,19 @@ class OnednnGemm:
         # The packed copy is oneDNN's memory: freed with this object.
         weakref.finalize(self, library.destroy, handle)
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """``F.linear(x, weight, bias)``; ``out_dtype`` float32: its float32 sums, not
+        rounded to bf16 (the LM head's logits: ``CausalLM.compute_logits``)."""
         if x.dtype != torch.bfloat16 or x.shape[-1] != self.in_features:
             raise ValueError(f"expected [..., {self.in_features}] bf16 input, got "
                              f"{tuple(x.shape)} {x.dtype}")
         rows = x.reshape(-1, self.in_features)
         if not rows.is_contiguous():
             rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.bfloat16)
+        if out_dtype not in _OUT_DTYPES:
+            raise ValueError(f"out_dtype must be bfloat16 or float32, not {out_dtype}")
+        out = torch.empty(rows.shape[0], self.out_features, dtype=out_dtype)
         if rows.shape[0]:
             if bias is not None and not (bias.dtype == torch.bfloat16 and bias.is_contiguous()
                                          and bias.numel() == self.out_features):
@@ -172,7 +178,8 @@ class OnednnGemm:
             with (torch.profiler.record_function(_PROFILE_NAME)
                   if torch.autograd.profiler._is_profiler_enabled else contextlib.nullcontext()):
                 code = self._run(self._handle, rows.data_ptr(), rows.shape[0],
-                                 out.data_ptr(), None if bias is None else bias.data_ptr())
+                                 out.data_ptr(), None if bias is None else bias.data_ptr(),
+                                 _OUT_DTYPES[out_dtype])
             if code != 0:
                 raise RuntimeError(f"oneDNN matmul failed (code {code})")
         return out.view(*x.shape[:-1], self.out_features)

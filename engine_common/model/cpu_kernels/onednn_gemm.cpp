@@ -57,11 +57,13 @@ struct Gemm {
   memory weight;             // the weight in that layout, owned here
 };
 
-// A matmul for [m, k] x [k, n] with the given weight layout (or `any` to let oneDNN pick).
+// A matmul for [m, k] x [k, n] with the given weight layout (or `any` to let oneDNN pick),
+// writing `dst_type` (the weights' type, or float32: the float32 sums unrounded).
 dnnl::matmul::primitive_desc make_desc(int64_t m, const Gemm& g, bool bias,
-                                       const memory::desc& weight_desc) {
+                                       const memory::desc& weight_desc,
+                                       memory::data_type dst_type) {
   memory::desc src({m, g.k}, g.type, {g.k, 1});
-  memory::desc dst({m, g.n}, g.type, {g.n, 1});
+  memory::desc dst({m, g.n}, dst_type, {g.n, 1});
   if (bias) {
     memory::desc bias_desc({1, g.n}, g.type, {g.n, 1});
     return dnnl::matmul::primitive_desc(cpu_engine(), src, weight_desc, bias_desc, dst);
@@ -71,12 +73,12 @@ dnnl::matmul::primitive_desc make_desc(int64_t m, const Gemm& g, bool bias,
 
 struct Key {
   int64_t m, n, k;
-  int dtype;
+  int dtype, dst_dtype;
   bool bias;
   int64_t probe_m;  // the weight layout is a function of (probe_m, n, k, dtype)
   bool operator==(const Key& o) const {
-    return m == o.m && n == o.n && k == o.k && dtype == o.dtype && bias == o.bias &&
-           probe_m == o.probe_m;
+    return m == o.m && n == o.n && k == o.k && dtype == o.dtype && dst_dtype == o.dst_dtype &&
+           bias == o.bias && probe_m == o.probe_m;
   }
 };
 
@@ -85,6 +87,7 @@ struct KeyHash {
     uint64_t h = 1469598103934665603ull;
     for (uint64_t v : {static_cast<uint64_t>(key.m), static_cast<uint64_t>(key.n),
                        static_cast<uint64_t>(key.k), static_cast<uint64_t>(key.dtype),
+                       static_cast<uint64_t>(key.dst_dtype),
                        static_cast<uint64_t>(key.bias), static_cast<uint64_t>(key.probe_m)}) {
       h = (h ^ v) * 1099511628211ull;
     }
@@ -111,7 +114,9 @@ class PrimitiveCache {
       index_.erase(entries_.back().first);
       entries_.pop_back();
     }
-    auto desc = make_desc(key.m, g, key.bias, g.weight_desc);
+    memory::data_type dst_type = g.type;
+    to_data_type(key.dst_dtype, &dst_type);  // checked by tandem_gemm_run
+    auto desc = make_desc(key.m, g, key.bias, g.weight_desc, dst_type);
     Entry entry{dnnl::matmul(desc), memory(desc.src_desc(), cpu_engine(), nullptr),
                 memory(desc.dst_desc(), cpu_engine(), nullptr),
                 key.bias ? memory(memory::desc({1, g.n}, g.type, {g.n, 1}), cpu_engine(),
@@ -154,7 +159,7 @@ int tandem_gemm_create(int dtype, int64_t n, int64_t k, const void* weight,
     g->dtype = dtype;
     g->type = type;
     memory::desc any({k, n}, type, memory::format_tag::any);
-    g->weight_desc = make_desc(probe_m, *g, false, any).weights_desc();
+    g->weight_desc = make_desc(probe_m, *g, false, any, type).weights_desc();
     // W^T as the matmul's [k, n] operand: element (i, j) is weight[j * stride + i].
     memory plain(memory::desc({k, n}, type, {1, weight_stride}), cpu_engine(),
                  const_cast<void*>(weight));
@@ -175,12 +180,18 @@ int64_t tandem_gemm_packed_bytes(void* handle) {
   return static_cast<int64_t>(static_cast<Gemm*>(handle)->weight_desc.get_size());
 }
 
-// y[m, n] = x[m, k] W^T (+ bias[n]); x, y contiguous rows of the handle's dtype.
-int tandem_gemm_run(void* handle, const void* x, int64_t m, void* y, const void* bias) {
+// y[m, n] = x[m, k] W^T (+ bias[n]); x contiguous rows of the handle's dtype, y of
+// `y_dtype` (the handle's, or float32).
+int tandem_gemm_run(void* handle, const void* x, int64_t m, void* y, const void* bias,
+                    int y_dtype) {
   auto* g = static_cast<Gemm*>(handle);
-  if (g == nullptr || x == nullptr || y == nullptr || m <= 0) return 1;
+  memory::data_type y_type;
+  if (g == nullptr || x == nullptr || y == nullptr || m <= 0 ||
+      !to_data_type(y_dtype, &y_type) || (y_dtype != g->dtype && y_dtype != kFloat32)) {
+    return 1;
+  }
   try {
-    Key key{m, g->n, g->k, g->dtype, bias != nullptr, g->probe_m};
+    Key key{m, g->n, g->k, g->dtype, y_dtype, bias != nullptr, g->probe_m};
     Entry& entry = thread_cache().lookup(key, *g);
     entry.src.set_data_handle(const_cast<void*>(x));
     entry.dst.set_data_handle(y);
