@@ -76,6 +76,14 @@ class Layout:
     def gateway_log(self) -> str:
         return (self.log_dir / "gateway.log").read_text(errors="replace")
 
+    def wait_for_gateway(self, healthy: int, what: str, timeout_s: float = 60) -> None:
+        """Until the gateway counts ``healthy`` replicas healthy."""
+        wait_until(lambda: healthy_replicas(self.metrics_port) == healthy,
+                   time.monotonic() + timeout_s, what, self.log_dir)
+
+    def live_replicas(self) -> int:
+        return sum(1 for replica in self.replicas.values() if replica.process.poll() is None)
+
     def restart(self, name: str) -> None:
         self.replicas[name] = restart_replica(self.replicas[name], self.model_dir,
                                               self.log_dir, name, ROLES[name])
@@ -265,6 +273,8 @@ def test_a_killed_prefill_replicas_prompts_go_to_the_live_one(layout: Layout,
     # A pull from the dead one after its answer would be one (its KV is gone with it); none
     # was under way here: every Prefill went to the live one or was handed back before it.
     assert kv_fallbacks(decode) == fallbacks, "prompts computed on the decode replica"
+    # The next tests count healthy replicas from here: only once the gateway has seen it go.
+    layout.wait_for_gateway(layout.live_replicas(), "the gateway seeing prefill-2 go")
 
 
 def prefill_through(decode: ReplicaProcess, peer: str, prompt: list[int]) -> None:
@@ -286,11 +296,13 @@ def test_a_restarted_prefill_replica_takes_prompts_once_it_is_back_none_recomput
     prefill, decode = layout.replicas["prefill-0"], layout.replicas["decode-1"]
     prompts = [[(11 * i + j) % 300 + 3 for j in range(80 + i)] for i in range(6)]
     want = greedy(offline, prompts, 8)
-    healthy = healthy_replicas(layout.metrics_port)
+    # NOTE: from the processes alive, not from the gateway's count just now: a replica a test
+    # before killed may not be counted out yet, and a count read then was one too high for
+    # good (the restart below never brought it back: a fresh-clone failure in CI).
+    healthy = layout.live_replicas()
+    layout.wait_for_gateway(healthy, "the gateway's replicas before the kill")
     prefill.kill()
-    wait_until(lambda: healthy_replicas(layout.metrics_port) == healthy - 1,
-               time.monotonic() + 10, "the gateway seeing the prefill replica go",
-               layout.log_dir)
+    layout.wait_for_gateway(healthy - 1, "the gateway seeing the prefill replica go", 10)
     # While it is down, the decode replica's calls to it fail, and at once: nothing listens
     # there, so a Prefill does not wait out the 2 s a restarting peer gets to connect; the
     # decode replica computes the prompt itself (the endpoint picker's path, no hand-back).
@@ -307,8 +319,7 @@ def test_a_restarted_prefill_replica_takes_prompts_once_it_is_back_none_recomput
     # Each such call used to wait 2 s (its channel in backoff): reason prefill_failed.
     assert kv_fallbacks(decode, "unreachable") - refused >= 1
     layout.restart("prefill-0")
-    wait_until(lambda: healthy_replicas(layout.metrics_port) == healthy, time.monotonic() + 60,
-               "the gateway routing to the restarted prefill replica", layout.log_dir)
+    layout.wait_for_gateway(healthy, "the gateway routing to the restarted prefill replica")
     fallbacks = kv_fallbacks(decode)
     handbacks = layout.metric("tandem:gateway_retries_total", code="prefill_handback")
     hops = layout.metric("tandem:gateway_routing_decisions_total", pd="prefill_hop")
