@@ -70,6 +70,12 @@ class SchedulerConfig:
     policy: str = "fcfs"  # "fcfs" or "priority"
     enable_chunked_prefill: bool = True
 
+    @property
+    def prefill_time_cap(self) -> float:
+        """The time cap in force: ``max_prefill_time_per_decode_step`` with fixed caps (a
+        decode replica's); 0 (none) on an aggregated replica."""
+        return 0.0 if self.prefill_caps_scale_with_queue else self.max_prefill_time_per_decode_step
+
 
 @dataclass
 class SpeculativeConfig:

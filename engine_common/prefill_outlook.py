@@ -42,8 +42,7 @@ def _share(costs: StepCosts, config: SchedulerConfig, decoding: bool, block_size
     cap = config.max_prefill_tokens_while_decoding
     if not decoding or cap <= 0 or not config.enable_chunked_prefill:
         return 1.0  # the whole budget goes to prompts (the decodes' own share is small)
-    # An aggregated replica has no time cap (Scheduler._prefill_room).
-    ratio = 0.0 if config.prefill_caps_scale_with_queue else config.max_prefill_time_per_decode_step
+    ratio = config.prefill_time_cap
     if costs.decode_step_s is None or not costs.prefill_token_s:
         # Not measured yet: the time cap's intent, a chunk as long as a decode step.
         return ratio / (1.0 + ratio) if ratio > 0 else 0.5

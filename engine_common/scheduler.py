@@ -612,7 +612,7 @@ class Scheduler:
             # computes it in one (issue 39). The token cap alone still bounds a stream's gap.
             queued = max(1, prefilling + len(self.waiting))
             return min(cap * queued, self.config.max_num_batched_tokens)
-        ratio = self.config.max_prefill_time_per_decode_step
+        ratio = self.config.prefill_time_cap
         if ratio > 0:
             # Costs not seen yet (a decode replica's first fallback: its prompts came as
             # KV so far): one block, to measure by.

@@ -206,8 +206,7 @@ def test_a_killed_decode_replica_leaves_its_work_to_the_prefill_replica(
 
     # Back: the decode replica serves again and the fallback ends.
     layout.restart("decode-1")
-    wait_until(lambda: healthy_replicas(layout.metrics_port) == len(ROLES),
-               time.monotonic() + 60, "the restarted decode replica", layout.log_dir)
+    layout.wait_for_gateway(len(ROLES), "the restarted decode replica")
     during = layout.metric("tandem:gateway_role_fallbacks_total", missing_role="decode")
     assert complete(layout.gateway, probe, 4) == probe_want
     assert layout.metric("tandem:gateway_role_fallbacks_total", missing_role="decode") == during

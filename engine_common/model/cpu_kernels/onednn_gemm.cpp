@@ -73,11 +73,12 @@ dnnl::matmul::primitive_desc make_desc(int64_t m, const Gemm& g, bool bias,
 
 struct Key {
   int64_t m, n, k;
-  int dtype, dst_dtype;
+  int dtype;
+  memory::data_type dst_type;
   bool bias;
   int64_t probe_m;  // the weight layout is a function of (probe_m, n, k, dtype)
   bool operator==(const Key& o) const {
-    return m == o.m && n == o.n && k == o.k && dtype == o.dtype && dst_dtype == o.dst_dtype &&
+    return m == o.m && n == o.n && k == o.k && dtype == o.dtype && dst_type == o.dst_type &&
            bias == o.bias && probe_m == o.probe_m;
   }
 };
@@ -87,7 +88,7 @@ struct KeyHash {
     uint64_t h = 1469598103934665603ull;
     for (uint64_t v : {static_cast<uint64_t>(key.m), static_cast<uint64_t>(key.n),
                        static_cast<uint64_t>(key.k), static_cast<uint64_t>(key.dtype),
-                       static_cast<uint64_t>(key.dst_dtype),
+                       static_cast<uint64_t>(key.dst_type),
                        static_cast<uint64_t>(key.bias), static_cast<uint64_t>(key.probe_m)}) {
       h = (h ^ v) * 1099511628211ull;
     }
@@ -114,9 +115,7 @@ class PrimitiveCache {
       index_.erase(entries_.back().first);
       entries_.pop_back();
     }
-    memory::data_type dst_type = g.type;
-    to_data_type(key.dst_dtype, &dst_type);  // checked by tandem_gemm_run
-    auto desc = make_desc(key.m, g, key.bias, g.weight_desc, dst_type);
+    auto desc = make_desc(key.m, g, key.bias, g.weight_desc, key.dst_type);
     Entry entry{dnnl::matmul(desc), memory(desc.src_desc(), cpu_engine(), nullptr),
                 memory(desc.dst_desc(), cpu_engine(), nullptr),
                 key.bias ? memory(memory::desc({1, g.n}, g.type, {g.n, 1}), cpu_engine(),
@@ -191,7 +190,7 @@ int tandem_gemm_run(void* handle, const void* x, int64_t m, void* y, const void*
     return 1;
   }
   try {
-    Key key{m, g->n, g->k, g->dtype, y_dtype, bias != nullptr, g->probe_m};
+    Key key{m, g->n, g->k, g->dtype, y_type, bias != nullptr, g->probe_m};
     Entry& entry = thread_cache().lookup(key, *g);
     entry.src.set_data_handle(const_cast<void*>(x));
     entry.dst.set_data_handle(y);
